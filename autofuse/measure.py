@@ -1,0 +1,34 @@
+"""Running and timing built kernels on a device: argument allocation, warm-up, repeated runs,
+median and spread."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import tvm
+
+
+@dataclasses.dataclass
+class Timing:
+    median_secs: float
+    p10_secs: float
+    p90_secs: float
+    repeats: int
+
+
+def to_device(arrays, dev) -> list:
+    return [tvm.runtime.tensor(a, dev) for a in arrays]
+
+
+def empty_outputs(specs, dev) -> list:
+    return [tvm.runtime.tensor(np.zeros(shape, dtype=dtype), dev) for shape, dtype in specs]
+
+
+def time_function(rt_mod, args, dev, *, repeat: int = 10, min_repeat_ms: int = 50) -> Timing:
+    """Median and p10/p90 of ``repeat`` runs, each averaging enough calls to last ``min_repeat_ms``."""
+    evaluator = rt_mod.time_evaluator(rt_mod.entry_name, dev, number=1, repeat=repeat,
+                                      min_repeat_ms=min_repeat_ms)
+    results = np.array(evaluator(*args).results)
+    return Timing(float(np.median(results)), float(np.percentile(results, 10)),
+                  float(np.percentile(results, 90)), len(results))

@@ -1,0 +1,211 @@
+"""The ``Pattern`` and ``Template`` types that every file under ``search_spaces/`` fills in.
+
+A pattern is one fused computation: its TensorIR, a numpy reference, seeded inputs, FLOP/byte counts
+and hand-designed schedule templates. A template has the shape of dlight's ``ScheduleRule``:
+``apply(func, target, tunable)`` returns a schedule, or None when it does not apply. With
+``tunable=False`` its knobs take fixed defaults (a good schedule for builds without records); with
+``tunable=True`` they are drawn with ``sample_*`` so MetaSchedule can search them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.target import Target
+
+from .errors import AutofuseError
+
+# Written into the trace of every template schedule, so a tuning record tells which space produced it.
+TEMPLATE_ANNOTATION = "autofuse.template"
+
+
+class Knobs:
+    """Where a template gets its knob values: sampled when tunable, fixed defaults otherwise.
+
+    Knob values may only flow into schedule primitives (split factors, compute-at locations,
+    annotations), never into Python control flow: MetaSchedule replays the trace with new decisions,
+    and a branch taken on one sample would not be taken on another.
+    """
+
+    def __init__(self, sch: s_tir.Schedule, tunable: bool):
+        self.sch = sch
+        self.tunable = tunable
+
+    def tile(self, loop, n: int, default: Sequence[int], max_innermost_factor: int = 64) -> list:
+        """Factors splitting ``loop`` into ``n`` perfect tiles; ``default`` gives the inner n-1."""
+        if self.tunable:
+            return list(self.sch.sample_perfect_tile(loop, n=n, max_innermost_factor=max_innermost_factor))
+        extent = _const_extent(self.sch, loop)
+        return fit_tiles(extent, default)
+
+    def choice(self, candidates: Sequence[int], default: int):
+        """One of ``candidates`` (an int knob such as an unroll depth)."""
+        if default not in candidates:
+            raise ValueError(f"default {default} not among candidates {list(candidates)}")
+        if self.tunable:
+            probs = [1.0 / len(candidates)] * len(candidates)
+            return self.sch.sample_categorical(list(candidates), probs)
+        return default
+
+    def compute_location(self, block, default_loop):
+        """Where a producer/consumer block goes: sampled, or ``default_loop``."""
+        if self.tunable:
+            return self.sch.sample_compute_location(block)
+        return default_loop
+
+
+def fit_tiles(extent: int, inner: Sequence[int]) -> list[int]:
+    """Perfect tiling of ``extent`` whose inner factors are the largest divisors not above ``inner``."""
+    factors = []
+    rest = extent
+    for want in reversed(list(inner)):
+        f = max(d for d in range(1, max(1, min(want, rest)) + 1) if rest % d == 0)
+        factors.append(f)
+        rest //= f
+    return [rest] + list(reversed(factors))
+
+
+def _const_extent(sch: s_tir.Schedule, loop) -> int:
+    extent = sch.get(loop).extent
+    if not isinstance(extent, tirx.IntImm):
+        raise ValueError("fixed (untunable) tiles need a constant loop extent")
+    return int(extent.value)
+
+
+class Template(ScheduleRule):
+    """A hand-designed schedule template for one pattern, as a dlight-style rule.
+
+    ``fn(sch, target, knobs)`` applies the schedule to ``sch`` in place. ``target_kinds`` says where
+    it applies; elsewhere ``apply`` returns None.
+    """
+
+    def __init__(self, name: str, fn: Callable[[s_tir.Schedule, Target, Knobs], None],
+                 target_kinds: Sequence[str] = ("llvm",), doc: str = ""):
+        self.name = name
+        self.fn = fn
+        self.target_kinds = tuple(target_kinds)
+        self.doc = doc or ((fn.__doc__ or "").strip().splitlines() or [""])[0]
+
+    def applies_to(self, target: Target) -> bool:
+        return target.kind.name in self.target_kinds
+
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
+        if not self.applies_to(target):
+            return None
+        sch = s_tir.Schedule(func)
+        self.schedule(sch, target, tunable)
+        return sch
+
+    def schedule(self, sch: s_tir.Schedule, target: Target, tunable: bool) -> None:
+        """Apply in place to a schedule MetaSchedule (or ``apply``) created."""
+        blocks = sch.get_child_blocks(sch.get_sblock("root"))
+        sch.annotate(blocks[0], TEMPLATE_ANNOTATION, self.name)
+        self.fn(sch, target, Knobs(sch, tunable))
+
+    def __repr__(self) -> str:
+        return f"Template({self.name!r})"
+
+
+def template(name: str, target_kinds: Sequence[str] = ("llvm",)):
+    """Decorator turning ``fn(sch, target, knobs)`` into a ``Template``."""
+    def wrap(fn):
+        return Template(name, fn, target_kinds)
+    return wrap
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeParam:
+    name: str
+    default: int
+    small: int
+    doc: str = ""
+
+
+Shape = dict[str, int]
+
+
+@dataclasses.dataclass
+class Pattern:
+    """One fused computation and everything needed to tune, check and measure it.
+
+    ``build(shape, dtype)`` returns a PrimFunc whose last ``num_outputs`` parameters are outputs.
+    ``make_inputs(shape, dtype, seed)`` returns the input arrays in parameter order;
+    ``reference(*inputs)`` returns the output array (or a tuple of them) in numpy.
+    """
+
+    name: str
+    family: str
+    description: str
+    shape_params: Sequence[ShapeParam]
+    build: Callable[[Shape, str], tirx.PrimFunc]
+    reference: Callable[..., Any]
+    make_inputs: Callable[[Shape, str, int], list[np.ndarray]]
+    flops: Callable[[Shape], float]
+    bytes: Callable[[Shape, str], float]
+    templates: Sequence[Template]
+    dtypes: Sequence[str] = ("float32",)
+    num_outputs: int = 1
+    # (rtol, atol) of the numerical check, per dtype.
+    tolerance: dict[str, tuple[float, float]] = dataclasses.field(
+        default_factory=lambda: {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (2e-2, 2e-2)})
+
+    def default_shape(self) -> Shape:
+        return {p.name: p.default for p in self.shape_params}
+
+    def small_shape(self) -> Shape:
+        return {p.name: p.small for p in self.shape_params}
+
+    def resolve_shape(self, overrides: dict[str, Any] | None = None, base: str = "default") -> Shape:
+        """The default (or small) shape with ``overrides`` applied, checked."""
+        shape = self.small_shape() if base == "small" else self.default_shape()
+        for key, value in (overrides or {}).items():
+            if key not in shape:
+                known = ", ".join(shape) or "none"
+                raise AutofuseError(f"pattern {self.name!r} has no shape parameter {key!r} (known: {known})")
+            try:
+                number = int(str(value), 10)
+            except ValueError:
+                raise AutofuseError(f"shape parameter {key}={value!r} of {self.name!r} is not an integer") from None
+            if number <= 0:
+                raise AutofuseError(f"shape parameter {key}={number} of {self.name!r} must be positive")
+            shape[key] = number
+        return shape
+
+    def check_dtype(self, dtype: str) -> str:
+        if dtype not in self.dtypes:
+            raise AutofuseError(f"pattern {self.name!r} supports dtype {', '.join(self.dtypes)}, not {dtype!r}")
+        return dtype
+
+    def output_specs(self, func: tirx.PrimFunc) -> list[tuple[tuple[int, ...], str]]:
+        """(shape, dtype) of each output buffer, read off the PrimFunc's signature."""
+        params = list(func.params)[-self.num_outputs:]
+        specs = []
+        for p in params:
+            # TVM 0.27 PrimFunc parameters are the buffers themselves; older ones map handles to them.
+            buf = func.buffer_map[p] if hasattr(func, "buffer_map") else p
+            specs.append((tuple(int(d) for d in buf.shape), str(buf.dtype)))
+        return specs
+
+    def templates_for(self, target: Target) -> list[Template]:
+        return [t for t in self.templates if t.applies_to(target)]
+
+    def default_schedule(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule:
+        """The first applicable template with fixed knobs, or the unscheduled function."""
+        for t in self.templates_for(target):
+            sch = t.apply(func, target, tunable=False)
+            if sch is not None:
+                return sch
+        return s_tir.Schedule(func)
+
+    def tolerance_for(self, dtype: str) -> tuple[float, float]:
+        return self.tolerance.get(dtype, (1e-4, 1e-4))
+
+
+def shape_label(shape: Shape) -> str:
+    return ",".join(f"{k}={v}" for k, v in shape.items())

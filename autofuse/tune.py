@@ -1,0 +1,246 @@
+"""Tuning: a list of tasks (PrimFunc + templates + budget) searched by MetaSchedule into a database.
+
+Spaces: ``template`` (our hand-designed templates, AutoTVM-style), ``generic`` (MetaSchedule's
+default rules, the Ansor-style sketch space), ``union`` (both). Search is evolutionary with the
+XGBoost cost model in every space, so spaces compare at equal budgets. All tasks run in one
+MetaSchedule session, so the process start-up cost is paid once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+from tvm import tirx
+from tvm.ir.utils import derived_object
+from tvm.s_tir import meta_schedule as ms
+from tvm.target import Target
+
+from .errors import AutofuseError
+from .pattern import Template
+
+SPACES = ("template", "generic", "union")
+# Failed builds/runs are stored by MetaSchedule with this run time.
+FAILED_RUN_SECS = 1e9
+
+
+@dataclasses.dataclass
+class Task:
+    """One workload to tune: a PrimFunc, the templates that apply to it, and its label."""
+
+    name: str
+    func: tirx.PrimFunc
+    templates: Sequence[Template] = ()
+    weight: float = 1.0
+
+
+@dataclasses.dataclass
+class TuneStats:
+    """What a tuning session did, per task index and overall."""
+
+    trials: dict[int, int] = dataclasses.field(default_factory=dict)
+    failed: dict[int, int] = dataclasses.field(default_factory=dict)
+    best_secs: dict[int, float] = dataclasses.field(default_factory=dict)
+    # (seconds since start, task index, latency) of every valid measurement, in order.
+    history: list[tuple[float, int, float]] = dataclasses.field(default_factory=list)
+    start_secs: float = 0.0
+    first_trial_secs: float | None = None
+    total_secs: float = 0.0
+
+    @property
+    def total_trials(self) -> int:
+        return sum(self.trials.values())
+
+    def trials_per_minute(self) -> float:
+        measuring = self.total_secs - (self.first_trial_secs or 0.0)
+        return 60.0 * self.total_trials / measuring if measuring > 0 else 0.0
+
+
+ProgressFn = Callable[[TuneStats, int], None]
+
+
+def make_space(templates: Sequence[Template], space: str, target: Target) -> ms.space_generator.SpaceGenerator:
+    """The MetaSchedule design-space generator for ``space`` over these templates."""
+    if space not in SPACES:
+        raise AutofuseError(f"unknown space {space!r}: use one of {', '.join(SPACES)}")
+    usable = [t for t in templates if t.applies_to(target)]
+    template_spaces = [ms.space_generator.ScheduleFn(_as_schedule_fn(t, target)) for t in usable]
+    generic = ms.space_generator.PostOrderApply()
+    if space == "generic":
+        return generic
+    if not template_spaces:
+        if space == "template":
+            raise AutofuseError(f"no template applies on target {target.kind.name!r}: use --space generic")
+        return generic
+    if space == "template":
+        if len(template_spaces) == 1:
+            return template_spaces[0]
+        return ms.space_generator.SpaceGeneratorUnion(template_spaces)
+    return ms.space_generator.SpaceGeneratorUnion(template_spaces + [generic])
+
+
+def _as_schedule_fn(template: Template, target: Target):
+    def schedule_fn(sch):
+        template.schedule(sch, target, tunable=True)
+        return [sch]
+    return schedule_fn
+
+
+def fast_build(mod, target, _params):
+    """MetaSchedule's default build first imports every tensor intrinsic (~1 min on 2 cores), longer
+    than the builder's timeout; build without that import (the tuning process registers what the
+    target needs, and the scheduled IR is already tensorized)."""
+    from tvm.tirx import build as tvm_build
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+    return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+
+
+_INTRIN_PACKAGE = "tvm.s_tir.tensor_intrin"
+_INTRIN_MODULES = {"llvm": ("x86", "arm_cpu")}
+
+
+def register_tensor_intrinsics(target: Target) -> float:
+    """Register the tensor intrinsics ``target`` can use; returns the seconds it took.
+
+    ``TuneContext`` imports all of ``tvm.s_tir.tensor_intrin`` (CUDA, ROCm, Hexagon, ...: 25-60 s on
+    2 cores, most of it the CUDA set) before any trial. A CPU target can only tensorize with the x86
+    and Arm intrinsics, so for llvm we load the package without its ``__init__`` and import just
+    those; ``TuneContext``'s own import then finds the package loaded. Other targets get it all.
+    """
+    start = time.perf_counter()
+    modules = _INTRIN_MODULES.get(target.kind.name)
+    if modules is None:
+        importlib.import_module(_INTRIN_PACKAGE)
+    else:
+        if _INTRIN_PACKAGE not in sys.modules:
+            spec = importlib.util.find_spec(_INTRIN_PACKAGE)
+            package = importlib.util.module_from_spec(spec)
+            sys.modules[_INTRIN_PACKAGE] = package
+            import tvm.s_tir
+            tvm.s_tir.tensor_intrin = package
+        for name in modules:
+            importlib.import_module(f"{_INTRIN_PACKAGE}.{name}")
+    return time.perf_counter() - start
+
+
+@derived_object
+class _ProgressCallback(ms.measure_callback.PyMeasureCallback):
+    def __init__(self, stats: TuneStats, on_progress: ProgressFn | None):
+        self.stats = stats
+        self.on_progress = on_progress
+
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
+        stats = self.stats
+        now = time.perf_counter() - stats.start_secs
+        if stats.first_trial_secs is None:
+            stats.first_trial_secs = now
+        for build, run in zip(builder_results, runner_results):
+            stats.trials[task_id] = stats.trials.get(task_id, 0) + 1
+            secs = _mean_secs(run.run_secs) if build.error_msg is None and run.error_msg is None else None
+            if secs is None or secs >= FAILED_RUN_SECS:
+                stats.failed[task_id] = stats.failed.get(task_id, 0) + 1
+                continue
+            stats.history.append((now, task_id, secs))
+            if secs < stats.best_secs.get(task_id, float("inf")):
+                stats.best_secs[task_id] = secs
+        if self.on_progress is not None:
+            self.on_progress(stats, task_id)
+
+
+def _mean_secs(run_secs) -> float | None:
+    if not run_secs:
+        return None
+    values = [float(s) for s in run_secs]
+    return sum(values) / len(values)
+
+
+def tune(tasks: Sequence[Task], target: Target, database: ms.database.Database, work_dir: str, *,
+         trials_per_task: int, space: str = "union", seed: int | None = None,
+         num_trials_per_iter: int = 8, cost_model_path: str | None = None,
+         runner: ms.runner.Runner | str = "local", on_progress: ProgressFn | None = None,
+         on_phase: Callable[[str], None] | None = None) -> TuneStats:
+    """Tune every task for ``trials_per_task`` more trials into ``database``.
+
+    Records already in ``database`` seed the evolutionary search, so a rerun continues from them.
+    MetaSchedule's logs go to ``work_dir/logs``; nothing of it reaches the terminal.
+    """
+    if trials_per_task <= 0:
+        raise AutofuseError("--trials must be a positive integer")
+    if not tasks:
+        return TuneStats()
+    stats = TuneStats(start_secs=time.perf_counter())
+    phase = on_phase or (lambda _msg: None)
+    phase("registering tensor intrinsics")
+    register_tensor_intrinsics(target)
+    os.makedirs(work_dir, exist_ok=True)
+    cost_model = _load_cost_model(cost_model_path)
+    with _quiet_metaschedule(work_dir):
+        loggers = ms.logging.get_loggers_from_work_dir(work_dir, [t.name for t in tasks])
+        seeds = ms.utils.fork_seed(seed, n=len(tasks))
+        contexts = []
+        phase("generating design spaces")
+        for task, logger, rand_state in zip(tasks, loggers, seeds):
+            contexts.append(ms.TuneContext(
+                mod=task.func, target=target, space_generator=make_space(task.templates, space, target),
+                search_strategy="evolutionary", task_name=task.name, rand_state=rand_state,
+                num_threads="physical", logger=logger).clone())
+        phase("measuring")
+        ms.tune.tune_tasks(
+            tasks=contexts, task_weights=[t.weight for t in tasks], work_dir=work_dir,
+            max_trials_global=trials_per_task * len(tasks), max_trials_per_task=trials_per_task,
+            num_trials_per_iter=min(num_trials_per_iter, trials_per_task),
+            builder=ms.builder.LocalBuilder(f_build=fast_build), runner=runner, database=database,
+            cost_model=cost_model,
+            measure_callbacks=ms.measure_callback.MeasureCallback.create("default")
+            + [_ProgressCallback(stats, on_progress)],
+            task_scheduler="round-robin")
+    if cost_model_path:
+        _save_cost_model(cost_model, cost_model_path)
+    stats.total_secs = time.perf_counter() - stats.start_secs
+    return stats
+
+
+def _load_cost_model(path: str | None) -> ms.cost_model.XGBModel:
+    # MetaSchedule's default waits for 100 samples before trusting XGBoost, more than a small budget
+    # has; the model saved from earlier runs on this database makes up for the lower threshold.
+    model = ms.cost_model.XGBModel(num_warmup_samples=16, adaptive_training=True)
+    if path and os.path.exists(path):
+        try:
+            model.load(path)
+        except Exception as err:  # a stale or truncated file only costs the warm start
+            logging.getLogger("autofuse").warning("ignoring cost model %s: %s", path, err)
+    return model
+
+
+def _save_cost_model(model: ms.cost_model.XGBModel, path: str) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        model.save(tmp)
+        os.replace(tmp, path)
+    except Exception as err:
+        logging.getLogger("autofuse").warning("could not save cost model to %s: %s", path, err)
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+@contextlib.contextmanager
+def _quiet_metaschedule(work_dir: str):
+    """Send MetaSchedule's console output to ``work_dir/logs/console.log``; warnings included, since
+    it warns for every failed candidate, which the progress bar already counts."""
+    ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
+    old_level = ms_logger.level
+    ms_logger.setLevel(logging.DEBUG)
+    os.makedirs(os.path.join(work_dir, "logs"), exist_ok=True)
+    with open(os.path.join(work_dir, "logs", "console.log"), "a", encoding="utf-8") as sink:
+        with contextlib.redirect_stdout(sink):
+            try:
+                yield
+            finally:
+                ms_logger.setLevel(old_level)

@@ -1,0 +1,92 @@
+"""linear_bias_relu: y = relu(x @ W^T + b), the GEMM with its epilogue fused.
+
+Unfused, the GEMM writes M*N floats that the bias and ReLU read back; fused, the epilogue runs on
+the accumulator tile while it is still in cache.
+"""
+
+import numpy as np
+from tvm.script import tirx as T
+
+from autofuse.pattern import Pattern, ShapeParam, template
+
+
+def build(shape, dtype):
+    m, n, k = shape["m"], shape["n"], shape["k"]
+
+    @T.prim_func(s_tir=True)
+    def linear_bias_relu(x: T.Buffer((m, k), dtype), w: T.Buffer((n, k), dtype),
+                         b: T.Buffer((n,), dtype), y: T.Buffer((m, n), dtype)):
+        T.func_attr({"global_symbol": "linear_bias_relu", "tirx.noalias": True})
+        acc = T.alloc_buffer((m, n), dtype)
+        for i, j, kk in T.grid(m, n, k):
+            with T.sblock("matmul"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, kk])
+                with T.init():
+                    acc[vi, vj] = T.cast(0, dtype)
+                acc[vi, vj] = acc[vi, vj] + x[vi, vk] * w[vj, vk]
+        for i, j in T.grid(m, n):
+            with T.sblock("bias_relu"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = T.max(acc[vi, vj] + b[vj], T.cast(0, dtype))
+
+    return linear_bias_relu
+
+
+def reference(x, w, b):
+    return np.maximum(x @ w.T + b, 0).astype(x.dtype)
+
+
+def make_inputs(shape, dtype, seed):
+    rng = np.random.default_rng(seed)
+    m, n, k = shape["m"], shape["n"], shape["k"]
+    scale = 1.0 / np.sqrt(k)
+    return [rng.standard_normal((m, k)).astype(dtype),
+            (rng.standard_normal((n, k)) * scale).astype(dtype),
+            rng.standard_normal(n).astype(dtype)]
+
+
+def flops(shape):
+    return 2.0 * shape["m"] * shape["n"] * shape["k"] + 2.0 * shape["m"] * shape["n"]
+
+
+def nbytes(shape, dtype):
+    m, n, k = shape["m"], shape["n"], shape["k"]
+    return np.dtype(dtype).itemsize * (m * k + n * k + n + m * n)
+
+
+@template("tiled_epilogue")
+def tiled_epilogue(sch, target, knobs):
+    """Register-blocked GEMM: outer tiles in parallel, K split for cache, vectorised inner N,
+    accumulator tile written once through a cache_write with bias+ReLU fused at the tile."""
+    mm = sch.get_sblock("matmul")
+    epi = sch.get_sblock("bias_relu")
+    i, j, k = sch.get_loops(mm)
+    i0, i1, i2 = sch.split(i, knobs.tile(i, 3, [4, 4], max_innermost_factor=16))
+    j0, j1, j2 = sch.split(j, knobs.tile(j, 3, [4, 16], max_innermost_factor=64))
+    k0, k1 = sch.split(k, knobs.tile(k, 2, [8], max_innermost_factor=64))
+    sch.reorder(i0, j0, i1, j1, k0, k1, i2, j2)
+    outer = sch.fuse(i0, j0)
+    sch.parallel(outer)
+    # The epilogue joins the matmul at the tile, so each acc tile is read back while hot.
+    sch.reverse_compute_at(epi, j1, preserve_unit_loops=True)
+    sch.vectorize(j2)
+    sch.decompose_reduction(mm, k0)
+    sch.vectorize(sch.get_loops(epi)[-1])
+    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
+    sch.annotate(outer, "pragma_unroll_explicit", 1)
+
+
+PATTERN = Pattern(
+    name="linear_bias_relu",
+    family="gemm",
+    description="relu(x @ W^T + b): GEMM with bias and ReLU fused in its epilogue",
+    shape_params=[ShapeParam("m", 256, 16, "rows of x (tokens)"),
+                  ShapeParam("n", 256, 32, "output features"),
+                  ShapeParam("k", 256, 16, "input features")],
+    build=build,
+    reference=reference,
+    make_inputs=make_inputs,
+    flops=flops,
+    bytes=nbytes,
+    templates=[tiled_epilogue],
+)

@@ -1,0 +1,73 @@
+"""Every registered pattern: its TensorIR matches its numpy reference unscheduled, with each
+template's fixed default, and with several random knob samples replayed the way MetaSchedule's
+evolutionary search replays them (the design-space trace with its decisions removed)."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import s_tir
+from tvm.s_tir.schedule import Trace
+
+from autofuse.pattern import TEMPLATE_ANNOTATION
+from autofuse.registry import all_patterns
+from autofuse.target import parse_target
+from autofuse.verify import check_module
+
+TARGET = parse_target("llvm")
+DEV = tvm.cpu()
+PATTERNS = list(all_patterns().values())
+TEMPLATE_CASES = [(p, t) for p in PATTERNS for t in p.templates if t.applies_to(TARGET)]
+SAMPLES = 4
+
+
+def _check(pattern, mod, func, shape, dtype):
+    rt = tvm.tirx.build(mod, target=TARGET)
+    result = check_module(pattern, rt, func, shape, dtype, DEV)
+    assert result.ok, result.message
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: p.name)
+def test_unscheduled_matches_reference(pattern):
+    shape = pattern.small_shape()
+    for dtype in pattern.dtypes:
+        func = pattern.build(shape, dtype)
+        _check(pattern, tvm.IRModule({"main": func}), func, shape, dtype)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS, ids=lambda p: p.name)
+def test_declares_what_tuning_needs(pattern):
+    shape = pattern.small_shape()
+    assert pattern.templates, "every pattern needs at least one hand-designed template"
+    assert pattern.flops(shape) > 0 and pattern.bytes(shape, pattern.dtypes[0]) > 0
+    func = pattern.build(shape, pattern.dtypes[0])
+    inputs = pattern.make_inputs(shape, pattern.dtypes[0], 0)
+    assert len(inputs) + pattern.num_outputs == len(func.params)
+    again = pattern.make_inputs(shape, pattern.dtypes[0], 0)
+    assert all(np.array_equal(a, b) for a, b in zip(inputs, again)), "inputs must be seeded"
+
+
+@pytest.mark.parametrize("pattern,template", TEMPLATE_CASES, ids=lambda x: getattr(x, "name", ""))
+def test_template_default_matches_reference(pattern, template):
+    shape = pattern.small_shape()
+    func = pattern.build(shape, pattern.dtypes[0])
+    sch = template.apply(func, TARGET, tunable=False)
+    assert sch is not None
+    assert TEMPLATE_ANNOTATION in str(sch.trace)
+    _check(pattern, sch.mod, func, shape, pattern.dtypes[0])
+
+
+@pytest.mark.parametrize("pattern,template", TEMPLATE_CASES, ids=lambda x: getattr(x, "name", ""))
+def test_template_samples_replay_and_match(pattern, template):
+    shape = pattern.small_shape()
+    dtype = pattern.dtypes[0]
+    func = pattern.build(shape, dtype)
+    design = s_tir.Schedule(func, seed=1)
+    template.schedule(design, TARGET, tunable=True)
+    space = Trace(design.trace.insts, {})
+    decisions = set()
+    for seed in range(2, SAMPLES + 2):
+        sch = s_tir.Schedule(func, seed=seed)
+        space.apply_to_schedule(sch, remove_postproc=True)
+        decisions.add(str(sch.trace.decisions))
+        _check(pattern, sch.mod, func, shape, dtype)
+    assert len(decisions) > 1, "the template's knobs should vary across samples"
