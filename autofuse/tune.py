@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 from tvm import tirx
@@ -48,6 +49,8 @@ class TuneStats:
     trials: dict[int, int] = dataclasses.field(default_factory=dict)
     failed: dict[int, int] = dataclasses.field(default_factory=dict)
     best_secs: dict[int, float] = dataclasses.field(default_factory=dict)
+    # Wall time between measure callbacks, charged to the task whose batch just finished.
+    task_secs: dict[int, float] = dataclasses.field(default_factory=dict)
     # (seconds since start, task index, latency) of every valid measurement, in order.
     history: list[tuple[float, int, float]] = dataclasses.field(default_factory=list)
     start_secs: float = 0.0
@@ -58,9 +61,18 @@ class TuneStats:
     def total_trials(self) -> int:
         return sum(self.trials.values())
 
+    first_batch_trials: int = 0
+
     def trials_per_minute(self) -> float:
-        measuring = self.total_secs - (self.first_trial_secs or 0.0)
-        return 60.0 * self.total_trials / measuring if measuring > 0 else 0.0
+        """Whole session, start-up included."""
+        return 60.0 * self.total_trials / self.total_secs if self.total_secs > 0 else 0.0
+
+    def steady_trials_per_minute(self) -> float | None:
+        """After the first batch, i.e. without the start-up; None with a single batch."""
+        if self.first_trial_secs is None or self.total_trials <= self.first_batch_trials:
+            return None
+        secs = self.total_secs - self.first_trial_secs
+        return 60.0 * (self.total_trials - self.first_batch_trials) / secs if secs > 0 else None
 
 
 ProgressFn = Callable[[TuneStats, int], None]
@@ -135,12 +147,16 @@ class _ProgressCallback(ms.measure_callback.PyMeasureCallback):
     def __init__(self, stats: TuneStats, on_progress: ProgressFn | None):
         self.stats = stats
         self.on_progress = on_progress
+        self.last_secs = 0.0
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
         stats = self.stats
         now = time.perf_counter() - stats.start_secs
         if stats.first_trial_secs is None:
             stats.first_trial_secs = now
+            stats.first_batch_trials = len(runner_results)
+        stats.task_secs[task_id] = stats.task_secs.get(task_id, 0.0) + now - self.last_secs
+        self.last_secs = now
         for build, run in zip(builder_results, runner_results):
             stats.trials[task_id] = stats.trials.get(task_id, 0) + 1
             secs = _mean_secs(run.run_secs) if build.error_msg is None and run.error_msg is None else None
@@ -213,7 +229,9 @@ def _load_cost_model(path: str | None) -> ms.cost_model.XGBModel:
     model = ms.cost_model.XGBModel(num_warmup_samples=16, adaptive_training=True)
     if path and os.path.exists(path):
         try:
-            model.load(path)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # xgboost guessing the format of its own file
+                model.load(path)
         except Exception as err:  # a stale or truncated file only costs the warm start
             logging.getLogger("autofuse").warning("ignoring cost model %s: %s", path, err)
     return model
@@ -222,7 +240,9 @@ def _load_cost_model(path: str | None) -> ms.cost_model.XGBModel:
 def _save_cost_model(model: ms.cost_model.XGBModel, path: str) -> None:
     tmp = f"{path}.tmp{os.getpid()}"
     try:
-        model.save(tmp)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # xgboost's note about its default file format
+            model.save(tmp)
         os.replace(tmp, path)
     except Exception as err:
         logging.getLogger("autofuse").warning("could not save cost model to %s: %s", path, err)

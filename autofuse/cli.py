@@ -1,0 +1,210 @@
+"""The ``autofuse`` command: sub-commands ``tune`` and ``list``.
+
+Every known problem with the user's input is an ``AutofuseError``; this module alone prints it, as
+one line on stderr, and exits with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .errors import AutofuseError
+
+DEFAULT_PATTERN = "linear_bias_relu"
+DEFAULT_TRIALS = 32
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (and still exit code 2)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _shape_overrides(items: list[str]) -> dict[str, str]:
+    overrides = {}
+    for item in items or []:
+        for part in item.split(","):
+            if not part:
+                continue
+            key, sep, value = part.partition("=")
+            if not sep or not key or not value:
+                raise AutofuseError(f"--shape expects key=value (e.g. m=128), got {part!r}")
+            overrides[key.strip()] = value.strip()
+    return overrides
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="autofuse", description=(
+        "Search fused-kernel schedules with TVM MetaSchedule: hand-designed templates vs the generic "
+        "(Ansor-style) space, best records kept in a JSON tuning database."))
+    from . import __version__
+    parser.add_argument("--version", action="version", version=f"autofuse {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    tune = sub.add_parser("tune", help="tune fusion patterns into the database and print the result table",
+                          description=(
+        "Tune a pattern (or all of them) with MetaSchedule. With no arguments it tunes "
+        f"{DEFAULT_PATTERN} at its default shape on this CPU for {DEFAULT_TRIALS} trials. Running it "
+        "again on the same database resumes from the stored records and adds --trials more. The best "
+        "record is checked against the numpy reference before it is reported."))
+    tune.add_argument("--pattern", default=DEFAULT_PATTERN, help=f"pattern name or 'all' (default {DEFAULT_PATTERN})")
+    tune.add_argument("--shape", action="append", metavar="K=V",
+                      help="override a shape parameter, repeatable or comma-separated (see autofuse list)")
+    tune.add_argument("--dtype", default=None, help="element type (default: the pattern's first)")
+    tune.add_argument("--target", default="llvm",
+                      help="llvm (this CPU, with its mcpu and core count), cuda/h200, or a JSON target dict")
+    tune.add_argument("--trials", default=DEFAULT_TRIALS, type=_positive_int,
+                      help=f"trials to add per workload (default {DEFAULT_TRIALS})")
+    tune.add_argument("--space", default="union", choices=["template", "generic", "union"],
+                      help="template: our hand-designed templates; generic: MetaSchedule's default rules "
+                           "(Ansor-style); union: both (default)")
+    tune.add_argument("--db", default="logs", help="database root; records go to DB/<target-key>/ (default logs)")
+    tune.add_argument("--seed", default=None, type=int, help="random seed of the search")
+    tune.add_argument("--json", default=None, metavar="PATH", help="also write the result rows as JSON")
+    tune.add_argument("--small", action="store_true", help="use each pattern's small test shape")
+    tune.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    lst = sub.add_parser("list", help="list patterns, their shapes and templates, and stored best latency",
+                         description="List the patterns; with a database, the best checked latency of each "
+                                     "workload stored there.")
+    lst.add_argument("--db", default="logs", help="database root (default logs)")
+    lst.add_argument("--target", default="llvm", help="target whose records to show (default llvm)")
+    return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def cmd_tune(args) -> int:
+    from .database import TuningDatabase
+    from .registry import resolve_patterns
+    from .report import TUNE_COLUMNS, machine_info, table, write_json
+    from .target import parse_target, target_key
+    from .tune_patterns import Job, tune_jobs
+
+    target = parse_target(args.target)
+    patterns = resolve_patterns(args.pattern)
+    overrides = _shape_overrides(args.shape)
+    if overrides and len(patterns) > 1:
+        raise AutofuseError("--shape applies to one pattern; drop it with --pattern all")
+    jobs = []
+    for pattern in patterns:
+        dtype = pattern.check_dtype(args.dtype or pattern.dtypes[0])
+        shape = pattern.resolve_shape(overrides, base="small" if args.small else "default")
+        if not pattern.templates_for(target) and args.space == "template":
+            raise AutofuseError(f"pattern {pattern.name!r} has no template for {target.kind.name}; use --space generic")
+        jobs.append(Job(pattern, shape, dtype))
+    db = TuningDatabase(args.db, target)
+    print(f"autofuse: tuning {len(jobs)} workload(s) on {target_key(target)}, space {args.space}, "
+          f"{args.trials} trials each, database {db.path}", file=sys.stderr)
+    rows, stats = tune_jobs(jobs, target, db, trials=args.trials, space=args.space, seed=args.seed,
+                            progress=not args.no_progress)
+    print(table(rows, TUNE_COLUMNS))
+    for row in rows:
+        for line in row["rejected"]:
+            print(f"  {row['pattern']}: {line}")
+        if row["best_ms"] is None:
+            print(f"  {row['pattern']}: no record passed the numerical check; nothing to report")
+    print(_throughput_line(stats))
+    if args.json:
+        write_json(args.json, {"machine": machine_info(), "target": str(target), "space": args.space,
+                               "trials_per_workload": args.trials, "rows": rows,
+                               "session": {"trials": stats.total_trials, "secs": stats.total_secs,
+                                           "first_trial_secs": stats.first_trial_secs,
+                                           "trials_per_minute": stats.trials_per_minute(),
+                                           "steady_trials_per_minute": stats.steady_trials_per_minute()}})
+    return 0 if all(row["best_ms"] is not None for row in rows) else 1
+
+
+def _throughput_line(stats) -> str:
+    if stats.first_trial_secs is None:
+        return f"no trial measured ({stats.total_secs:.1f} s)"
+    steady = stats.steady_trials_per_minute()
+    steady_text = f", {steady:.1f}/min after the first batch" if steady else ""
+    return (f"{stats.total_trials} trials in {stats.total_secs:.1f} s ({stats.trials_per_minute():.1f} trials/min"
+            f"{steady_text}); first batch of {stats.first_batch_trials} measured after "
+            f"{stats.first_trial_secs:.1f} s")
+
+
+def cmd_list(args) -> int:
+    import os
+
+    from .pattern import shape_label
+    from .registry import all_patterns
+    from .report import table
+    from .target import parse_target, target_key
+
+    target = parse_target(args.target)
+    db_path = os.path.join(args.db, target_key(target))
+    db = None
+    if os.path.exists(os.path.join(db_path, "database_tuning_record.json")):
+        from .database import TuningDatabase
+        db = TuningDatabase(args.db, target)
+    rows = []
+    for pattern in all_patterns().values():
+        row = {"family": pattern.family, "pattern": pattern.name,
+               "shape": shape_label(pattern.default_shape()), "small": shape_label(pattern.small_shape()),
+               "dtypes": ",".join(pattern.dtypes), "templates": ",".join(t.name for t in pattern.templates),
+               "description": pattern.description}
+        if db is not None:
+            row.update(_stored_best(db, pattern, target))
+        rows.append(row)
+    columns = [("family", "family"), ("pattern", "pattern"), ("shape", "default shape"),
+               ("small", "small shape"), ("templates", "templates")]
+    if db is not None:
+        columns += [("records", "records"), ("best_ms", "best ms (default shape)"), ("source", "best from")]
+    print(table(rows, columns))
+    print()
+    for row in rows:
+        print(f"{row['pattern']}: {row['description']}")
+    if db is None:
+        print(f"\n(no database at {db_path}: run `autofuse tune` to fill it)")
+    return 0
+
+
+def _stored_best(db, pattern, target) -> dict:
+    from .tune_patterns import Job, checker
+    import tvm
+
+    job = Job(pattern, pattern.default_shape(), pattern.dtypes[0])
+    dev = tvm.device("cpu" if target.kind.name == "llvm" else target.kind.name, 0)
+    _, total = db.count(job.func)
+    if not total:
+        return {"records": 0}
+    chosen, _ = db.best(job.func, checker(job, target, dev))
+    if chosen is None:
+        return {"records": total, "best_ms": None, "source": "none passed the check"}
+    return {"records": total, "best_ms": chosen.run_secs * 1e3, "source": chosen.source}
+
+
+COMMANDS = {"tune": cmd_tune, "list": cmd_list}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        return COMMANDS[args.command](args)
+    except AutofuseError as err:
+        print(f"autofuse {args.command}: error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"autofuse {args.command}: interrupted; records measured so far are in the database",
+              file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The tuning database: MetaSchedule's ``JSONDatabase`` under ``<root>/<target-key>/``, plus the
+numerical verdicts that decide which records may be used.
+
+A record is only ever used (reported, applied to a build) after its kernel has matched the
+pattern's numpy reference; the verdict is cached beside the database in
+``autofuse_verdicts.json`` so a record is checked once. A record that fails stays in the database
+(it is history) but is never chosen; the next best is tried instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+
+import tvm
+import tvm_ffi
+from tvm import s_tir, tirx
+from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+from tvm.target import Target
+
+from .errors import AutofuseError
+from .pattern import TEMPLATE_ANNOTATION
+from .target import target_key
+
+WORKLOADS = "database_workload.json"
+RECORDS = "database_tuning_record.json"
+VERDICTS = "autofuse_verdicts.json"
+FAILED_RUN_SECS = 1e9
+
+log = logging.getLogger("autofuse")
+
+
+@dataclasses.dataclass
+class ChosenRecord:
+    record: ms.database.TuningRecord
+    run_secs: float         # mean measured by MetaSchedule during tuning
+    source: str             # "template:<name>" or "generic"
+    schedule: s_tir.Schedule
+
+
+def record_secs(record: ms.database.TuningRecord) -> float:
+    if not record.run_secs:
+        return float("inf")
+    values = [float(s) for s in record.run_secs]
+    return sum(values) / len(values)
+
+
+def record_source(trace) -> str:
+    """Which space produced a trace: our templates annotate it with their name."""
+    for inst in trace.insts:
+        if inst.kind.name == "Annotate" and len(inst.attrs) and str(inst.attrs[0]) == TEMPLATE_ANNOTATION:
+            return f"template:{inst.inputs[1]}" if len(inst.inputs) > 1 else "template"
+    text = str(trace)
+    if TEMPLATE_ANNOTATION in text:
+        start = text.index(TEMPLATE_ANNOTATION)
+        name = text[start:].split('ann_val="', 1)[-1].split('"', 1)[0]
+        return f"template:{name}"
+    return "generic"
+
+
+def trace_key(record: ms.database.TuningRecord) -> str:
+    return hashlib.sha1(json.dumps(record.trace.as_json(), sort_keys=True, default=str).encode()).hexdigest()
+
+
+def workload_key(mod: tvm.IRModule) -> str:
+    return f"{tvm_ffi.structural_hash(mod) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+class TuningDatabase:
+    """The records of one target under ``root``; ``.ms`` is the plain MetaSchedule database."""
+
+    def __init__(self, root: str, target: Target):
+        self.target = target
+        self.path = os.path.join(root, target_key(target))
+        try:
+            os.makedirs(self.path, exist_ok=True)
+            probe = os.path.join(self.path, ".write-test")
+            with open(probe, "w", encoding="utf-8"):
+                pass
+            os.remove(probe)
+        except OSError as err:
+            raise AutofuseError(f"database directory {self.path} is not writable: {err.strerror}") from None
+        self.ms = ms.database.JSONDatabase(path_workload=os.path.join(self.path, WORKLOADS),
+                                           path_tuning_record=os.path.join(self.path, RECORDS))
+        self._verdicts_path = os.path.join(self.path, VERDICTS)
+        self._verdicts = self._load_verdicts()
+
+    @property
+    def work_dir(self) -> str:
+        return os.path.join(self.path, "ms-logs")
+
+    @property
+    def cost_model_path(self) -> str:
+        return os.path.join(self.path, "ms-logs", "cost_model.tar")
+
+    def records(self, func: tirx.PrimFunc) -> list[ms.database.TuningRecord]:
+        """Every valid (built and ran) record of ``func``'s workload, fastest first."""
+        mod = _normalize_mod(func)
+        if not self.ms.has_workload(mod):
+            return []
+        workload = self.ms.commit_workload(mod)
+        found = [r for r in self.ms.get_top_k(workload, len(self.ms) or 1) if record_secs(r) < FAILED_RUN_SECS]
+        return sorted(found, key=record_secs)
+
+    def count(self, func: tirx.PrimFunc) -> tuple[int, int]:
+        """(valid, all) records of ``func``'s workload, failed builds/runs included in ``all``."""
+        mod = _normalize_mod(func)
+        if not self.ms.has_workload(mod):
+            return 0, 0
+        shash = tvm_ffi.structural_hash(mod)
+        every = [r for r in self.ms.get_all_tuning_records() if tvm_ffi.structural_hash(r.workload.mod) == shash]
+        return sum(record_secs(r) < FAILED_RUN_SECS for r in every), len(every)
+
+    def best(self, func: tirx.PrimFunc, check, limit: int = 8) -> tuple[ChosenRecord | None, list[str]]:
+        """The fastest record whose kernel passes ``check(schedule) -> (ok, message)``.
+
+        Returns the choice (None when no record passes) and one line per rejected record.
+        """
+        rejected = []
+        mod = _normalize_mod(func)
+        wkey = workload_key(mod)
+        for record in self.records(func)[:limit]:
+            tkey = trace_key(record)
+            verdict = self._verdicts.get((wkey, tkey))
+            sch = self._schedule(mod, record)
+            if sch is None:
+                rejected.append(f"record {tkey[:8]} no longer applies to this TensorIR")
+                continue
+            if verdict is None:
+                ok, message = check(sch)
+                verdict = {"ok": bool(ok), "message": message}
+                self._store_verdict(wkey, tkey, verdict)
+            if verdict["ok"]:
+                return ChosenRecord(record, record_secs(record), record_source(record.trace), sch), rejected
+            rejected.append(f"record {tkey[:8]} ({record_secs(record) * 1e3:.3f} ms) failed the numerical check: "
+                            f"{verdict['message']}")
+        return None, rejected
+
+    @staticmethod
+    def _schedule(mod: tvm.IRModule, record: ms.database.TuningRecord) -> s_tir.Schedule | None:
+        sch = s_tir.Schedule(mod)
+        try:
+            record.trace.apply_to_schedule(sch, remove_postproc=False)
+        except Exception:  # a trace of an older version of the pattern
+            return None
+        return sch
+
+    def _load_verdicts(self) -> dict:
+        verdicts = {}
+        if not os.path.exists(self._verdicts_path):
+            return verdicts
+        with open(self._verdicts_path, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    entry = json.loads(line)
+                    verdicts[(entry["workload"], entry["trace"])] = {"ok": entry["ok"], "message": entry["message"]}
+                except (ValueError, KeyError, TypeError):
+                    log.warning("%s:%d: skipping a line that is not a verdict", self._verdicts_path, number)
+        return verdicts
+
+    def _store_verdict(self, wkey: str, tkey: str, verdict: dict) -> None:
+        self._verdicts[(wkey, tkey)] = verdict
+        with open(self._verdicts_path, "a", encoding="utf-8") as f:
+            f.write(json.dumps({"workload": wkey, "trace": tkey, **verdict}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
