@@ -94,7 +94,7 @@ def cmd_tune(args) -> int:
     target = parse_target(args.target)
     patterns = resolve_patterns(args.pattern)
     overrides = _shape_overrides(args.shape)
-    if overrides and len(patterns) > 1:
+    if overrides and args.pattern == "all":
         raise AutofuseError("--shape applies to one pattern; drop it with --pattern all")
     jobs = []
     for pattern in patterns:

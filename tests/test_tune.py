@@ -1,0 +1,65 @@
+"""A tiny tuning run writes a database plain MetaSchedule reads; a rerun resumes it."""
+
+import json
+
+from tvm.s_tir import meta_schedule as ms
+
+from autofuse.database import RECORDS, WORKLOADS, TuningDatabase
+from autofuse.registry import get_pattern
+from autofuse.target import parse_target, target_key
+from conftest import run_cli
+
+
+def _records(path):
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def test_database_is_plain_metaschedule_json(tuned_db):
+    root, _ = tuned_db
+    folder = root / target_key(parse_target("llvm"))
+    db = ms.database.JSONDatabase(path_workload=str(folder / WORKLOADS), path_tuning_record=str(folder / RECORDS))
+    records = db.get_all_tuning_records()
+    assert len(records) >= 8
+    assert any(r.run_secs and float(r.run_secs[0]) < 1e9 for r in records)
+    pattern = get_pattern("linear_bias_relu")
+    func = pattern.build(pattern.small_shape(), "float32")
+    ours = TuningDatabase(str(root), parse_target("llvm"))
+    assert ours.records(func), "the tuned workload must be found again from its PrimFunc"
+    sch = ms.tir_integration.compile_tir(db, func, parse_target("llvm"))
+    assert sch is not None
+
+
+def test_rerun_resumes_and_adds_trials(tuned_db, tmp_path):
+    root, _ = tuned_db
+    folder = root / target_key(parse_target("llvm"))
+    copy = tmp_path / "db"
+    (copy / folder.name).mkdir(parents=True)
+    for name in (WORKLOADS, RECORDS):
+        (copy / folder.name / name).write_text((folder / name).read_text())
+    before = _records(copy / folder.name / RECORDS)
+    result = run_cli("tune", "--pattern", "linear_bias_relu", "--small", "--trials", "4", "--seed", "2",
+                     "--db", str(copy), "--no-progress", "--space", "template")
+    assert result.returncode == 0, result.stderr[-3000:]
+    after = _records(copy / folder.name / RECORDS)
+    assert after[:len(before)] == before, "earlier records must be kept as they were"
+    assert len(after) == len(before) + 4
+    assert len(_records(copy / folder.name / WORKLOADS)) == 1, "same workload, not a new one"
+
+
+def test_spaces_produce_their_own_records(tmp_path):
+    from autofuse.tune import Task, tune
+    from autofuse.database import record_source
+
+    target = parse_target("llvm")
+    pattern = get_pattern("linear_bias_relu")
+    func = pattern.build(pattern.small_shape(), "float32")
+    db = TuningDatabase(str(tmp_path), target)
+    stats = tune([Task("lbr", func, pattern.templates)], target, db.ms, db.work_dir, trials_per_task=4,
+                 space="generic", seed=3)
+    assert stats.total_trials == 4
+    sources = {record_source(r.trace) for r in db.ms.get_all_tuning_records()}
+    assert sources == {"generic"}
+    tune([Task("lbr", func, pattern.templates)], target, db.ms, db.work_dir, trials_per_task=4,
+         space="template", seed=3)
+    sources = {record_source(r.trace) for r in db.ms.get_all_tuning_records()}
+    assert sources == {"generic", "template:tiled_epilogue"}
