@@ -1,0 +1,200 @@
+"""Write small, deterministic ONNX models for autofuse's end-to-end runs.
+
+    python models/make_models.py [--out DIR] [--only NAME]
+
+Every model is opset 17 (default domain), ir_version 8, float32, with its weights stored as
+initializers drawn from ``np.random.default_rng(seed)`` (one fixed seed per model). Nothing that
+changes between runs (timestamps, random names) goes into a model, so building one twice gives
+byte-identical serialized bytes; the tests compare the committed ``models/*.onnx`` with a fresh build.
+Only ``onnx.helper`` / ``onnx.numpy_helper`` are used.
+"""
+
+import argparse
+import math
+import os
+import sys
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+OPSET = 17
+# onnxruntime 1.32 accepts IR versions up to 10 or so; 8 is the version of opset 17's release (onnx 1.12).
+IR_VERSION = 8
+PRODUCER = "autofuse"
+PRODUCER_VERSION = "0.1.0"
+
+DESCRIPTIONS = {
+    "mlp": "x(128,256) -> MatMul(256x512)+Add+Relu -> Gemm(transB=1, W 256x512)+Relu -> (128,256)",
+    "transformer_block": "pre-LN encoder block, x(1,128,256), 4 heads of 64, FFN 1024 with Erf-GELU -> (1,128,256)",
+    "conv_block": "x(1,16,32,32) -> 2x [Conv 3x3 pad 1 (32) + BatchNormalization + Relu] -> GlobalAveragePool -> Flatten -> (1,32)",
+}
+
+SEEDS = {"mlp": 0, "transformer_block": 1, "conv_block": 2}
+
+
+class _Graph:
+    """Collects nodes and initializers with deterministic, readable names."""
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+        self.nodes = []
+        self.inits = []
+        self._count = {}
+
+    def _name(self, prefix):
+        n = self._count.get(prefix, 0)
+        self._count[prefix] = n + 1
+        return f"{prefix}_{n}"
+
+    def const(self, name, array):
+        array = np.ascontiguousarray(array)
+        self.inits.append(numpy_helper.from_array(array, name=name))
+        return name
+
+    def weight(self, name, shape, fan_in):
+        """Uniform(-1/sqrt(fan_in), 1/sqrt(fan_in)) float32, like the usual default init."""
+        bound = 1.0 / math.sqrt(fan_in)
+        return self.const(name, self.rng.uniform(-bound, bound, size=shape).astype(np.float32))
+
+    def scalar(self, name, value):
+        return self.const(name, np.array(value, dtype=np.float32))
+
+    def op(self, op_type, inputs, out=None, **attrs):
+        out = out or self._name(op_type.lower())
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=self._name("n_" + op_type), **attrs))
+        return out
+
+    def model(self, name, inputs, outputs):
+        graph = helper.make_graph(self.nodes, name, inputs, outputs, initializer=self.inits,
+                                  doc_string=DESCRIPTIONS[name])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                                  producer_name=PRODUCER, producer_version=PRODUCER_VERSION,
+                                  doc_string=DESCRIPTIONS[name])
+        model.ir_version = IR_VERSION
+        model.model_version = 1
+        return model
+
+
+def _vi(name, shape):
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, list(shape))
+
+
+def build_mlp():
+    g = _Graph(SEEDS["mlp"])
+    w1 = g.weight("W1", (256, 512), 256)
+    b1 = g.weight("b1", (512,), 256)
+    w2 = g.weight("W2", (256, 512), 512)          # stored (out, in); Gemm uses transB=1
+    b2 = g.weight("b2", (256,), 512)
+    h = g.op("MatMul", ["x", w1])
+    h = g.op("Add", [h, b1])
+    h = g.op("Relu", [h])
+    h = g.op("Gemm", [h, w2, b2], transB=1)
+    g.op("Relu", [h], out="y")
+    return g.model("mlp", [_vi("x", (128, 256))], [_vi("y", (128, 256))])
+
+
+def build_transformer_block():
+    B, S, D, H, DH, F = 1, 128, 256, 4, 64, 1024
+    g = _Graph(SEEDS["transformer_block"])
+
+    def layer_norm(x, tag):
+        scale = g.const(f"{tag}_scale", (1.0 + 0.1 * g.rng.standard_normal(D)).astype(np.float32))
+        bias = g.const(f"{tag}_bias", (0.1 * g.rng.standard_normal(D)).astype(np.float32))
+        return g.op("LayerNormalization", [x, scale, bias], axis=-1, epsilon=1e-5)
+
+    def linear(x, tag, d_in, d_out):
+        w = g.weight(f"{tag}_W", (d_in, d_out), d_in)
+        b = g.weight(f"{tag}_b", (d_out,), d_in)
+        return g.op("Add", [g.op("MatMul", [x, w]), b])
+
+    heads_shape = g.const("heads_shape", np.array([B, S, H, DH], dtype=np.int64))
+    model_shape = g.const("model_shape", np.array([B, S, D], dtype=np.int64))
+
+    def split_heads(x):                            # (1,128,256) -> (1,4,128,64)
+        return g.op("Transpose", [g.op("Reshape", [x, heads_shape])], perm=[0, 2, 1, 3])
+
+    # attention sub-block
+    ln1 = layer_norm("x", "ln1")
+    q = split_heads(linear(ln1, "q", D, D))
+    k = split_heads(linear(ln1, "k", D, D))
+    v = split_heads(linear(ln1, "v", D, D))
+    kt = g.op("Transpose", [k], perm=[0, 1, 3, 2])                      # (1,4,64,128)
+    scores = g.op("MatMul", [q, kt])                                     # (1,4,128,128)
+    scores = g.op("Mul", [scores, g.scalar("attn_scale", 1.0 / math.sqrt(DH))])
+    probs = g.op("Softmax", [scores], axis=-1)
+    ctx = g.op("MatMul", [probs, v])                                     # (1,4,128,64)
+    ctx = g.op("Reshape", [g.op("Transpose", [ctx], perm=[0, 2, 1, 3]), model_shape])
+    attn = linear(ctx, "o", D, D)
+    h1 = g.op("Add", [attn, "x"])
+
+    # feed-forward sub-block, GELU written out as 0.5*x*(1+erf(x/sqrt(2)))
+    ln2 = layer_norm(h1, "ln2")
+    f = linear(ln2, "ffn1", D, F)
+    erf = g.op("Erf", [g.op("Div", [f, g.scalar("sqrt2", math.sqrt(2.0))])])
+    gelu = g.op("Mul", [g.op("Mul", [f, g.op("Add", [erf, g.scalar("one", 1.0)])]), g.scalar("half", 0.5)])
+    f2 = linear(gelu, "ffn2", F, D)
+    g.op("Add", [f2, h1], out="y")
+    return g.model("transformer_block", [_vi("x", (B, S, D))], [_vi("y", (B, S, D))])
+
+
+def build_conv_block():
+    g = _Graph(SEEDS["conv_block"])
+
+    def conv_bn_relu(x, tag, c_in, c_out):
+        w = g.weight(f"{tag}_W", (c_out, c_in, 3, 3), c_in * 9)
+        b = g.weight(f"{tag}_b", (c_out,), c_in * 9)
+        scale = g.const(f"{tag}_bn_scale", g.rng.uniform(0.5, 1.5, c_out).astype(np.float32))
+        bias = g.const(f"{tag}_bn_bias", g.rng.uniform(-0.1, 0.1, c_out).astype(np.float32))
+        mean = g.const(f"{tag}_bn_mean", g.rng.uniform(-0.1, 0.1, c_out).astype(np.float32))
+        var = g.const(f"{tag}_bn_var", g.rng.uniform(0.5, 1.5, c_out).astype(np.float32))
+        h = g.op("Conv", [x, w, b], kernel_shape=[3, 3], pads=[1, 1, 1, 1], strides=[1, 1])
+        h = g.op("BatchNormalization", [h, scale, bias, mean, var], epsilon=1e-5)
+        return g.op("Relu", [h])
+
+    h = conv_bn_relu("x", "conv1", 16, 32)
+    h = conv_bn_relu(h, "conv2", 32, 32)
+    h = g.op("GlobalAveragePool", [h])
+    g.op("Flatten", [h], out="y", axis=1)
+    return g.model("conv_block", [_vi("x", (1, 16, 32, 32))], [_vi("y", (1, 32))])
+
+
+MODELS = {
+    "mlp": build_mlp,
+    "transformer_block": build_transformer_block,
+    "conv_block": build_conv_block,
+}
+
+DEFAULT_OUT = os.path.dirname(os.path.abspath(__file__))
+
+
+def write_model(name, out_dir=DEFAULT_OUT):
+    model = MODELS[name]()
+    onnx.checker.check_model(model, full_check=True)
+    path = os.path.join(out_dir, f"{name}.onnx")
+    with open(path, "wb") as f:
+        f.write(model.SerializeToString())
+    return path
+
+
+def write_all(out_dir=DEFAULT_OUT):
+    """Build, check and write every model; returns {name: path}."""
+    os.makedirs(out_dir, exist_ok=True)
+    return {name: write_model(name, out_dir) for name in MODELS}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=DEFAULT_OUT, help="output folder (default: this script's folder)")
+    parser.add_argument("--only", choices=sorted(MODELS), help="write just this model")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    names = [args.only] if args.only else list(MODELS)
+    for name in names:
+        path = write_model(name, args.out)
+        print(f"{path}  {os.path.getsize(path)} bytes  {DESCRIPTIONS[name]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""models/make_models.py: checker-valid, deterministic ONNX models equal to the committed files."""
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MODELS_DIR = os.path.join(REPO, "models")
+SCRIPT = os.path.join(MODELS_DIR, "make_models.py")
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("autofuse_make_models", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+mm = _load()
+NAMES = sorted(mm.MODELS)
+
+
+def test_registry():
+    assert set(mm.MODELS) == {"mlp", "transformer_block", "conv_block"}
+    assert set(mm.DESCRIPTIONS) == set(mm.MODELS)
+    assert mm.MODELS["mlp"] is mm.build_mlp
+    assert mm.MODELS["transformer_block"] is mm.build_transformer_block
+    assert mm.MODELS["conv_block"] is mm.build_conv_block
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_checker_and_metadata(name):
+    model = mm.MODELS[name]()
+    assert isinstance(model, onnx.ModelProto)
+    onnx.checker.check_model(model, full_check=True)
+    assert [(o.domain, o.version) for o in model.opset_import] == [("", 17)]
+    assert model.ir_version in (8, 9)
+    assert model.producer_name == "autofuse"
+    assert all(init.data_type == onnx.TensorProto.FLOAT for init in model.graph.initializer
+               if init.name not in ("heads_shape", "model_shape"))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_deterministic_and_equal_to_committed(name):
+    first = mm.MODELS[name]().SerializeToString()
+    assert first == mm.MODELS[name]().SerializeToString()
+    with open(os.path.join(MODELS_DIR, f"{name}.onnx"), "rb") as f:
+        assert first == f.read(), f"models/{name}.onnx is stale: rerun python models/make_models.py"
+
+
+def test_write_all_and_cli(tmp_path):
+    paths = mm.write_all(str(tmp_path / "all"))
+    assert sorted(paths) == NAMES
+    for name, path in paths.items():
+        with open(path, "rb") as f:
+            assert f.read() == mm.MODELS[name]().SerializeToString()
+    result = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path / "one"), "--only", "conv_block"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert os.listdir(tmp_path / "one") == ["conv_block.onnx"]
+    total = sum(os.path.getsize(p) for p in paths.values())
+    assert total < 5 * 1024 * 1024
+
+
+EXPECTED_OUT = {"mlp": (128, 256), "transformer_block": (1, 128, 256), "conv_block": (1, 32)}
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_onnxruntime_runs(name):
+    ort = pytest.importorskip("onnxruntime")
+    model = mm.MODELS[name]()
+    shape = [d.dim_value for d in model.graph.input[0].type.tensor_type.shape.dim]
+    x = np.random.default_rng(0).standard_normal(shape).astype(np.float32)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    (y,) = sess.run(None, {model.graph.input[0].name: x})
+    assert y.shape == EXPECTED_OUT[name]
+    assert y.dtype == np.float32
+    assert np.isfinite(y).all()
