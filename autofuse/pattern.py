@@ -120,6 +120,22 @@ def template(name: str, target_kinds: Sequence[str] = ("llvm",)):
 
 
 @dataclasses.dataclass(frozen=True)
+class RelaxRule:
+    """How a pattern is found in a Relax model (``--fusion patterns``).
+
+    ``make()`` returns ``(root, wildcards)``: a ``tvm.relax.dpl`` pattern whose root call is
+    replaced, and the named sub-patterns ``rewrite`` needs. ``rewrite(matched, kernel)`` gets the
+    matched expressions by name and ``kernel(shape, dtype, args)``, which adds this pattern's
+    PrimFunc to the module and returns the ``call_tir``; it returns the replacement of the root, or
+    None to leave this match alone (a shape or dtype the pattern does not cover).
+    """
+
+    name: str
+    make: Callable[[], tuple[Any, dict[str, Any]]]
+    rewrite: Callable[[dict[str, Any], Callable], Any]
+
+
+@dataclasses.dataclass(frozen=True)
 class ShapeParam:
     name: str
     default: int
@@ -151,6 +167,7 @@ class Pattern:
     templates: Sequence[Template]
     dtypes: Sequence[str] = ("float32",)
     num_outputs: int = 1
+    relax_rules: Sequence[RelaxRule] = ()
     # (rtol, atol) of the numerical check, per dtype.
     tolerance: dict[str, tuple[float, float]] = dataclasses.field(
         default_factory=lambda: {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (2e-2, 2e-2)})

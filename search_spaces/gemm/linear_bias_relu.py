@@ -7,7 +7,7 @@ the accumulator tile while it is still in cache.
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, ShapeParam, template
+from autofuse.pattern import Pattern, RelaxRule, ShapeParam, template
 
 
 def build(shape, dtype):
@@ -76,6 +76,30 @@ def tiled_epilogue(sch, target, knobs):
     sch.annotate(outer, "pragma_unroll_explicit", 1)
 
 
+def _relax_pattern():
+    from tvm.relax.dpl import is_op, wildcard
+    x, w, b = wildcard(), wildcard(), wildcard()
+    root = is_op("relax.nn.relu")(is_op("relax.add")(is_op("relax.matmul")(x, w), b))
+    return root, {"x": x, "w": w, "b": b}
+
+
+def _relax_rewrite(matched, kernel):
+    """matmul(x, w[k, n]) + b[n] -> relu, x of any rank >= 2 (leading axes are rows)."""
+    from tvm import relax
+    from autofuse.model.fusion import dtype_of, static_shape
+    x, w, b = matched["x"], matched["w"], matched["b"]
+    xs, ws, bs = static_shape(x), static_shape(w), static_shape(b)
+    if None in (xs, ws, bs) or len(xs) < 2 or len(ws) != 2 or bs != (ws[1],) or xs[-1] != ws[0]:
+        return None
+    if not dtype_of(x) == dtype_of(w) == dtype_of(b) == "float32":
+        return None
+    m = int(np.prod(xs[:-1]))
+    rows = x if len(xs) == 2 else relax.op.reshape(x, (m, xs[-1]))
+    out = kernel({"m": m, "n": ws[1], "k": ws[0]}, "float32",
+                 [rows, relax.op.permute_dims(w, [1, 0]), b])
+    return out if len(xs) == 2 else relax.op.reshape(out, (*xs[:-1], ws[1]))
+
+
 PATTERN = Pattern(
     name="linear_bias_relu",
     family="gemm",
@@ -89,4 +113,5 @@ PATTERN = Pattern(
     flops=flops,
     bytes=nbytes,
     templates=[tiled_epilogue],
+    relax_rules=[RelaxRule("matmul_add_relu", _relax_pattern, _relax_rewrite)],
 )

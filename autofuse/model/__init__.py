@@ -1,0 +1,1 @@
+"""The model path: ONNX import, fusion, tuning tasks, build and verification."""

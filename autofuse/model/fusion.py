@@ -1,0 +1,119 @@
+"""The three fusion modes of a model, from imported Relax to a module of PrimFunc kernels.
+
+- ``none``: every op its own kernel (LegalizeOps only).
+- ``auto``: TVM's automatic fusion, the XLA-style baseline (FuseOps + FuseTIR).
+- ``patterns``: subgraphs that are one of our patterns become a call to that pattern's PrimFunc
+  (its templates and records then apply); the rest goes through ``auto``.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import tvm
+from tvm import relax
+
+from ..errors import AutofuseError
+from ..registry import all_patterns
+
+MODES = ("none", "auto", "patterns")
+PATTERN_ATTR = "autofuse.pattern"
+# FuseOps must not merge a pattern kernel with its neighbours: that would make it another workload.
+OPAQUE = 8
+
+
+def _prepare(mod: tvm.IRModule) -> tvm.IRModule:
+    # BatchNorm becomes arithmetic that fuses into the conv; canonicalising afterwards lets the ReLU
+    # after it fuse too (without it, Relu stays a kernel of its own).
+    return tvm.transform.Sequential([relax.transform.DecomposeOpsForInference(),
+                                     relax.transform.CanonicalizeBindings()])(mod)
+
+
+def _lower(mod: tvm.IRModule, fuse: bool) -> tvm.IRModule:
+    # FoldConstant after LegalizeOps folds what only depends on weights (a Gemm's transposed
+    # constant would otherwise be a runtime transpose kernel).
+    passes = [relax.transform.LegalizeOps(), relax.transform.FoldConstant()]
+    if fuse:
+        passes += [relax.transform.AnnotateTIROpPattern(), relax.transform.FuseOps(), relax.transform.FuseTIR()]
+    passes.append(relax.transform.DeadCodeElimination())
+    return tvm.transform.Sequential(passes)(mod)
+
+
+def fuse(mod: tvm.IRModule, mode: str) -> tuple[tvm.IRModule, dict[str, int]]:
+    """The lowered module and, for ``patterns``, how many subgraphs each rule matched."""
+    if mode not in MODES:
+        raise AutofuseError(f"unknown fusion mode {mode!r}: use one of {', '.join(MODES)}")
+    matches: dict[str, int] = {}
+    if mode == "patterns":
+        # Match before DecomposeOpsForInference: batch_norm is still one op there.
+        mod, matches = match_patterns(mod)
+    mod = _prepare(mod)
+    return _lower(mod, fuse=mode != "none"), matches
+
+
+def match_patterns(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, int]]:
+    """Replace every subgraph a pattern's ``RelaxRule`` matches by a call to its PrimFunc."""
+    from tvm.relax.dpl import rewrite_call
+
+    builder = relax.BlockBuilder(mod)
+    functions = {gv: f for gv, f in mod.functions_items() if isinstance(f, relax.Function)}
+    for pattern in all_patterns().values():
+        for rule in pattern.relax_rules:
+            root, wildcards = rule.make()
+
+            def kernel(shape, dtype, args, _pattern=pattern, _rule=rule):
+                func = _pattern.build(shape, dtype)
+                func = func.without_attr("global_symbol").with_attr("op_pattern", OPAQUE).with_attr(
+                    PATTERN_ATTR, _pattern.name)
+                gv = builder.add_func(func, f"{_pattern.name}")
+                specs = _pattern.output_specs(func)
+                out = [relax.TensorType(shape_, dtype_) for shape_, dtype_ in specs]
+                return relax.call_tir(gv, list(args), out if len(out) > 1 else out[0])
+
+            def rewriter(expr, matchings, _rule=rule, _wildcards=wildcards, _kernel=kernel):
+                matched = {name: matchings[p] for name, p in _wildcards.items() if p in matchings}
+                replacement = _rule.rewrite(matched, _kernel)
+                return expr if replacement is None else replacement
+
+            for gv in list(functions):
+                functions[gv] = rewrite_call(root, rewriter, functions[gv])
+    result = builder.get()
+    for gv, func in functions.items():
+        result[gv] = func
+    return result, pattern_calls(result)
+
+
+def pattern_calls(mod: tvm.IRModule) -> dict[str, int]:
+    """Call sites of pattern kernels per pattern name (identical kernels share one PrimFunc)."""
+    names = {gv: f.attrs[PATTERN_ATTR] for gv, f in mod.functions_items()
+             if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and PATTERN_ATTR in f.attrs}
+    counts: collections.Counter = collections.Counter()
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and expr.op.same_as(call_tir) and expr.args[0] in names:
+            counts[str(names[expr.args[0]])] += 1
+
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    return dict(counts)
+
+
+def kernel_names(mod: tvm.IRModule) -> list[str]:
+    return sorted(gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
+
+
+def static_shape(expr) -> tuple[int, ...] | None:
+    """The static shape of a matched expression, or None when it is symbolic."""
+    shape = getattr(expr.ty, "shape", None)
+    if shape is None:
+        return None
+    try:
+        return tuple(int(d) for d in shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def dtype_of(expr) -> str:
+    return str(expr.ty.dtype)
