@@ -1,0 +1,122 @@
+"""layernorm_residual: h = x + r; y = LayerNorm(h) * gamma + beta over the last axis; returns both.
+
+The pre-norm transformer residual: the sum h is the next residual stream (an output) and y feeds
+the next sublayer. eps = 1e-5, biased (1/hidden) variance. Four sblocks: ``add`` (writes h),
+``mean`` and ``sumsq`` (row sums of h and h*h, float32 accumulators) and ``norm`` (writes y, with
+var = sumsq/hidden - mean^2). Unfused, h is written and then read back three times from memory;
+fused per row, the three passes over h hit the row just written, still in L1.
+
+Parameter order: x, r, gamma, beta, h, y (two outputs, last).
+"""
+
+import numpy as np
+from tvm.script import tirx as T
+
+from autofuse.pattern import Pattern, ShapeParam, template
+from search_spaces.normalization.gelu_add_layernorm import EPS, layernorm, rfactor_lanes, vectorize_rf
+
+
+def build(shape, dtype):
+    rows, hidden = shape["rows"], shape["hidden"]
+    inv_n = 1.0 / hidden
+
+    @T.prim_func(s_tir=True)
+    def layernorm_residual(x: T.Buffer((rows, hidden), dtype), r: T.Buffer((rows, hidden), dtype),
+                           gamma: T.Buffer((hidden,), dtype), beta: T.Buffer((hidden,), dtype),
+                           h: T.Buffer((rows, hidden), dtype), y: T.Buffer((rows, hidden), dtype)):
+        T.func_attr({"global_symbol": "layernorm_residual", "tirx.noalias": True})
+        row_sum = T.sblock_alloc_buffer((rows,), "float32")
+        row_sq = T.sblock_alloc_buffer((rows,), "float32")
+        for i, j in T.grid(rows, hidden):
+            with T.sblock("add"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                h[vi, vj] = x[vi, vj] + r[vi, vj]
+        for i, k in T.grid(rows, hidden):
+            with T.sblock("mean"):
+                vi, vk = T.axis.remap("SR", [i, k])
+                with T.init():
+                    row_sum[vi] = T.float32(0)
+                row_sum[vi] = row_sum[vi] + T.Cast("float32", h[vi, vk])
+        for i, k in T.grid(rows, hidden):
+            with T.sblock("sumsq"):
+                vi, vk = T.axis.remap("SR", [i, k])
+                with T.init():
+                    row_sq[vi] = T.float32(0)
+                row_sq[vi] = row_sq[vi] + T.Cast("float32", h[vi, vk]) * T.Cast("float32", h[vi, vk])
+        for i, j in T.grid(rows, hidden):
+            with T.sblock("norm"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                mu: T.let = row_sum[vi] * T.float32(inv_n)
+                var: T.let = T.max(row_sq[vi] * T.float32(inv_n) - mu * mu, T.float32(0))
+                y[vi, vj] = T.Cast(dtype, (T.Cast("float32", h[vi, vj]) - mu) * T.rsqrt(var + T.float32(EPS))
+                                   * T.Cast("float32", gamma[vj]) + T.Cast("float32", beta[vj]))
+
+    return layernorm_residual
+
+
+def reference(x, r, gamma, beta):
+    h = x + r
+    return h, layernorm(h, gamma, beta).astype(x.dtype)
+
+
+def make_inputs(shape, dtype, seed):
+    rng = np.random.default_rng(seed)
+    rows, hidden = shape["rows"], shape["hidden"]
+    return [rng.standard_normal((rows, hidden)).astype(dtype),
+            rng.standard_normal((rows, hidden)).astype(dtype),
+            (1.0 + 0.1 * rng.standard_normal(hidden)).astype(dtype),
+            (0.1 * rng.standard_normal(hidden)).astype(dtype)]
+
+
+def flops(shape):
+    # add 1, mean 1, sumsq 2, normalise+affine 4 per element.
+    return 8.0 * shape["rows"] * shape["hidden"]
+
+
+def nbytes(shape, dtype):
+    rows, hidden = shape["rows"], shape["hidden"]
+    return np.dtype(dtype).itemsize * (4 * rows * hidden + 2 * hidden)
+
+
+@template("row_fused")
+def row_fused(sch, target, knobs):
+    """Rows split and run in parallel; per row the residual add writes h, the mean and
+    sum-of-squares passes re-read it from L1 (vectorised through an rfactor over a lane tile,
+    float32) and the vectorised normalise pass writes y."""
+    # h is an output, and compute_at refuses output blocks ("is an output block"): loop over the
+    # producer instead and reverse_compute_at every consumer to its row loop, in dataflow order.
+    add = sch.get_sblock("add")
+    norm = sch.get_sblock("norm")
+    mean_rf, mean = rfactor_lanes(sch, knobs, "mean", 16)
+    sq_rf, sq = rfactor_lanes(sch, knobs, "sumsq", 16)
+
+    i, j = sch.get_loops(add)
+    i0, i1 = sch.split(i, knobs.tile(i, 2, [4], max_innermost_factor=16))
+    sch.parallel(i0)
+    _, j1 = sch.split(j, knobs.tile(j, 2, [16], max_innermost_factor=64))
+    sch.vectorize(j1)
+    for blk in (mean_rf, mean, sq_rf, sq, norm):
+        sch.reverse_compute_at(blk, i1, preserve_unit_loops=True)
+    n = sch.get_loops(norm)[-1]
+    _, n1 = sch.split(n, knobs.tile(n, 2, [16], max_innermost_factor=64))
+    sch.vectorize(n1)
+    for rf in (mean_rf, sq_rf):
+        vectorize_rf(sch, rf)
+    sch.annotate(i0, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
+    sch.annotate(i0, "pragma_unroll_explicit", 1)
+
+
+PATTERN = Pattern(
+    name="layernorm_residual",
+    family="normalization",
+    description="h = x + r; y = LayerNorm(h) * gamma + beta over the last axis (eps=1e-5); outputs h and y",
+    shape_params=[ShapeParam("rows", 512, 8, "rows (tokens); LayerNorm is over each row"),
+                  ShapeParam("hidden", 768, 64, "hidden size (the normalised axis)")],
+    build=build,
+    reference=reference,
+    make_inputs=make_inputs,
+    flops=flops,
+    bytes=nbytes,
+    templates=[row_fused],
+    num_outputs=2,
+)
