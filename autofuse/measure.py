@@ -32,3 +32,28 @@ def time_function(rt_mod, args, dev, *, repeat: int = 10, min_repeat_ms: int = 5
     results = np.array(evaluator(*args).results)
     return Timing(float(np.median(results)), float(np.percentile(results, 10)),
                   float(np.percentile(results, 90)), len(results))
+
+
+def param_arrays(func, seed: int = 0) -> list[np.ndarray]:
+    """Seeded random data for every parameter of a PrimFunc (inputs and outputs alike), for
+    kernels that have no input maker of their own."""
+    rng = np.random.default_rng(seed)
+    arrays = []
+    for param in func.params:
+        buf = func.buffer_map[param] if hasattr(func, "buffer_map") else param
+        shape = tuple(int(d) for d in buf.shape)
+        dtype = str(buf.dtype)
+        if dtype.startswith("float") or dtype == "bfloat16":
+            arrays.append(rng.uniform(-1.0, 1.0, size=shape).astype(dtype))
+        elif dtype == "bool":
+            arrays.append(rng.integers(0, 2, size=shape).astype(bool))
+        else:
+            arrays.append(rng.integers(0, 8, size=shape).astype(dtype))
+    return arrays
+
+
+def run_on(rt_mod, arrays, dev) -> list[np.ndarray]:
+    """Run a kernel on copies of ``arrays``; every parameter's contents afterwards."""
+    args = to_device(arrays, dev)
+    rt_mod(*args)
+    return [a.numpy() for a in args]

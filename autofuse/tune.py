@@ -19,7 +19,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 
-from tvm import tirx
+from tvm import IRModule, tirx
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 from tvm.target import Target
@@ -37,9 +37,11 @@ class Task:
     """One workload to tune: a PrimFunc, the templates that apply to it, and its label."""
 
     name: str
-    func: tirx.PrimFunc
+    func: tirx.PrimFunc | IRModule
     templates: Sequence[Template] = ()
     weight: float = 1.0
+    # Overrides the session's space; a model's kernels without templates use "generic".
+    space: str | None = None
 
 
 @dataclasses.dataclass
@@ -178,16 +180,18 @@ def _mean_secs(run_secs) -> float | None:
 
 
 def tune(tasks: Sequence[Task], target: Target, database: ms.database.Database, work_dir: str, *,
-         trials_per_task: int, space: str = "union", seed: int | None = None,
+         trials_per_task: int, trials_total: int | None = None, space: str = "union", seed: int | None = None,
          num_trials_per_iter: int = 8, cost_model_path: str | None = None,
          runner: ms.runner.Runner | str = "local", on_progress: ProgressFn | None = None,
          on_phase: Callable[[str], None] | None = None) -> TuneStats:
-    """Tune every task for ``trials_per_task`` more trials into ``database``.
+    """Tune every task for ``trials_per_task`` more trials into ``database``; with
+    ``trials_total``, the tasks share that budget instead, by weight (MetaSchedule's gradient
+    task scheduler), as the kernels of one model do.
 
     Records already in ``database`` seed the evolutionary search, so a rerun continues from them.
     MetaSchedule's logs go to ``work_dir/logs``; nothing of it reaches the terminal.
     """
-    if trials_per_task <= 0:
+    if trials_per_task <= 0 or (trials_total is not None and trials_total <= 0):
         raise AutofuseError("--trials must be a positive integer")
     if not tasks:
         return TuneStats()
@@ -204,19 +208,20 @@ def tune(tasks: Sequence[Task], target: Target, database: ms.database.Database, 
         phase("generating design spaces")
         for task, logger, rand_state in zip(tasks, loggers, seeds):
             contexts.append(ms.TuneContext(
-                mod=task.func, target=target, space_generator=make_space(task.templates, space, target),
+                mod=task.func, target=target,
+                space_generator=make_space(task.templates, task.space or space, target),
                 search_strategy="evolutionary", task_name=task.name, rand_state=rand_state,
                 num_threads="physical", logger=logger).clone())
         phase("measuring")
         ms.tune.tune_tasks(
             tasks=contexts, task_weights=[t.weight for t in tasks], work_dir=work_dir,
-            max_trials_global=trials_per_task * len(tasks), max_trials_per_task=trials_per_task,
+            max_trials_global=trials_total or trials_per_task * len(tasks), max_trials_per_task=trials_per_task,
             num_trials_per_iter=min(num_trials_per_iter, trials_per_task),
             builder=ms.builder.LocalBuilder(f_build=fast_build), runner=runner, database=database,
             cost_model=cost_model,
             measure_callbacks=ms.measure_callback.MeasureCallback.create("default")
             + [_ProgressCallback(stats, on_progress)],
-            task_scheduler="round-robin")
+            task_scheduler="gradient" if trials_total else "round-robin")
     if cost_model_path:
         _save_cost_model(cost_model, cost_model_path)
     stats.total_secs = time.perf_counter() - stats.start_secs

@@ -4,8 +4,6 @@ against its numpy reference, time it against the untuned kernel, and return the 
 from __future__ import annotations
 
 import dataclasses
-import sys
-
 
 import tvm
 from tvm.target import Target
@@ -77,27 +75,12 @@ def summarize(job: Job, db: TuningDatabase, target: Target, *, space: str, stats
 
 def tune_jobs(jobs: list[Job], target: Target, db: TuningDatabase, *, trials: int, space: str,
               seed: int | None, progress: bool = True) -> tuple[list[dict], TuneStats]:
-    from tqdm import tqdm
-
-    bar = tqdm(total=trials * len(jobs), unit="trial", desc="starting", disable=not progress,
-               file=sys.stderr, dynamic_ncols=True)
-    labels = [job.label for job in jobs]
-
-    def on_phase(message):
-        bar.set_description(message)
-
-    def on_progress(stats: TuneStats, task_id: int):
-        bar.set_description(labels[task_id][:60])
-        bar.update(stats.total_trials - bar.n)
-        best = stats.best_secs.get(task_id)
-        bar.set_postfix_str(f"best {best * 1e3:.4f} ms" if best else "no valid kernel yet")
+    from .progress import tuning_bar
 
     tasks = [Task(job.label, job.func, job.pattern.templates) for job in jobs]
-    try:
+    with tuning_bar(trials * len(jobs), [job.label for job in jobs], progress) as (on_phase, on_progress):
         stats = tune(tasks, target, db.ms, db.work_dir, trials_per_task=trials, space=space, seed=seed,
                      cost_model_path=db.cost_model_path, on_progress=on_progress, on_phase=on_phase)
-    finally:
-        bar.close()
     rows = []
     for index, job in enumerate(jobs):
         rows.append(summarize(job, db, target, space=space, stats=stats, index=index))

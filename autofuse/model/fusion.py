@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import collections
+import json
 
 import tvm
 from tvm import relax
@@ -18,6 +19,8 @@ from ..registry import all_patterns
 
 MODES = ("none", "auto", "patterns")
 PATTERN_ATTR = "autofuse.pattern"
+SHAPE_ATTR = "autofuse.shape"
+DTYPE_ATTR = "autofuse.dtype"
 # FuseOps must not merge a pattern kernel with its neighbours: that would make it another workload.
 OPAQUE = 8
 
@@ -63,8 +66,9 @@ def match_patterns(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, int]]:
 
             def kernel(shape, dtype, args, _pattern=pattern, _rule=rule):
                 func = _pattern.build(shape, dtype)
-                func = func.without_attr("global_symbol").with_attr("op_pattern", OPAQUE).with_attr(
-                    PATTERN_ATTR, _pattern.name)
+                func = func.without_attr("global_symbol").with_attrs({
+                    "op_pattern": OPAQUE, PATTERN_ATTR: _pattern.name,
+                    SHAPE_ATTR: json.dumps(shape), DTYPE_ATTR: dtype})
                 gv = builder.add_func(func, f"{_pattern.name}")
                 specs = _pattern.output_specs(func)
                 out = [relax.TensorType(shape_, dtype_) for shape_, dtype_ in specs]

@@ -58,16 +58,17 @@ def _exp(v):
     i.e. -inf, under a different FMA contraction), so anything lower gives exp(-87) ~ 1.6e-38.
     """
     f32 = "float32"
-    xv, nv, fv = tirx.Var("ex", f32), tirx.Var("en", f32), tirx.Var("ef", f32)
-    clamped = tirx.max(tirx.min(v, tirx.const(88.3762626647950, f32)), tirx.const(-87.0, f32))
-    n = tirx.floor(xv * tirx.const(_LOG2E, f32) + tirx.const(0.5, f32))
-    frac = xv - nv * tirx.const(_LN2, f32)
+    # Plain sub-expressions rather than Let bindings: MetaSchedule's FLOP estimator (used by its
+    # task scheduler) has no rule for a Let expression; TIR's CSE pass shares the repeats again.
+    x = tirx.max(tirx.min(v, tirx.const(88.3762626647950, f32)), tirx.const(-87.0, f32))
+    n = tirx.floor(x * tirx.const(_LOG2E, f32) + tirx.const(0.5, f32))
+    f = x - n * tirx.const(_LN2, f32)
     poly = tirx.const(_EXP_POLY[0], f32)
     for c in _EXP_POLY[1:]:
-        poly = poly * fv + tirx.const(c, f32)
-    poly = poly * fv * fv + fv + tirx.const(1.0, f32)
-    two_n = tirx.reinterpret(f32, tirx.Cast("int32", nv + tirx.const(127.0, f32)) << tirx.const(23, "int32"))
-    return tirx.Let(xv, clamped, tirx.Let(nv, n, tirx.Let(fv, frac, two_n * poly)))
+        poly = poly * f + tirx.const(c, f32)
+    poly = poly * f * f + f + tirx.const(1.0, f32)
+    two_n = tirx.reinterpret(f32, tirx.Cast("int32", n + tirx.const(127.0, f32)) << tirx.const(23, "int32"))
+    return two_n * poly
 
 
 def build(shape, dtype):

@@ -1,0 +1,133 @@
+"""Building a model: apply the database kernel by kernel (never worse than the default), build
+with ``relax.build``, export a library TVM's runtime loads alone, and check it against
+onnxruntime."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import numpy as np
+import tvm
+from tvm import relax, s_tir
+from tvm.target import Target
+
+from ..database import TuningDatabase
+from ..errors import AutofuseError
+from ..verify import compare
+from .kernels import Kernel, kernels, make_checker, time_module
+
+
+@dataclasses.dataclass
+class KernelDecision:
+    name: str
+    pattern: str | None
+    applied: str            # "record", "template-default" or "default"
+    source: str | None      # where the applied record came from: template:<name> / generic
+    default_ms: float | None
+    tuned_ms: float | None
+    note: str = ""
+
+
+def default_schedule(kernel: Kernel, target: Target) -> s_tir.Schedule | None:
+    """A pattern kernel's template default; None for others (TVM's lowering as is)."""
+    if kernel.pattern is None:
+        return None
+    for template in kernel.pattern.templates_for(target):
+        try:
+            return template.apply(kernel.workload["main"], target, tunable=False)
+        except Exception:  # a template that does not fit this shape: try the next
+            continue
+    return None
+
+
+def apply_database(mod: tvm.IRModule, db: TuningDatabase | None, target: Target,
+                   dev) -> tuple[tvm.IRModule, list[KernelDecision]]:
+    """Each kernel gets its best checked record if that beats the default schedule, else the
+    default (the template default for pattern kernels)."""
+    decisions = []
+    mod = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(dict(mod.functions_items()))
+    for kernel in kernels(mod):
+        pattern = kernel.pattern.name if kernel.pattern else None
+        fallback = default_schedule(kernel, target)
+        fallback_mod = fallback.mod if fallback is not None else kernel.workload
+        chosen = None
+        note = ""
+        if db is not None:
+            chosen, rejected = db.best(kernel.workload, make_checker(kernel, target, dev))
+            if rejected:
+                note = f"{len(rejected)} record(s) rejected by the numerical check"
+        if chosen is None:
+            kind = "template-default" if fallback is not None else "default"
+            decisions.append(KernelDecision(kernel.name, pattern, kind, None, None, None,
+                                            note or ("no record" if db is not None else "")))
+            if fallback is not None:
+                mod[kernel.gv] = _as_kernel(fallback.mod["main"], kernel)
+            continue
+        default_secs = time_module(fallback_mod, kernel.func, target, dev)
+        tuned_secs = time_module(chosen.schedule.mod, kernel.func, target, dev)
+        if tuned_secs <= default_secs:
+            mod[kernel.gv] = _as_kernel(chosen.schedule.mod["main"], kernel)
+            decisions.append(KernelDecision(kernel.name, pattern, "record", chosen.source,
+                                            default_secs * 1e3, tuned_secs * 1e3, note))
+        else:
+            if fallback is not None:
+                mod[kernel.gv] = _as_kernel(fallback.mod["main"], kernel)
+            decisions.append(KernelDecision(
+                kernel.name, pattern, "template-default" if fallback is not None else "default", chosen.source,
+                default_secs * 1e3, tuned_secs * 1e3, (note + "; " if note else "") + "record slower than default"))
+    return mod, decisions
+
+
+def _as_kernel(scheduled, kernel: Kernel):
+    """The scheduled PrimFunc under the original kernel's attributes (name, visibility)."""
+    func = scheduled.without_attr("global_symbol")
+    if kernel.func.attrs and "global_symbol" in kernel.func.attrs:
+        func = func.with_attr("global_symbol", kernel.func.attrs["global_symbol"])
+    return func.with_attr("tirx.is_scheduled", True)
+
+
+def build(mod: tvm.IRModule, target: Target):
+    with tvm.transform.PassContext(opt_level=3):
+        return relax.build(mod, target=target)
+
+
+def export(executable, path: str, meta: dict) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        raise AutofuseError(f"cannot create output folder {folder}: {err.strerror}") from None
+    if not os.access(folder, os.W_OK):
+        raise AutofuseError(f"output folder {folder} is not writable")
+    executable.export_library(path)
+    with open(path + ".json", "w", encoding="utf-8") as f:
+        json.dump(meta, f, indent=2, default=str)
+
+
+def run_vm(executable_or_lib, inputs: list[np.ndarray], dev) -> list[np.ndarray]:
+    vm = relax.VirtualMachine(executable_or_lib, dev)
+    out = vm["main"](*[tvm.runtime.tensor(x, dev) for x in inputs])
+    return _flatten(out)
+
+
+def _flatten(out) -> list[np.ndarray]:
+    if hasattr(out, "numpy"):
+        return [out.numpy()]
+    return [a for item in out for a in _flatten(item)]
+
+
+def onnxruntime_outputs(model_path: str, feeds: dict[str, np.ndarray]) -> list[np.ndarray] | None:
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    session = ort.InferenceSession(model_path, options, providers=["CPUExecutionProvider"])
+    return session.run(None, feeds)
+
+
+def check_against(outputs, expected, rtol=1e-4, atol=1e-4):
+    return compare(outputs, expected, rtol, atol)

@@ -1,0 +1,141 @@
+"""The model commands' work: ``tune MODEL``, ``build MODEL`` and ``run LIBRARY``."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import numpy as np
+import tvm
+from tvm.target import Target
+
+from ..database import TuningDatabase
+from ..errors import AutofuseError
+from ..target import device_for
+from ..tune import TuneStats, tune
+from . import build as model_build
+from .fusion import fuse, kernel_names
+from .importer import input_specs, load_onnx, random_inputs, to_relax
+from .tuning import model_tasks
+
+
+@dataclasses.dataclass
+class PreparedModel:
+    path: str
+    onnx: object
+    fusion: str
+    mod: tvm.IRModule
+    matches: dict[str, int]
+
+    @property
+    def name(self) -> str:
+        return os.path.splitext(os.path.basename(self.path))[0]
+
+
+def prepare(path: str, fusion: str) -> PreparedModel:
+    model = load_onnx(path)
+    input_specs(model)  # symbolic input dimensions are an error before any work
+    mod, matches = fuse(to_relax(model, path), fusion)
+    return PreparedModel(path, model, fusion, mod, matches)
+
+
+def tune_model(prepared: PreparedModel, target: Target, db: TuningDatabase, *, trials: int, space: str,
+               seed: int | None, progress: bool = True) -> tuple[list, TuneStats]:
+    from ..progress import tuning_bar
+
+    tasks = model_tasks(prepared.mod, target, space)
+    with tuning_bar(trials, [t.name for t in tasks], progress) as (on_phase, on_progress):
+        stats = tune(tasks, target, db.ms, db.work_dir, trials_per_task=trials, trials_total=trials,
+                     space=space, seed=seed, cost_model_path=db.cost_model_path,
+                     on_progress=on_progress, on_phase=on_phase)
+    return tasks, stats
+
+
+@dataclasses.dataclass
+class BuildResult:
+    decisions: list
+    kernels: list[str]
+    latency_ms: float
+    max_abs_err: float | None
+    max_rel_err: float | None
+    verified: bool | None      # None: not checked (--no-verify or no onnxruntime)
+    message: str = ""
+
+
+def build_model(prepared: PreparedModel, target: Target, db: TuningDatabase | None, output: str, *,
+                verify: bool = True, seed: int = 0, repeat: int = 10) -> BuildResult:
+    dev = device_for(target)
+    mod, decisions = model_build.apply_database(prepared.mod, db, target, dev)
+    executable = model_build.build(mod, target)
+    specs = input_specs(prepared.onnx)
+    feeds = random_inputs(prepared.onnx, seed)
+    outputs = model_build.run_vm(executable, list(feeds.values()), dev)
+    result = BuildResult(decisions, kernel_names(mod), _vm_latency_ms(executable, feeds, dev, repeat),
+                         None, None, None)
+    if verify:
+        expected = model_build.onnxruntime_outputs(prepared.path, feeds)
+        if expected is None:
+            result.message = "onnxruntime is not installed: not verified (pip install -e '.[bench]')"
+        else:
+            check = model_build.check_against(outputs, expected)
+            result.verified, result.max_abs_err, result.max_rel_err = check.ok, check.max_abs_err, check.max_rel_err
+            result.message = check.message
+    model_build.export(executable, output, {
+        "model": os.path.abspath(prepared.path), "fusion": prepared.fusion, "target": str(target),
+        "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in specs],
+        "outputs": [o.name for o in prepared.onnx.graph.output],
+        "kernels": [dataclasses.asdict(d) for d in decisions], "built": time.strftime("%Y-%m-%d %H:%M:%S")})
+    return result
+
+
+def _vm_latency_ms(executable, feeds, dev, repeat: int) -> float:
+    from tvm import relax
+    vm = relax.VirtualMachine(executable, dev)
+    args = [tvm.runtime.tensor(x, dev) for x in feeds.values()]
+    timer = vm.time_evaluator("main", dev, number=1, repeat=repeat, min_repeat_ms=50)
+    return float(np.median(timer(*args).results)) * 1e3
+
+
+def load_inputs(meta: dict, inputs_path: str | None, seed: int) -> dict[str, np.ndarray]:
+    """Inputs for ``run``: from an .npz (checked against the library's input specs) or random."""
+    rng = np.random.default_rng(seed)
+    if inputs_path is None:
+        return {i["name"]: rng.standard_normal(i["shape"]).astype(i["dtype"]) for i in meta["inputs"]}
+    if not os.path.exists(inputs_path):
+        raise AutofuseError(f"inputs file {inputs_path} does not exist")
+    try:
+        data = np.load(inputs_path)
+    except Exception as err:
+        raise AutofuseError(f"{inputs_path} is not a readable .npz file: {err}") from None
+    feeds = {}
+    for spec in meta["inputs"]:
+        if spec["name"] not in data:
+            raise AutofuseError(f"{inputs_path} has no array named {spec['name']!r} (has: {', '.join(data.files)})")
+        array = data[spec["name"]]
+        if list(array.shape) != spec["shape"]:
+            raise AutofuseError(f"input {spec['name']!r} has shape {list(array.shape)}, the model takes {spec['shape']}")
+        if array.dtype.name != spec["dtype"]:
+            raise AutofuseError(f"input {spec['name']!r} has dtype {array.dtype.name}, the model takes {spec['dtype']}")
+        feeds[spec["name"]] = array
+    return feeds
+
+
+def run_library(library: str, inputs_path: str | None, seed: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
+    import json
+    meta_path = library + ".json"
+    if not os.path.exists(library):
+        raise AutofuseError(f"library {library} does not exist")
+    if not os.path.exists(meta_path):
+        raise AutofuseError(f"{meta_path} is missing: build the library with `autofuse build`")
+    with open(meta_path, encoding="utf-8") as f:
+        meta = json.load(f)
+    feeds = load_inputs(meta, inputs_path, seed)
+    try:
+        lib = tvm.runtime.load_module(library)
+    except Exception as err:
+        raise AutofuseError(f"cannot load {library}: {str(err).strip().splitlines()[0]}") from None
+    target = Target(json.loads(meta["target"])) if meta["target"].startswith("{") else Target(meta["target"])
+    outputs = model_build.run_vm(lib, list(feeds.values()), device_for(target))
+    names = meta.get("outputs") or [f"output{i}" for i in range(len(outputs))]
+    return meta, dict(zip(names, outputs))
