@@ -1,4 +1,4 @@
-"""The ``autofuse`` command: sub-commands ``tune`` and ``list``.
+"""The ``autofuse`` command: sub-commands ``tune``, ``build``, ``run`` and ``list``.
 
 Every known problem with the user's input is an ``AutofuseError``; this module alone prints it, as
 one line on stderr, and exits with code 2.
@@ -49,14 +49,20 @@ def _build_parser() -> argparse.ArgumentParser:
         f"{DEFAULT_PATTERN} at its default shape on this CPU for {DEFAULT_TRIALS} trials. Running it "
         "again on the same database resumes from the stored records and adds --trials more. The best "
         "record is checked against the numpy reference before it is reported."))
-    tune.add_argument("--pattern", default=DEFAULT_PATTERN, help=f"pattern name or 'all' (default {DEFAULT_PATTERN})")
+    tune.add_argument("model", nargs="?", default=None, metavar="MODEL.onnx",
+                      help="tune this ONNX model's kernels instead of a pattern (see --fusion)")
+    tune.add_argument("--pattern", default=None, help=f"pattern name or 'all' (default {DEFAULT_PATTERN})")
+    tune.add_argument("--fusion", default="patterns", choices=["none", "auto", "patterns"],
+                      help="for a model: none (op per kernel), auto (TVM FuseOps, the XLA-style baseline) or "
+                           "patterns (our patterns matched first, the rest auto; default)")
     tune.add_argument("--shape", action="append", metavar="K=V",
                       help="override a shape parameter, repeatable or comma-separated (see autofuse list)")
     tune.add_argument("--dtype", default=None, help="element type (default: the pattern's first)")
     tune.add_argument("--target", default="llvm",
                       help="llvm (this CPU, with its mcpu and core count), cuda/h200, or a JSON target dict")
     tune.add_argument("--trials", default=DEFAULT_TRIALS, type=_positive_int,
-                      help=f"trials to add per workload (default {DEFAULT_TRIALS})")
+                      help=f"trials to add per pattern workload, or shared by a model's kernels by weight "
+                           f"(default {DEFAULT_TRIALS})")
     tune.add_argument("--space", default="union", choices=["template", "generic", "union"],
                       help="template: our hand-designed templates; generic: MetaSchedule's default rules "
                            "(Ansor-style); union: both (default)")
@@ -65,6 +71,28 @@ def _build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--json", default=None, metavar="PATH", help="also write the result rows as JSON")
     tune.add_argument("--small", action="store_true", help="use each pattern's small test shape")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    build = sub.add_parser("build", help="build an ONNX model with the tuned records into a shared library",
+                           description=(
+        "Fuse MODEL, give every kernel its best checked record when that beats the default schedule "
+        "(pattern kernels default to their template), build with relax.build, export a library that "
+        "TVM's runtime loads alone (plus LIB.json describing inputs and kernels), and check the "
+        "result against onnxruntime on seeded inputs (exit 1 on a mismatch)."))
+    build.add_argument("model", metavar="MODEL.onnx")
+    build.add_argument("--fusion", default="patterns", choices=["none", "auto", "patterns"])
+    build.add_argument("--db", default="logs", help="database root (default logs); --db none builds without records")
+    build.add_argument("--target", default="llvm")
+    build.add_argument("-o", "--output", default=None, help="library path (default out/<model>-<fusion>.so)")
+    build.add_argument("--no-verify", action="store_true", help="skip the onnxruntime check")
+    build.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
+
+    run = sub.add_parser("run", help="run a library built by autofuse build",
+                         description="Run LIB on inputs from an .npz (arrays named as the model's inputs) "
+                                     "or on seeded random inputs; print a summary, optionally save the outputs.")
+    run.add_argument("library", metavar="LIB.so")
+    run.add_argument("--inputs", default=None, metavar="X.npz")
+    run.add_argument("--save", default=None, metavar="OUT.npz", help="save the outputs")
+    run.add_argument("--seed", type=int, default=0)
 
     lst = sub.add_parser("list", help="list patterns, their shapes and templates, and stored best latency",
                          description="List the patterns; with a database, the best checked latency of each "
@@ -85,6 +113,9 @@ def _positive_int(text: str) -> int:
 
 
 def cmd_tune(args) -> int:
+    if args.model is not None:
+        return _tune_model(args)
+    args.pattern = args.pattern or DEFAULT_PATTERN
     from .database import TuningDatabase
     from .registry import resolve_patterns
     from .report import TUNE_COLUMNS, machine_info, table, write_json
@@ -123,6 +154,92 @@ def cmd_tune(args) -> int:
                                            "trials_per_minute": stats.trials_per_minute(),
                                            "steady_trials_per_minute": stats.steady_trials_per_minute()}})
     return 0 if all(row["best_ms"] is not None for row in rows) else 1
+
+
+def _tune_model(args) -> int:
+    from .database import TuningDatabase
+    from .model.jobs import prepare, tune_model
+    from .report import table
+    from .target import parse_target, target_key
+
+    if args.pattern or args.shape or args.small:
+        raise AutofuseError("--pattern/--shape/--small apply to pattern tuning, not to a model")
+    target = parse_target(args.target)
+    prepared = prepare(args.model, args.fusion)
+    _print_matches(prepared)
+    db = TuningDatabase(args.db, target)
+    print(f"autofuse: tuning {prepared.name} (fusion {args.fusion}) on {target_key(target)}, {args.trials} trials "
+          f"shared by its kernels, database {db.path}", file=sys.stderr)
+    tasks, stats = tune_model(prepared, target, db, trials=args.trials, space=args.space, seed=args.seed,
+                              progress=not args.no_progress)
+    rows = [{"kernel": t.name, "weight": t.weight, "space": t.space, "trials": stats.trials.get(i, 0),
+             "best_ms": stats.best_secs[i] * 1e3 if i in stats.best_secs else None,
+             "tune_secs": stats.task_secs.get(i, 0.0)} for i, t in enumerate(tasks)]
+    print(table(rows, [("kernel", "kernel"), ("weight", "runs"), ("space", "space"), ("trials", "trials"),
+                       ("best_ms", "best ms (measured in tuning)"), ("tune_secs", "time s")]))
+    print(_throughput_line(stats))
+    print(f"next: autofuse build {args.model} --fusion {args.fusion} --db {args.db}")
+    return 0
+
+
+def _print_matches(prepared) -> None:
+    if prepared.fusion != "patterns":
+        return
+    if prepared.matches:
+        found = ", ".join(f"{name} x{count}" for name, count in sorted(prepared.matches.items()))
+        print(f"autofuse: matched patterns in {prepared.name}: {found}", file=sys.stderr)
+    else:
+        print(f"autofuse: no pattern matched in {prepared.name}; everything goes through auto fusion", file=sys.stderr)
+
+
+def cmd_build(args) -> int:
+    import dataclasses
+    import os
+
+    from .database import TuningDatabase
+    from .model.jobs import build_model, prepare
+    from .report import table
+    from .target import parse_target
+
+    target = parse_target(args.target)
+    prepared = prepare(args.model, args.fusion)
+    _print_matches(prepared)
+    output = args.output or os.path.join("out", f"{prepared.name}-{args.fusion}.so")
+    db = None if args.db == "none" else TuningDatabase(args.db, target)
+    result = build_model(prepared, target, db, output, verify=not args.no_verify, seed=args.seed)
+    rows = [dataclasses.asdict(d) for d in result.decisions]
+    print(table(rows, [("name", "kernel"), ("pattern", "pattern"), ("applied", "applied"), ("source", "record from"),
+                       ("default_ms", "default ms"), ("tuned_ms", "record ms"), ("note", "note")]))
+    applied = sum(d.applied == "record" for d in result.decisions)
+    print(f"{applied} of {len(result.decisions)} kernels use a tuned record; the others their default schedule")
+    print(f"model latency {result.latency_ms:.3f} ms (median); library {output}")
+    if result.verified is None:
+        print(f"not verified: {result.message or '--no-verify'}")
+        return 0
+    if not result.verified:
+        print(f"autofuse build: MISMATCH against onnxruntime: max abs error {result.max_abs_err:.3g}, "
+              f"max rel error {result.max_rel_err:.3g}", file=sys.stderr)
+        return 1
+    print(f"matches onnxruntime: max abs error {result.max_abs_err:.2g}, max rel error {result.max_rel_err:.2g}")
+    return 0
+
+
+def cmd_run(args) -> int:
+    import numpy as np
+
+    from .model.jobs import run_library
+
+    _, outputs = run_library(args.library, args.inputs, args.seed)
+    for name, value in outputs.items():
+        print(f"{name}: shape {list(value.shape)} {value.dtype}, mean {float(value.mean()):.6g}, "
+              f"min {float(value.min()):.6g}, max {float(value.max()):.6g}")
+    if args.save:
+        try:
+            np.savez(args.save, **outputs)
+        except OSError as err:
+            raise AutofuseError(f"cannot write {args.save}: {err.strerror}") from None
+        print(f"saved {args.save}")
+    return 0
 
 
 def _throughput_line(stats) -> str:
@@ -186,7 +303,7 @@ def _stored_best(db, pattern, target) -> dict:
     return {"records": total, "best_ms": chosen.run_secs * 1e3, "source": chosen.source}
 
 
-COMMANDS = {"tune": cmd_tune, "list": cmd_list}
+COMMANDS = {"tune": cmd_tune, "build": cmd_build, "run": cmd_run, "list": cmd_list}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -141,6 +141,7 @@ class ShapeParam:
     default: int
     small: int
     doc: str = ""
+    minimum: int = 1
 
 
 Shape = dict[str, int]
@@ -152,7 +153,8 @@ class Pattern:
 
     ``build(shape, dtype)`` returns a PrimFunc whose last ``num_outputs`` parameters are outputs.
     ``make_inputs(shape, dtype, seed)`` returns the input arrays in parameter order;
-    ``reference(*inputs)`` returns the output array (or a tuple of them) in numpy.
+    ``reference(*inputs)`` returns the output array (or a tuple of them) in numpy; a reference
+    that also depends on a non-array shape parameter takes it as ``reference(*inputs, shape=...)``.
     """
 
     name: str
@@ -172,6 +174,12 @@ class Pattern:
     tolerance: dict[str, tuple[float, float]] = dataclasses.field(
         default_factory=lambda: {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (2e-2, 2e-2)})
 
+    def run_reference(self, inputs, shape: Shape) -> list[np.ndarray]:
+        import inspect
+        takes_shape = "shape" in inspect.signature(self.reference).parameters
+        out = self.reference(*inputs, shape=shape) if takes_shape else self.reference(*inputs)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+
     def default_shape(self) -> Shape:
         return {p.name: p.default for p in self.shape_params}
 
@@ -189,8 +197,10 @@ class Pattern:
                 number = int(str(value), 10)
             except ValueError:
                 raise AutofuseError(f"shape parameter {key}={value!r} of {self.name!r} is not an integer") from None
-            if number <= 0:
-                raise AutofuseError(f"shape parameter {key}={number} of {self.name!r} must be positive")
+            minimum = next(p.minimum for p in self.shape_params if p.name == key)
+            if number < minimum:
+                rule = "positive" if minimum == 1 else f">= {minimum}"
+                raise AutofuseError(f"shape parameter {key}={number} of {self.name!r} must be {rule}")
             shape[key] = number
         return shape
 

@@ -38,11 +38,6 @@ def compare(outputs, expected, rtol: float, atol: float) -> Check:
     return Check(True, worst_abs, worst_rel)
 
 
-def reference_outputs(pattern: Pattern, inputs) -> list[np.ndarray]:
-    out = pattern.reference(*inputs)
-    return list(out) if isinstance(out, (tuple, list)) else [out]
-
-
 def check_module(pattern: Pattern, rt_mod, func, shape: Shape, dtype: str, dev, seed: int = 1234) -> Check:
     """Run ``rt_mod`` (built from a schedule of ``func``) on fresh inputs and compare."""
     inputs = pattern.make_inputs(shape, dtype, seed)
@@ -52,4 +47,4 @@ def check_module(pattern: Pattern, rt_mod, func, shape: Shape, dtype: str, dev, 
     except tvm.error.TVMError as err:
         return Check(False, float("inf"), float("inf"), f"kernel failed: {str(err).splitlines()[0]}")
     rtol, atol = pattern.tolerance_for(dtype)
-    return compare([o.numpy() for o in outputs], reference_outputs(pattern, inputs), rtol, atol)
+    return compare([o.numpy() for o in outputs], pattern.run_reference(inputs, shape), rtol, atol)

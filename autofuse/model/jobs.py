@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import time
@@ -132,10 +133,23 @@ def run_library(library: str, inputs_path: str | None, seed: int = 0) -> tuple[d
         meta = json.load(f)
     feeds = load_inputs(meta, inputs_path, seed)
     try:
-        lib = tvm.runtime.load_module(library)
+        with _native_stderr_silenced():  # TVM logs a "Scope Loaded" warning per constant scope
+            lib = tvm.runtime.load_module(library)
     except Exception as err:
         raise AutofuseError(f"cannot load {library}: {str(err).strip().splitlines()[0]}") from None
     target = Target(json.loads(meta["target"])) if meta["target"].startswith("{") else Target(meta["target"])
     outputs = model_build.run_vm(lib, list(feeds.values()), device_for(target))
     names = meta.get("outputs") or [f"output{i}" for i in range(len(outputs))]
     return meta, dict(zip(names, outputs))
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced():
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)

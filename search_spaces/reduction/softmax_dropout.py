@@ -14,7 +14,9 @@ fourth buffer; fused, one row at a time stays in L1 across the three passes. The
 written out as a polynomial (``_exp``): ``T.exp`` becomes a scalar ``expf`` call per vector lane on
 x86, which made the whole kernel ~10x slower (3.3 ms against 0.34 ms at 512x1024, 2 cores).
 
-``build(shape, dtype)`` uses the module constants ``P`` and ``SEED``; ``build_with`` takes them.
+The dropout probability is the shape parameter ``p_permille`` (p = p_permille / 1000, default
+100; 0 is inference, plain softmax, which is what models match); the mask seed is ``SEED``.
+``build_with`` takes any p and seed.
 """
 
 import numpy as np
@@ -72,7 +74,11 @@ def _exp(v):
 
 
 def build(shape, dtype):
-    return build_with(shape, dtype, P, SEED)
+    return build_with(shape, dtype, _p(shape), SEED)
+
+
+def _p(shape):
+    return shape.get("p_permille", 100) / 1000.0
 
 
 def build_with(shape, dtype, p, seed):
@@ -134,8 +140,8 @@ def reference_with(x, p, seed):
     return np.where(keep, soft / (1.0 - p), 0.0).astype(x.dtype)
 
 
-def reference(x):
-    return reference_with(x, P, SEED)
+def reference(x, shape=None):
+    return reference_with(x, _p(shape or {}), SEED)
 
 
 def make_inputs(shape, dtype, seed):
@@ -199,7 +205,8 @@ PATTERN = Pattern(
     family="reduction",
     description="dropout(softmax(x, axis=-1)) with a hashed (seed, index) keep mask, p=0.1",
     shape_params=[ShapeParam("rows", 512, 8, "rows (softmax is over each row)"),
-                  ShapeParam("cols", 1024, 64, "columns (the softmax axis)")],
+                  ShapeParam("cols", 1024, 64, "columns (the softmax axis)"),
+                  ShapeParam("p_permille", 100, 100, "dropout probability in 1/1000 (0: inference)", minimum=0)],
     build=build,
     reference=reference,
     make_inputs=make_inputs,

@@ -75,3 +75,12 @@ def test_masked_logits_stay_finite():
     assert np.all(np.isfinite(y))
     assert np.all(np.abs(y[:, ::3]) < 1e-30)
     np.testing.assert_allclose(y, _softmax(x), rtol=1e-5, atol=1e-6)
+
+
+def test_p_permille_zero_is_a_shape_and_means_softmax():
+    from autofuse.registry import get_pattern
+    pattern = get_pattern("softmax_dropout")
+    shape = pattern.resolve_shape({"p_permille": "0"}, base="small")
+    x = pattern.make_inputs(shape, "float32", 3)[0]
+    (y,) = pattern.run_reference([x], shape)
+    np.testing.assert_allclose(y, _softmax(x), rtol=1e-6)
