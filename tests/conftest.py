@@ -22,3 +22,12 @@ def tuned_db(tmp_path_factory):
                      "--db", str(root), "--no-progress", "--json", str(root / "rows.json"))
     assert result.returncode == 0, result.stderr[-3000:]
     return root, result
+
+
+@pytest.fixture(scope="session")
+def built_mlp(tmp_path_factory):
+    """models/mlp.onnx built with --fusion patterns and no records."""
+    out = tmp_path_factory.mktemp("built") / "mlp.so"
+    result = run_cli("build", os.path.join(REPO, "models", "mlp.onnx"), "--db", "none", "-o", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
