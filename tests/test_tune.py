@@ -63,3 +63,15 @@ def test_spaces_produce_their_own_records(tmp_path):
          space="template", seed=3)
     sources = {record_source(r.trace) for r in db.ms.get_all_tuning_records()}
     assert sources == {"generic", "template:tiled_epilogue"}
+
+
+def test_pattern_all_tunes_every_pattern_in_one_session(tmp_path):
+    from autofuse.registry import all_patterns
+    result = run_cli("tune", "--pattern", "all", "--small", "--trials", "4", "--db", str(tmp_path), "--no-progress",
+                     "--space", "template", "--seed", "5")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    table = result.stdout
+    for name in all_patterns():
+        line = next(l for l in table.splitlines() if l.startswith(name))
+        assert "template:" in line, line
+    assert f"{4 * len(all_patterns())} trials" in table
