@@ -19,7 +19,7 @@ each register tile of the accumulator while it is still in L1.
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, ShapeParam, template
+from autofuse.pattern import Pattern, RelaxRule, ShapeParam, template
 
 
 def _dims(shape):
@@ -137,6 +137,74 @@ def tiled_direct(sch, target, knobs):
     sch.annotate(outer, "pragma_unroll_explicit", 1)
 
 
+def _relax_pattern():
+    from tvm.relax.dpl import is_op, is_tuple_get_item, wildcard
+    x, w, bias = wildcard(), wildcard(), wildcard()
+    gamma, beta, mean, var = wildcard(), wildcard(), wildcard(), wildcard()
+    conv = is_op("relax.nn.conv2d")(x, w)
+    # ONNX Conv with a bias imports as conv2d + add(reshape(bias) to (1, C, 1, 1)): the bias is
+    # optional and folds into bn_shift.
+    biased = is_op("relax.add")(conv, bias)
+    bn = is_op("relax.nn.batch_norm")(biased | conv, gamma, beta, mean, var)
+    root = is_op("relax.nn.relu")(is_tuple_get_item(bn, 0))
+    return root, {"x": x, "w": w, "bias": bias, "gamma": gamma, "beta": beta, "mean": mean, "var": var,
+                  "conv": conv, "bn": bn}
+
+
+def _ints(values):
+    return tuple(int(v) for v in values)
+
+
+def _relax_rewrite(matched, kernel):
+    """relu(batch_norm(conv2d(x, w) [+ bias])[0]) -> the kernel, when the conv is an NCHW/OIHW
+    'same' conv this pattern covers (stride 1, dilation 1, groups 1, odd square kernel k, padding
+    k//2) in float32; batch norm (and bias) become bn_scale/bn_shift as Relax arithmetic on their
+    inputs, which FoldConstant folds when they are constants."""
+    from tvm import relax
+    from autofuse.model.fusion import dtype_of, static_shape
+    x, w, conv, bn = matched["x"], matched["w"], matched["conv"], matched["bn"]
+    params = [matched[k] for k in ("gamma", "beta", "mean", "var")]
+    bias = matched.get("bias")
+    xs, ws, ys = static_shape(x), static_shape(w), static_shape(conv)
+    if None in (xs, ws, ys) or len(xs) != 4 or len(ws) != 4:
+        return None
+    n, ci, h, wd = xs
+    co, wci, k, k2 = ws
+    if wci != ci or k != k2 or k % 2 != 1:
+        return None
+    a = conv.attrs
+    if (a.data_layout, a.kernel_layout, a.out_layout) != ("NCHW", "OIHW", "NCHW"):
+        return None
+    if (_ints(a.strides) != (1, 1) or _ints(a.dilation) != (1, 1) or int(a.groups) != 1
+            or _ints(a.padding) != (k // 2,) * 4):
+        return None
+    if a.out_dtype is not None and str(a.out_dtype) not in ("", "float32"):
+        return None
+    shape = {"n": n, "c_in": ci, "h": h, "w": wd, "c_out": co, "kernel": k}
+    if ys != (n, co) + _dims(shape)[7:]:
+        return None
+    tensors = [x, w, conv, *params] + ([bias] if bias is not None else [])
+    if any(dtype_of(t) != "float32" for t in tensors):
+        return None
+    if any(static_shape(p) != (co,) for p in params):
+        return None
+    b = bn.attrs
+    if int(b.axis) not in (1, -3) or not b.center or not b.scale or b.training:
+        return None
+    gamma, beta, mean, var = params
+    eps = relax.const(float(b.epsilon), "float32")
+    scale = relax.op.divide(gamma, relax.op.sqrt(relax.op.add(var, eps)))
+    if bias is None:
+        shift = relax.op.subtract(beta, relax.op.multiply(mean, scale))
+    else:
+        # batch_norm(conv + bias) = conv * scale + (beta + (bias - mean) * scale)
+        if static_shape(bias) not in ((co, 1, 1), (1, co, 1, 1)):
+            return None
+        bias_c = relax.op.reshape(bias, (co,))
+        shift = relax.op.add(beta, relax.op.multiply(relax.op.subtract(bias_c, mean), scale))
+    return kernel(shape, "float32", [x, w, scale, shift])
+
+
 PATTERN = Pattern(
     name="conv2d_bn_relu",
     family="conv",
@@ -153,4 +221,5 @@ PATTERN = Pattern(
     flops=flops,
     bytes=nbytes,
     templates=[tiled_direct],
+    relax_rules=[RelaxRule("conv2d_batch_norm_relu", _relax_pattern, _relax_rewrite)],
 )

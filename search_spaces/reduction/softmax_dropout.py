@@ -23,7 +23,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, ShapeParam, template
+from autofuse.pattern import Pattern, RelaxRule, ShapeParam, template
 
 P = 0.1
 SEED = 42
@@ -200,6 +200,34 @@ def row_parallel(sch, target, knobs):
     sch.annotate(i0, "pragma_unroll_explicit", 1)
 
 
+def _relax_pattern():
+    from tvm.relax.dpl import is_op, wildcard
+    x = wildcard()
+    root = is_op("relax.nn.softmax")(x)
+    # The root is in the dict too: the rewriter gets matches by name only, and the axis is an
+    # attribute of the matched call.
+    return root, {"x": x, "call": root}
+
+
+def _relax_rewrite(matched, kernel):
+    """softmax(x, axis=last) on float32 x of rank >= 2 -> the kernel with p = 0 (inference), the
+    leading axes flattened into rows."""
+    from tvm import relax
+    from autofuse.model.fusion import dtype_of, static_shape
+    x, call = matched["x"], matched["call"]
+    xs = static_shape(x)
+    if xs is None or len(xs) < 2 or dtype_of(x) != "float32":
+        return None
+    if int(call.attrs.axis) not in (-1, len(xs) - 1):
+        return None
+    rows, cols = int(np.prod(xs[:-1])), xs[-1]
+    if rows * cols >= 1 << 31:
+        return None
+    x2d = x if len(xs) == 2 else relax.op.reshape(x, (rows, cols))
+    out = kernel({"rows": rows, "cols": cols, "p_permille": 0}, "float32", [x2d])
+    return out if len(xs) == 2 else relax.op.reshape(out, xs)
+
+
 PATTERN = Pattern(
     name="softmax_dropout",
     family="reduction",
@@ -213,4 +241,5 @@ PATTERN = Pattern(
     flops=flops,
     bytes=nbytes,
     templates=[row_parallel],
+    relax_rules=[RelaxRule("softmax_last_axis", _relax_pattern, _relax_rewrite)],
 )
