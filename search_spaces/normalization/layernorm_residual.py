@@ -15,7 +15,7 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, template
-from search_spaces.normalization.gelu_add_layernorm import EPS, layernorm, rfactor_lanes, vectorize_rf
+from search_spaces.normalization.gelu_add_layernorm import EPS, layernorm, make_inputs, rfactor_lanes, vectorize_rf
 
 
 def build(shape, dtype):
@@ -59,15 +59,6 @@ def build(shape, dtype):
 def reference(x, r, gamma, beta):
     h = x + r
     return h, layernorm(h, gamma, beta).astype(x.dtype)
-
-
-def make_inputs(shape, dtype, seed):
-    rng = np.random.default_rng(seed)
-    rows, hidden = shape["rows"], shape["hidden"]
-    return [rng.standard_normal((rows, hidden)).astype(dtype),
-            rng.standard_normal((rows, hidden)).astype(dtype),
-            (1.0 + 0.1 * rng.standard_normal(hidden)).astype(dtype),
-            (0.1 * rng.standard_normal(hidden)).astype(dtype)]
 
 
 def flops(shape):
