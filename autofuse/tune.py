@@ -216,7 +216,7 @@ def tune(tasks: Sequence[Task], target: Target, database: ms.database.Database, 
         ms.tune.tune_tasks(
             tasks=contexts, task_weights=[t.weight for t in tasks], work_dir=work_dir,
             max_trials_global=trials_total or trials_per_task * len(tasks), max_trials_per_task=trials_per_task,
-            num_trials_per_iter=min(num_trials_per_iter, trials_per_task),
+            num_trials_per_iter=_trials_per_round(num_trials_per_iter, trials_per_task, trials_total, len(tasks)),
             builder=ms.builder.LocalBuilder(f_build=fast_build), runner=runner, database=database,
             cost_model=cost_model,
             measure_callbacks=ms.measure_callback.MeasureCallback.create("default")
@@ -226,6 +226,13 @@ def tune(tasks: Sequence[Task], target: Target, database: ms.database.Database, 
         _save_cost_model(cost_model, cost_model_path)
     stats.total_secs = time.perf_counter() - stats.start_secs
     return stats
+
+
+def _trials_per_round(preferred: int, per_task: int, total: int | None, n_tasks: int) -> int:
+    # The gradient scheduler gives its first rounds to the tasks one after another; a round larger
+    # than the shared budget's share would spend it all on the first task and leave the rest untuned.
+    share = per_task if total is None else max(1, total // n_tasks)
+    return max(1, min(preferred, per_task, share))
 
 
 def _load_cost_model(path: str | None) -> ms.cost_model.XGBModel:
