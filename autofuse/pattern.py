@@ -170,6 +170,9 @@ class Pattern:
     dtypes: Sequence[str] = ("float32",)
     num_outputs: int = 1
     relax_rules: Sequence[RelaxRule] = ()
+    # The same computation in standard ONNX ops, for the baselines (onnxruntime, TVM auto-fusion,
+    # XLA): graph inputs are make_inputs' arrays in order, outputs the reference's. None: no baselines.
+    onnx_graph: Callable[[Shape, str], Any] | None = None
     # (rtol, atol) of the numerical check, per dtype.
     tolerance: dict[str, tuple[float, float]] = dataclasses.field(
         default_factory=lambda: {"float32": (1e-4, 1e-4), "float16": (1e-2, 1e-2), "bfloat16": (2e-2, 2e-2)})

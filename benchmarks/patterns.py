@@ -18,7 +18,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autofuse.database import FAILED_RUN_SECS, TuningDatabase, record_secs  # noqa: E402
+from autofuse.database import FAILED_RUN_SECS, RECORDS, WORKLOADS, TuningDatabase  # noqa: E402
 from autofuse.registry import all_patterns  # noqa: E402
 from autofuse.report import machine_info, table, write_json  # noqa: E402
 from autofuse.target import parse_target, target_key  # noqa: E402
@@ -28,18 +28,31 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def best_so_far_curve(db: TuningDatabase, func) -> list[float | None]:
-    """Best MetaSchedule-measured latency (ms) after each trial, in the order trials were stored."""
+    """Best MetaSchedule-measured latency (ms) after each trial, in trial order.
+
+    JSONDatabase hands records back sorted by latency, so the order comes from its record file,
+    which it appends to as trials finish.
+    """
+    import json
+
     import tvm_ffi
     from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
     shash = tvm_ffi.structural_hash(_normalize_mod(func))
+    with open(os.path.join(db.path, WORKLOADS), encoding="utf-8") as f:
+        workloads = [json.loads(line) for line in f if line.strip()]
+    indices = {i for i, (workload_hash, _mod) in enumerate(workloads) if int(workload_hash) == shash}
     best, curve = float("inf"), []
-    for record in db.ms.get_all_tuning_records():
-        if tvm_ffi.structural_hash(record.workload.mod) != shash:
-            continue
-        secs = record_secs(record)
-        if secs < FAILED_RUN_SECS:
-            best = min(best, secs)
-        curve.append(best * 1e3 if best < float("inf") else None)
+    with open(os.path.join(db.path, RECORDS), encoding="utf-8") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            workload_index, (_trace, run_secs, *_rest) = json.loads(line)
+            if workload_index not in indices:
+                continue
+            secs = sum(map(float, run_secs)) / len(run_secs) if run_secs else float("inf")
+            if secs < FAILED_RUN_SECS:
+                best = min(best, secs)
+            curve.append(best * 1e3 if best < float("inf") else None)
     return curve
 
 
@@ -72,6 +85,7 @@ def main() -> int:
     results = {"machine": machine_info(), "target": str(target), "trials_per_space": args.trials,
                "patterns": {}, "sessions": {}}
     rows = []
+    out = args.out or os.path.join(RESULTS, f"patterns-{target_key(target)}.json")
     for space in args.spaces.split(","):
         with tempfile.TemporaryDirectory(prefix=f"autofuse-bench-{space}-") as root:
             db = TuningDatabase(root, target)
@@ -89,8 +103,7 @@ def main() -> int:
                 entry["untuned_ms"] = row["untuned_ms"]
                 entry[space] = {k: v for k, v in row.items() if k not in ("pattern", "shape")}
                 rows.append(row)
-    out = args.out or os.path.join(RESULTS, f"patterns-{target_key(target)}.json")
-    write_json(out, results)
+        write_json(out, results)  # after every space, so an interrupted run keeps what it measured
     print(table(rows, [("pattern", "pattern"), ("shape", "shape"), ("space", "space"), ("trials", "trials"),
                        ("untuned_ms", "untuned ms"), ("best_ms", "best ms"), ("speedup", "speed-up"),
                        ("gflops", "GFLOP/s"), ("gbps", "GB/s"), ("trial_to_95pct", "trial to 95%"),
