@@ -115,6 +115,37 @@ class TuningDatabase:
         every = [r for r in self.ms.get_all_tuning_records() if tvm_ffi.structural_hash(r.workload.mod) == shash]
         return sum(record_secs(r) < FAILED_RUN_SECS for r in every), len(every)
 
+    def history(self, func: tirx.PrimFunc) -> list[tuple[float, str]]:
+        """(mean seconds, source) of every record of ``func``'s workload in the order it was measured.
+
+        JSONDatabase hands records back sorted by latency; the order lives only in its record
+        file, which it appends to as trials finish. Failed trials have ``inf`` seconds.
+        """
+        shash = tvm_ffi.structural_hash(_normalize_mod(func))
+        with open(os.path.join(self.path, WORKLOADS), encoding="utf-8") as f:
+            workloads = [json.loads(line) for line in f if line.strip()]
+        indices = {i for i, (workload_hash, _mod) in enumerate(workloads) if int(workload_hash) == shash}
+        found = []
+        with open(os.path.join(self.path, RECORDS), encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                workload_index, (trace, run_secs, *_rest) = json.loads(line)
+                if workload_index not in indices:
+                    continue
+                secs = sum(map(float, run_secs)) / len(run_secs) if run_secs else float("inf")
+                source = "template" if "autofuse.template" in json.dumps(trace) else "generic"
+                found.append((secs if secs < FAILED_RUN_SECS else float("inf"), source))
+        return found
+
+    def best_so_far(self, func: tirx.PrimFunc) -> list[float | None]:
+        """Best latency (ms) after each trial, in trial order; None before the first valid one."""
+        best, curve = float("inf"), []
+        for secs, _source in self.history(func):
+            best = min(best, secs)
+            curve.append(best * 1e3 if best < float("inf") else None)
+        return curve
+
     def best(self, func: tirx.PrimFunc, check, limit: int = 8) -> tuple[ChosenRecord | None, list[str]]:
         """The fastest record whose kernel passes ``check(schedule) -> (ok, message)``.
 

@@ -18,42 +18,13 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autofuse.database import FAILED_RUN_SECS, RECORDS, WORKLOADS, TuningDatabase  # noqa: E402
+from autofuse.database import TuningDatabase  # noqa: E402
 from autofuse.registry import all_patterns  # noqa: E402
 from autofuse.report import machine_info, table, write_json  # noqa: E402
 from autofuse.target import parse_target, target_key  # noqa: E402
 from autofuse.tune_patterns import Job, tune_jobs  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def best_so_far_curve(db: TuningDatabase, func) -> list[float | None]:
-    """Best MetaSchedule-measured latency (ms) after each trial, in trial order.
-
-    JSONDatabase hands records back sorted by latency, so the order comes from its record file,
-    which it appends to as trials finish.
-    """
-    import json
-
-    import tvm_ffi
-    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
-    shash = tvm_ffi.structural_hash(_normalize_mod(func))
-    with open(os.path.join(db.path, WORKLOADS), encoding="utf-8") as f:
-        workloads = [json.loads(line) for line in f if line.strip()]
-    indices = {i for i, (workload_hash, _mod) in enumerate(workloads) if int(workload_hash) == shash}
-    best, curve = float("inf"), []
-    with open(os.path.join(db.path, RECORDS), encoding="utf-8") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            workload_index, (_trace, run_secs, *_rest) = json.loads(line)
-            if workload_index not in indices:
-                continue
-            secs = sum(map(float, run_secs)) / len(run_secs) if run_secs else float("inf")
-            if secs < FAILED_RUN_SECS:
-                best = min(best, secs)
-            curve.append(best * 1e3 if best < float("inf") else None)
-    return curve
 
 
 def trial_to_fraction(curve: list[float | None], fraction: float = 0.95) -> int | None:
@@ -96,7 +67,7 @@ def main() -> int:
                 "first_trial_secs": stats.first_trial_secs, "trials_per_minute": stats.trials_per_minute(),
                 "steady_trials_per_minute": stats.steady_trials_per_minute()}
             for job, row in zip(jobs, space_rows):
-                curve = best_so_far_curve(db, job.func)
+                curve = db.best_so_far(job.func)
                 row["curve_ms"] = curve
                 row["trial_to_95pct"] = trial_to_fraction(curve)
                 entry = results["patterns"].setdefault(job.pattern.name, {"shape": row["shape"]})
