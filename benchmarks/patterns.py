@@ -41,7 +41,7 @@ def trial_to_fraction(curve: list[float | None], fraction: float = 0.95) -> int 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=64)
-    parser.add_argument("--spaces", default="template,generic")
+    parser.add_argument("--spaces", default="template,generic,union")
     parser.add_argument("--patterns", default="all")
     parser.add_argument("--target", default="llvm")
     parser.add_argument("--out", default=None)
