@@ -11,6 +11,7 @@ import sys
 
 from .errors import AutofuseError
 
+from .baselines import BASELINES
 DEFAULT_PATTERN = "linear_bias_relu"
 DEFAULT_TRIALS = 32
 
@@ -86,6 +87,34 @@ def _build_parser() -> argparse.ArgumentParser:
     build.add_argument("--no-verify", action="store_true", help="skip the onnxruntime check")
     build.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
 
+    cmp = sub.add_parser("compare", help="time tuned kernels against onnxruntime, XLA and TVM baselines",
+                         description=(
+        "Measure autofuse against the baselines on the same seeded inputs, in one process, pinned to "
+        "the same threads: tvm-untuned (FuseOps, default schedules), tvm-auto (FuseOps + generic-space "
+        "records from the same database), onnxruntime (ORT_ENABLE_ALL) and xla (jax.jit of the same "
+        "ONNX graph). Outputs are checked against the reference first; a contender that disagrees is "
+        "marked invalid. Writes report.md, report.json, report.png and roofline.png to --report."))
+    cmp.add_argument("model", nargs="?", default=None, metavar="MODEL.onnx", help="compare on this ONNX model")
+    cmp.add_argument("--pattern", default=None, help="compare on a pattern (or 'all') at its default shape")
+    cmp.add_argument("--shape", action="append", metavar="K=V", help="override a pattern shape parameter")
+    cmp.add_argument("--small", action="store_true", help="use each pattern's small test shape")
+    cmp.add_argument("--dtype", default=None, help="element type (default: the pattern's first)")
+    cmp.add_argument("--db", default="logs", help="database root (default logs); none: no records")
+    cmp.add_argument("--target", default="llvm")
+    cmp.add_argument("--baselines", default=",".join(BASELINES),
+                     help=f"comma-separated subset of {','.join(BASELINES)} (default all)")
+    cmp.add_argument("--trials", default=0, type=_non_negative_int,
+                     help="first tune ours (union space) and tvm-auto (generic space) for this many more trials "
+                          "each into --db, the same budget for both (default 0: use the database as it is)")
+    cmp.add_argument("--repeat", default=20, type=_positive_int, help="timed repeats per contender (default 20)")
+    cmp.add_argument("--warmup", default=3, type=_non_negative_int, help="untimed calls first (default 3)")
+    cmp.add_argument("--threads", default=None, type=_positive_int,
+                     help="cores every contender may use (default all of this process's cores)")
+    cmp.add_argument("--report", default=None, metavar="DIR", help="report folder (default reports/<name>)")
+    cmp.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    cmp.add_argument("--no-progress", action="store_true", help="no progress bar while tuning")
+    cmp.add_argument("--seed", default=None, type=int, help="random seed of the search (with --trials)")
+
     run = sub.add_parser("run", help="run a library built by autofuse build",
                          description="Run LIB on inputs from an .npz (arrays named as the model's inputs) "
                                      "or on seeded random inputs; print a summary, optionally save the outputs.")
@@ -110,6 +139,101 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
     return value
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or more, got {value}")
+    return value
+
+
+def cmd_compare(args) -> int:
+    import os
+
+    from .compare import pin_threads
+    threads = pin_threads(args.threads)  # before any runtime starts its thread pool
+
+    from .baselines import Context
+    from .compare import (compare_subject, model_subject, new_report, parse_baselines, pattern_subject,
+                          tune_subject)
+    from .database import TuningDatabase
+    from .registry import resolve_patterns
+    from .report import COMPARE_COLUMNS, table, write_compare_report
+    from .roofline import load_or_measure
+    from .target import device_for, parse_target
+
+    if (args.model is None) == (args.pattern is None):
+        raise AutofuseError("give a MODEL.onnx or --pattern NAME|all (one of them)")
+    if args.model is not None and (args.shape or args.small or args.dtype):
+        raise AutofuseError("--shape/--small/--dtype apply to patterns, not to a model")
+    baselines = parse_baselines(args.baselines)
+    target = parse_target(args.target)
+    if args.trials and args.db == "none":
+        raise AutofuseError("--trials needs a database: drop --db none")
+    name = os.path.splitext(os.path.basename(args.model))[0] if args.model is not None else args.pattern
+    folder = args.report or os.path.join("reports", name)
+    overrides = _shape_overrides(args.shape)
+    jobs = []  # (pattern, shape, dtype), all checked before anything is written
+    if args.model is None:
+        patterns = resolve_patterns(args.pattern)
+        if overrides and len(patterns) > 1:
+            raise AutofuseError("--shape applies to one pattern; drop it with --pattern all")
+        for pattern in patterns:
+            jobs.append((pattern, pattern.resolve_shape(overrides, base="small" if args.small else "default"),
+                         pattern.check_dtype(args.dtype or pattern.dtypes[0])))
+    _check_writable(folder)
+    subjects = [model_subject(args.model)] if args.model is not None else [
+        pattern_subject(pattern, shape, dtype, os.path.join(folder, "graphs")) for pattern, shape, dtype in jobs]
+    db = None if args.db == "none" else TuningDatabase(args.db, target)
+    ctx = Context(target, device_for(target), threads, db, work_dir=folder)
+    cache = os.path.join(db.path, "roofline.json") if db is not None else None
+    print(f"autofuse: measuring this machine's roofline ({threads} threads)", file=sys.stderr)
+    machine = load_or_measure(cache, threads)
+    report = new_report(ctx, machine, baselines=baselines, trials=args.trials, repeat=args.repeat,
+                        warmup=args.warmup)
+    for subject in subjects:
+        if args.trials:
+            report["budgets"][subject.name] = tune_subject(subject, ctx, baselines, args.trials, args.seed,
+                                                           progress=not args.no_progress)
+        entry = compare_subject(subject, ctx, baselines, machine, repeat=args.repeat, warmup=args.warmup,
+                                log=lambda msg: print(f"autofuse: measuring {msg}", file=sys.stderr))
+        report["subjects"].append(entry)
+        print(f"\n{subject.kind} {subject.name}")
+        print(table(entry["contenders"], COMPARE_COLUMNS))
+        for c in entry["contenders"]:
+            if c["status"] != "ok":
+                print(f"  {c['name']}: {c['status']}: {c['reason']}")
+    plots = not args.no_plots
+    if plots:
+        import importlib.util
+        if importlib.util.find_spec("matplotlib") is None:
+            print("autofuse compare: matplotlib is not installed: no plots (pip install -e '.[bench]')",
+                  file=sys.stderr)
+            plots = False
+    written = write_compare_report(report, folder, plots=plots)
+    print(f"\nwrote {', '.join(written)}")
+    invalid = [f"{s['name']}/{c['name']}" for s in report["subjects"] for c in s["contenders"]
+               if c["status"] in ("invalid", "failed")]
+    if any(s["contenders"][0]["status"] != "ok" for s in report["subjects"]):
+        print("autofuse compare: autofuse itself did not produce a valid, timed result", file=sys.stderr)
+        return 1
+    if invalid:
+        print(f"autofuse compare: invalid or failed contenders: {', '.join(invalid)}", file=sys.stderr)
+    return 0
+
+
+def _check_writable(folder: str) -> None:
+    import os
+    probe = folder
+    while probe and not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    probe = probe or "."
+    if not os.access(probe, os.W_OK):
+        raise AutofuseError(f"report folder {folder} is not writable")
 
 
 def cmd_tune(args) -> int:
@@ -303,7 +427,7 @@ def _stored_best(db, pattern, target) -> dict:
     return {"records": total, "best_ms": chosen.run_secs * 1e3, "source": chosen.source}
 
 
-COMMANDS = {"tune": cmd_tune, "build": cmd_build, "run": cmd_run, "list": cmd_list}
+COMMANDS = {"tune": cmd_tune, "build": cmd_build, "compare": cmd_compare, "run": cmd_run, "list": cmd_list}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,6 +4,8 @@ median and spread."""
 from __future__ import annotations
 
 import dataclasses
+import time
+from typing import Callable
 
 import numpy as np
 import tvm
@@ -15,6 +17,13 @@ class Timing:
     p10_secs: float
     p90_secs: float
     repeats: int
+    samples_secs: list = dataclasses.field(default_factory=list)
+
+    @staticmethod
+    def of(samples) -> "Timing":
+        samples = [float(s) for s in samples]
+        return Timing(float(np.median(samples)), float(np.percentile(samples, 10)),
+                      float(np.percentile(samples, 90)), len(samples), samples)
 
 
 def to_device(arrays, dev) -> list:
@@ -29,9 +38,26 @@ def time_function(rt_mod, args, dev, *, repeat: int = 10, min_repeat_ms: int = 5
     """Median and p10/p90 of ``repeat`` runs, each averaging enough calls to last ``min_repeat_ms``."""
     evaluator = rt_mod.time_evaluator(rt_mod.entry_name, dev, number=1, repeat=repeat,
                                       min_repeat_ms=min_repeat_ms)
-    results = np.array(evaluator(*args).results)
-    return Timing(float(np.median(results)), float(np.percentile(results, 10)),
-                  float(np.percentile(results, 90)), len(results))
+    return Timing.of(evaluator(*args).results)
+
+
+def time_calls(call: Callable[[], None], *, warmup: int = 3, repeat: int = 10,
+               min_repeat_ms: float = 20.0) -> Timing:
+    """``time_function`` for any Python callable that returns when its work is done: how the
+    compare command times every contender alike (TVM, onnxruntime, jax), call overhead included."""
+    for _ in range(warmup):
+        call()
+    start = time.perf_counter()
+    call()
+    once = max(time.perf_counter() - start, 1e-7)
+    number = max(1, int(min_repeat_ms / 1e3 / once))
+    samples = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for _ in range(number):
+            call()
+        samples.append((time.perf_counter() - start) / number)
+    return Timing.of(samples)
 
 
 def param_arrays(func, seed: int = 0) -> list[np.ndarray]:

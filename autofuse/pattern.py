@@ -239,3 +239,22 @@ class Pattern:
 
 def shape_label(shape: Shape) -> str:
     return ",".join(f"{k}={v}" for k, v in shape.items())
+
+
+def onnx_model(name: str, nodes, inputs: Sequence[tuple[str, tuple[int, ...]]],
+               outputs: Sequence[tuple[str, tuple[int, ...]]], dtype: str, initializers: dict | None = None,
+               opset: int = 17):
+    """A checked ONNX model of ``nodes`` (``onnx.helper.make_node``s) for a pattern's
+    ``onnx_graph``: graph inputs and outputs of ``dtype``, constants from numpy arrays."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    graph = helper.make_graph(
+        list(nodes), name,
+        [helper.make_tensor_value_info(n, elem, list(s)) for n, s in inputs],
+        [helper.make_tensor_value_info(n, elem, list(s)) for n, s in outputs],
+        initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in (initializers or {}).items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], producer_name="autofuse")
+    onnx.checker.check_model(model)
+    return model

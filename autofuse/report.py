@@ -61,3 +61,82 @@ def write_json(path: str, payload: dict) -> None:
         json.dump(payload, f, indent=2, default=str)
         f.write("\n")
     os.replace(tmp, path)
+
+
+COMPARE_COLUMNS = [("name", "contender"), ("status", "status"), ("median_ms", "median ms"), ("p10_ms", "p10 ms"),
+                   ("p90_ms", "p90 ms"), ("gflops", "GFLOP/s"), ("gbps", "GB/s"), ("intensity", "FLOP/B"),
+                   ("roofline_pct", "% roofline"), ("autofuse_speedup", "autofuse speed-up")]
+KERNEL_COLUMNS = [("name", "kernel"), ("pattern", "pattern"), ("applied", "applied"), ("source", "record from"),
+                  ("ms", "ms"), ("gflops", "GFLOP/s"), ("gbps", "GB/s"), ("intensity", "FLOP/B"),
+                  ("roofline_pct", "% roofline")]
+
+
+def summary_rows(report: dict) -> list[dict]:
+    """One row per subject: every contender's median and ours over the best real baseline."""
+    rows = []
+    for subject in report["subjects"]:
+        row = {"subject": subject["name"], "kind": subject["kind"]}
+        for c in subject["contenders"]:
+            row[c["name"]] = c["median_ms"] if c["status"] == "ok" else c["status"]
+        row["ratio"] = subject["contenders"][0].get("ratio_to_best_baseline")
+        rows.append(row)
+    return rows
+
+
+def compare_markdown(report: dict) -> str:
+    m = report["machine"]
+    roof = m.get("roofline", {})
+    names = ["autofuse", *report["baselines"]]
+    lines = [f"# autofuse compare — {report['created']}", "",
+             f"Machine: {m.get('processor')} ({m.get('mcpu', '?')}), {report['threads']} threads, "
+             f"Python {m.get('python')}, TVM {m.get('tvm')}; roofline: {roof.get('bandwidth_gbps', 0):.1f} GB/s "
+             f"({roof.get('bandwidth_method', '?')}), {roof.get('peak_gflops', 0):.1f} GFLOP/s "
+             f"({roof.get('peak_method', '?')}).",
+             f"Timing: {report['warmup']} warm-up calls, median of {report['repeat']} repeats (p10/p90 shown); "
+             f"trials added in this run: {report['trials_added']}; database {report['database']}.", "",
+             "## Summary (median ms; ratio = autofuse / best of tvm-auto, onnxruntime, xla; target <= 0.8)", "",
+             table(summary_rows(report), [("subject", "subject"), *[(n, n) for n in names], ("ratio", "ratio")],
+                   markdown=True), ""]
+    for subject in report["subjects"]:
+        shape = ", ".join(f"{k}={v}" for k, v in (subject.get("shape") or {}).items())
+        lines += [f"## {subject['kind']} {subject['name']}" + (f" ({shape}, {subject['dtype']})" if shape else ""), "",
+                  f"Checked against the {subject['reference']} at rtol/atol {subject['tolerance']}.", "",
+                  table(subject["contenders"], COMPARE_COLUMNS, markdown=True), ""]
+        for c in subject["contenders"]:
+            if c["status"] != "ok":
+                lines.append(f"- {c['name']}: {c['status']}: {c['reason']}")
+            elif c.get("info", {}).get("note"):
+                lines.append(f"- {c['name']}: {c['info']['note']}")
+        ours = subject["contenders"][0]
+        if ours.get("info", {}).get("source"):
+            lines.append(f"- autofuse kernel from: {ours['info']['source']}")
+        if subject.get("kernels"):
+            lines += ["", "Per-kernel breakdown of the autofuse build:", "",
+                      table(subject["kernels"], KERNEL_COLUMNS, markdown=True)]
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_compare_report(report: dict, folder: str, plots: bool = True) -> list[str]:
+    """report.json, report.md and (with matplotlib) report.png and roofline.png under ``folder``."""
+    from .errors import AutofuseError
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as err:
+        raise AutofuseError(f"cannot create report folder {folder}: {err.strerror}") from None
+    if not os.access(folder, os.W_OK):
+        raise AutofuseError(f"report folder {folder} is not writable")
+    written = [os.path.join(folder, "report.json"), os.path.join(folder, "report.md")]
+    write_json(written[0], report)
+    with open(written[1], "w", encoding="utf-8") as f:
+        f.write(compare_markdown(report))
+    if plots:
+        from . import plots as figures
+        figures.latency_bars(report, os.path.join(folder, "report.png"))
+        figures.roofline(report, os.path.join(folder, "roofline.png"))
+        written += [os.path.join(folder, "report.png"), os.path.join(folder, "roofline.png")]
+        curves = {s["name"]: {"database": s["search_curve_ms"]} for s in report["subjects"] if s.get("search_curve_ms")}
+        if curves:
+            figures.search_curves(curves, os.path.join(folder, "search.png"))
+            written.append(os.path.join(folder, "search.png"))
+    return written

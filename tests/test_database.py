@@ -61,3 +61,16 @@ def test_best_of_real_tuning_passes_the_reference(tuned_db):
     job = Job(pattern, pattern.small_shape(), "float32")
     chosen, _ = TuningDatabase(str(root), target).best(job.func, checker(job, target, tvm.cpu()))
     assert chosen is not None and chosen.source in ("generic", "template:tiled_epilogue")
+
+
+def test_history_is_in_trial_order_and_the_curve_ends_at_the_best(tuned_db):
+    root, _ = tuned_db
+    db = TuningDatabase(str(root), parse_target("llvm"))
+    func = _func()
+    history = db.history(func)
+    assert len(history) == db.count(func)[1]
+    assert {source for _, source in history} <= {"template", "generic"}
+    curve = db.best_so_far(func)
+    valid = [c for c in curve if c is not None]
+    assert all(a >= b for a, b in zip(valid, valid[1:]))
+    assert abs(valid[-1] - record_secs(db.records(func)[0]) * 1e3) < 1e-9

@@ -97,3 +97,25 @@ def time_module(mod: tvm.IRModule, func: tirx.PrimFunc, target: Target, dev, rep
 
 def finite(values) -> bool:
     return all(np.all(np.isfinite(v)) for v in values)
+
+
+def kernel_figures(mod: tvm.IRModule, target: Target, dev, repeat: int = 5) -> list[dict]:
+    """Every kernel of a built module as it will run: its latency on seeded data, estimated FLOPs
+    and the bytes of its buffers (each read or written once: the traffic a perfect schedule moves)."""
+    from tvm.s_tir.analysis import estimate_tir_flops
+
+    figures = []
+    for kernel in kernels(mod):
+        workload = kernel.workload
+        try:
+            flops = float(estimate_tir_flops(workload))
+        except Exception:  # the estimator rejects some TIR (Let expressions); FLOPs stay unknown
+            flops = None
+        nbytes = 0
+        for param in kernel.func.params:
+            buf = kernel.func.buffer_map[param] if hasattr(kernel.func, "buffer_map") else param
+            nbytes += int(np.prod([int(d) for d in buf.shape])) * tvm.runtime.DataType(str(buf.dtype)).bits // 8
+        figures.append({"name": kernel.name, "pattern": kernel.pattern.name if kernel.pattern else None,
+                        "ms": time_module(workload, kernel.func, target, dev, repeat=repeat) * 1e3,
+                        "flops": flops, "bytes": float(nbytes)})
+    return figures

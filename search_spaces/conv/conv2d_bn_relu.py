@@ -19,7 +19,7 @@ each register tile of the accumulator while it is still in L1.
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, RelaxRule, ShapeParam, template
+from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
 
 
 def _dims(shape):
@@ -205,6 +205,22 @@ def _relax_rewrite(matched, kernel):
     return kernel(shape, "float32", [x, w, scale, shift])
 
 
+def onnx_graph(shape, dtype):
+    """Conv, BatchNormalization, Relu as exported; BN carries the folded scale/shift as its
+    gamma/beta with mean 0 and var 1 - eps, so it computes exactly scale * conv + shift."""
+    from onnx import helper
+    n, ci, h, w, co, k, *_ = _dims(shape)
+    pad = k // 2
+    eps = 1e-5
+    consts = {"mean": np.zeros(co, dtype), "var": np.full(co, 1.0 - eps, dtype)}
+    nodes = [helper.make_node("Conv", ["x", "weight"], ["c"], pads=[pad] * 4, kernel_shape=[k, k]),
+             helper.make_node("BatchNormalization", ["c", "bn_scale", "bn_shift", "mean", "var"], ["b"], epsilon=eps),
+             helper.make_node("Relu", ["b"], ["y"])]
+    oh, ow = h + 2 * pad - k + 1, w + 2 * pad - k + 1
+    return onnx_model("conv2d_bn_relu", nodes,
+                      [("x", (n, ci, h, w)), ("weight", (co, ci, k, k)), ("bn_scale", (co,)), ("bn_shift", (co,))],
+                      [("y", (n, co, oh, ow))], dtype, consts)
+
 PATTERN = Pattern(
     name="conv2d_bn_relu",
     family="conv",
@@ -218,6 +234,7 @@ PATTERN = Pattern(
     build=build,
     reference=reference,
     make_inputs=make_inputs,
+    onnx_graph=onnx_graph,
     flops=flops,
     bytes=nbytes,
     templates=[tiled_direct],

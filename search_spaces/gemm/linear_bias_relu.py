@@ -7,7 +7,7 @@ the accumulator tile while it is still in cache.
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, RelaxRule, ShapeParam, template
+from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
 
 
 def build(shape, dtype):
@@ -100,6 +100,14 @@ def _relax_rewrite(matched, kernel):
     return out if len(xs) == 2 else relax.op.reshape(out, (*xs[:-1], ws[1]))
 
 
+def onnx_graph(shape, dtype):
+    """Gemm (transB, as torch exports nn.Linear) then Relu."""
+    from onnx import helper
+    m, n, k = shape["m"], shape["n"], shape["k"]
+    return onnx_model("linear_bias_relu", [helper.make_node("Gemm", ["x", "w", "b"], ["t"], transB=1),
+                                           helper.make_node("Relu", ["t"], ["y"])],
+                      [("x", (m, k)), ("w", (n, k)), ("b", (n,))], [("y", (m, n))], dtype)
+
 PATTERN = Pattern(
     name="linear_bias_relu",
     family="gemm",
@@ -110,6 +118,7 @@ PATTERN = Pattern(
     build=build,
     reference=reference,
     make_inputs=make_inputs,
+    onnx_graph=onnx_graph,
     flops=flops,
     bytes=nbytes,
     templates=[tiled_epilogue],

@@ -20,7 +20,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, ShapeParam, template
+from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
 
 EPS = 1e-5
 ERF = "rational"
@@ -206,6 +206,19 @@ def row_recompute(sch, target, knobs):
     _row_fused(sch, knobs, recompute=True)
 
 
+def onnx_graph(shape, dtype):
+    """Exact GELU spelled out in Div/Erf/Add/Mul (opset 17 has no Gelu), Add, LayerNormalization."""
+    from onnx import helper
+    rows, hidden = shape["rows"], shape["hidden"]
+    consts = {"sqrt2": np.array(np.sqrt(2.0), dtype), "one": np.array(1.0, dtype), "half": np.array(0.5, dtype)}
+    nodes = [helper.make_node("Div", ["x", "sqrt2"], ["xs"]), helper.make_node("Erf", ["xs"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["e1"]), helper.make_node("Mul", ["x", "e1"], ["xe"]),
+             helper.make_node("Mul", ["xe", "half"], ["g"]), helper.make_node("Add", ["g", "r"], ["h"]),
+             helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["y"], axis=-1, epsilon=EPS)]
+    return onnx_model("gelu_add_layernorm", nodes,
+                      [("x", (rows, hidden)), ("r", (rows, hidden)), ("gamma", (hidden,)), ("beta", (hidden,))],
+                      [("y", (rows, hidden))], dtype, consts)
+
 PATTERN = Pattern(
     name="gelu_add_layernorm",
     family="normalization",
@@ -215,6 +228,7 @@ PATTERN = Pattern(
     build=build,
     reference=reference,
     make_inputs=make_inputs,
+    onnx_graph=onnx_graph,
     flops=flops,
     bytes=nbytes,
     templates=[row_fused, row_recompute],

@@ -14,7 +14,7 @@ import math
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, RelaxRule, ShapeParam, template
+from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
 from search_spaces.normalization.gelu_add_layernorm import EPS, layernorm, make_inputs, rfactor_lanes, vectorize_rf
 
 
@@ -139,6 +139,15 @@ def _relax_rewrite(matched, kernel):
     return y if len(shape) == 2 else relax.op.reshape(y, shape)
 
 
+def onnx_graph(shape, dtype):
+    from onnx import helper
+    rows, hidden = shape["rows"], shape["hidden"]
+    nodes = [helper.make_node("Add", ["x", "r"], ["h"]),
+             helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["y"], axis=-1, epsilon=EPS)]
+    return onnx_model("layernorm_residual", nodes,
+                      [("x", (rows, hidden)), ("r", (rows, hidden)), ("gamma", (hidden,)), ("beta", (hidden,))],
+                      [("h", (rows, hidden)), ("y", (rows, hidden))], dtype)
+
 PATTERN = Pattern(
     name="layernorm_residual",
     family="normalization",
@@ -148,6 +157,7 @@ PATTERN = Pattern(
     build=build,
     reference=reference,
     make_inputs=make_inputs,
+    onnx_graph=onnx_graph,
     flops=flops,
     bytes=nbytes,
     templates=[row_fused],

@@ -23,7 +23,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, RelaxRule, ShapeParam, template
+from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
 
 P = 0.1
 SEED = 42
@@ -228,6 +228,17 @@ def _relax_rewrite(matched, kernel):
     return out if len(xs) == 2 else relax.op.reshape(out, xs)
 
 
+def onnx_graph(shape, dtype):
+    """Softmax times a constant keep/(1-p) mask. seed and p are compile-time constants, so the mask
+    is one too: the baselines read it from memory where our kernel hashes it in registers."""
+    from onnx import helper
+    rows, cols = shape["rows"], shape["cols"]
+    p = _p(shape)
+    scale = np.where(dropout_mask(rows, cols, p, SEED), 1.0 / (1.0 - p), 0.0).astype(dtype)
+    nodes = [helper.make_node("Softmax", ["x"], ["s"], axis=-1), helper.make_node("Mul", ["s", "keep_scale"], ["y"])]
+    return onnx_model("softmax_dropout", nodes, [("x", (rows, cols))], [("y", (rows, cols))], dtype,
+                      {"keep_scale": scale})
+
 PATTERN = Pattern(
     name="softmax_dropout",
     family="reduction",
@@ -238,6 +249,7 @@ PATTERN = Pattern(
     build=build,
     reference=reference,
     make_inputs=make_inputs,
+    onnx_graph=onnx_graph,
     flops=flops,
     bytes=nbytes,
     templates=[row_parallel],

@@ -1,0 +1,397 @@
+"""ONNX graphs as JAX functions, so the XLA baseline (``jax.jit`` on the CPU) runs the very
+computation onnxruntime runs.
+
+This module owns the translation table ``OPS``: ONNX op type -> one small function
+``(xp, node, *inputs) -> output(s)``, written to the ONNX spec for the opset the model imports.
+``xp`` is ``jax.numpy``, or ``numpy`` when every input of the node is a constant: initializers,
+Constant nodes and whatever is computed from them alone are evaluated eagerly as numpy, so that
+Reshape's shape, Slice's starts and the like are static Python values when jax traces the graph.
+An op outside the table is an ``AutofuseError`` naming it.
+
+jax is an optional extra: it is imported inside the functions that run, never at module import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Callable
+
+import numpy as np
+
+from ..errors import AutofuseError
+
+_DEFAULT_DOMAINS = ("", "ai.onnx")
+
+
+@dataclasses.dataclass
+class Node:
+    """What an op translation needs of its node: the attributes and the model's opset."""
+    op_type: str
+    attrs: dict
+    opset: int
+
+    def get(self, name: str, default=None):
+        return self.attrs.get(name, default)
+
+    def __getitem__(self, name: str):
+        return self.attrs[name]
+
+
+def jax_function(model) -> Callable[..., list]:
+    """A function of the graph's (non-initializer) inputs, in graph input order, returning the
+    list of graph outputs as jax arrays. Pure jax.numpy/jax.lax, so jax.jit can trace it.
+    Initializers become constants (jnp arrays)."""
+    from onnx import numpy_helper
+
+    missing = unsupported_ops(model)
+    if missing:
+        raise AutofuseError(f"the XLA baseline has no JAX translation for ONNX op(s) {', '.join(missing)}")
+    graph = model.graph
+    opset = _opset(model)
+    constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
+    # Old IR versions list initializers among the inputs too; those are not the caller's to give.
+    input_names = [value.name for value in graph.input if value.name not in constants]
+    nodes = [(node, Node(node.op_type, _attrs(node), opset)) for node in graph.node]
+    output_names = [value.name for value in graph.output]
+
+    def run(*inputs):
+        import jax.numpy as jnp
+
+        if len(inputs) != len(input_names):
+            raise TypeError(f"the graph takes {len(input_names)} input(s) {input_names}, got {len(inputs)}")
+        values = dict(constants)
+        # As jax arrays, so a graph input never takes the numpy (constant) path.
+        values.update((name, jnp.asarray(x)) for name, x in zip(input_names, inputs))
+        for node, info in nodes:
+            _evaluate(node, info, values)
+        return [jnp.asarray(values[name]) for name in output_names]
+
+    return run
+
+
+def unsupported_ops(model) -> list[str]:
+    """Op types in the graph that ``OPS`` lacks (sorted, unique); ops of other domains are
+    named ``domain.Op``."""
+    missing = set()
+    for node in model.graph.node:
+        if node.domain not in _DEFAULT_DOMAINS:
+            missing.add(f"{node.domain}.{node.op_type}")
+        elif node.op_type not in OPS:
+            missing.add(node.op_type)
+    return sorted(missing)
+
+
+def _evaluate(node, info: Node, values: dict) -> None:
+    import jax.numpy as jnp
+
+    args = [values[name] if name else None for name in node.input]
+    while args and args[-1] is None:  # trailing optional inputs that were left out
+        args.pop()
+    folded = node.op_type not in _JAX_ONLY and all(a is None or isinstance(a, np.ndarray) for a in args)
+    results = OPS[node.op_type](np if folded else jnp, info, *args)
+    if not isinstance(results, tuple):
+        results = (results,)
+    wanted = [name for name in node.output[len(results):] if name]
+    if wanted:
+        raise AutofuseError(f"the XLA baseline computes only the first {len(results)} output(s) of "
+                            f"ONNX op {node.op_type}, the graph uses {', '.join(wanted)}")
+    for name, value in zip(node.output, results):
+        if name:
+            # numpy turns 0-d results into scalars; keep constants ndarrays so they stay recognisable.
+            values[name] = np.asarray(value) if folded else value
+
+
+def _opset(model) -> int:
+    versions = [o.version for o in model.opset_import if o.domain in _DEFAULT_DOMAINS]
+    if not versions:
+        raise AutofuseError("the model imports no version of the default ONNX opset")
+    return max(versions)
+
+
+def _attrs(node) -> dict:
+    from onnx import helper
+
+    attrs = {}
+    for attr in node.attribute:
+        value = helper.get_attribute_value(attr)
+        attrs[attr.name] = value.decode() if isinstance(value, bytes) else value
+    return attrs
+
+
+def _static(value, what: str) -> list[int]:
+    """A shape-like operand as Python ints; it must be known before tracing."""
+    if not isinstance(value, np.ndarray):
+        raise AutofuseError(f"the XLA baseline needs static shapes, but {what} is computed from the graph inputs")
+    return [int(v) for v in value.reshape(-1)]
+
+
+def _axes(node: Node, axes_input, what: str):
+    """Axes given as an input (newer opsets) or an attribute (older ones); None when absent."""
+    if axes_input is not None:
+        return _static(axes_input, what)
+    return node.get("axes")
+
+
+# --- elementwise -----------------------------------------------------------------------------
+
+def _binary(name: str):
+    def op(xp, node, x, y):
+        return getattr(xp, name)(x, y)
+    return op
+
+
+def _unary(name: str):
+    def op(xp, node, x):
+        return getattr(xp, name)(x)
+    return op
+
+
+def _variadic(name: str):
+    def op(xp, node, *inputs):
+        return functools.reduce(getattr(xp, name), inputs)
+    return op
+
+
+def _div(xp, node, x, y):
+    if xp.issubdtype(x.dtype, xp.integer):
+        # ONNX integer division truncates toward zero; floor_divide rounds down.
+        quotient = xp.floor_divide(xp.abs(x), xp.abs(y))
+        return xp.where((x < 0) != (y < 0), -quotient, quotient).astype(x.dtype)
+    return xp.divide(x, y)
+
+
+def _pow(xp, node, x, y):
+    # ONNX lets the exponent have another type; the result has the base's.
+    return xp.power(x, y).astype(x.dtype)
+
+
+def _relu(xp, node, x):
+    return xp.maximum(x, xp.zeros((), x.dtype))
+
+
+def _reciprocal(xp, node, x):
+    return xp.ones((), x.dtype) / x
+
+
+def _identity(xp, node, x):
+    return x
+
+
+def _erf(xp, node, x):
+    import jax
+    return jax.lax.erf(x)
+
+
+def _sigmoid(xp, node, x):
+    import jax
+    return jax.nn.sigmoid(x)
+
+
+def _where(xp, node, condition, x, y):
+    return xp.where(condition, x, y)
+
+
+def _bit_shift(xp, node, x, y):
+    if node["direction"] == "RIGHT":
+        return xp.right_shift(x, y)  # logical: ONNX BitShift is for unsigned types only
+    return xp.left_shift(x, y)
+
+
+def _cast(xp, node, x):
+    from onnx import helper
+
+    # Under jax without x64, 64-bit targets come out 32-bit: jax has no 64-bit arrays then.
+    return x.astype(helper.tensor_dtype_to_np_dtype(node["to"]))
+
+
+# --- linear algebra and neural-network ops ---------------------------------------------------
+
+def _matmul(xp, node, a, b):
+    return xp.matmul(a, b)
+
+
+def _gemm(xp, node, a, b, c=None):
+    a = a.T if node.get("transA", 0) else a
+    b = b.T if node.get("transB", 0) else b
+    out = node.get("alpha", 1.0) * xp.matmul(a, b)
+    return out if c is None else out + node.get("beta", 1.0) * c
+
+
+def _conv(xp, node, x, w, b=None):
+    import jax
+
+    spatial = x.ndim - 2
+    auto_pad = node.get("auto_pad", "NOTSET")
+    if auto_pad == "NOTSET":
+        pads = node.get("pads", [0] * (2 * spatial))
+        padding = [(pads[i], pads[i + spatial]) for i in range(spatial)]
+    else:
+        # lax's "SAME" puts the odd pad at the end, as ONNX's SAME_UPPER does.
+        padding = {"SAME_UPPER": "SAME", "SAME_LOWER": "SAME_LOWER", "VALID": "VALID"}[auto_pad]
+    out = jax.lax.conv_general_dilated(
+        x, w, window_strides=node.get("strides", [1] * spatial), padding=padding,
+        rhs_dilation=node.get("dilations", [1] * spatial), feature_group_count=node.get("group", 1),
+        dimension_numbers=_conv_layout(spatial))
+    return out if b is None else out + b.reshape((1, -1) + (1,) * spatial)
+
+
+def _conv_layout(spatial: int) -> tuple[str, str, str]:
+    dims = "DHW"[-spatial:] if spatial <= 3 else None
+    if dims is None:
+        raise AutofuseError(f"the XLA baseline supports Conv over 1 to 3 spatial dimensions, not {spatial}")
+    return ("NC" + dims, "OI" + dims, "NC" + dims)
+
+
+def _batch_norm(xp, node, x, scale, bias, mean, var):
+    if node.get("training_mode", 0):
+        raise AutofuseError("the XLA baseline supports BatchNormalization in inference mode only")
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+    inv_std = scale / xp.sqrt(var + xp.asarray(node.get("epsilon", 1e-5), var.dtype))
+    return (x - mean.reshape(shape)) * inv_std.reshape(shape) + bias.reshape(shape)
+
+
+def _layer_norm(xp, node, x, scale, bias=None):
+    from onnx import helper
+
+    # Mean and variance in stash_type (float by default), as the spec's function body does.
+    stash = helper.tensor_dtype_to_np_dtype(node.get("stash_type", 1))
+    axis = node.get("axis", -1) % x.ndim
+    axes = tuple(range(axis, x.ndim))
+    xs = x.astype(stash)
+    mean = xs.mean(axis=axes, keepdims=True)
+    centred = xs - mean
+    variance = (centred * centred).mean(axis=axes, keepdims=True)
+    inv_std = 1 / xp.sqrt(variance + xp.asarray(node.get("epsilon", 1e-5), stash))
+    out = (centred * inv_std).astype(x.dtype) * scale
+    return (out if bias is None else out + bias), mean, inv_std
+
+
+def _softmax(xp, node, x):
+    import jax
+
+    if node.opset >= 13:
+        return jax.nn.softmax(x, axis=node.get("axis", -1))
+    # Before opset 13 Softmax flattens to 2-D at axis and normalises over all trailing dims.
+    axis = node.get("axis", 1) % x.ndim
+    flat = x.reshape((math.prod(x.shape[:axis]), math.prod(x.shape[axis:])))
+    return jax.nn.softmax(flat, axis=1).reshape(x.shape)
+
+
+def _global_average_pool(xp, node, x):
+    return x.mean(axis=tuple(range(2, x.ndim)), keepdims=True)
+
+
+def _reduce(name: str):
+    def op(xp, node, x, axes=None):
+        axes = _axes(node, axes, f"the axes of Reduce{name.capitalize()}")
+        if not axes:
+            if node.get("noop_with_empty_axes", 0):
+                return x
+            axes = None  # all axes
+        return getattr(xp, name)(x, axis=None if axes is None else tuple(axes),
+                                 keepdims=bool(node.get("keepdims", 1)))
+    return op
+
+
+# --- shapes and indexing ---------------------------------------------------------------------
+
+def _constant(xp, node):
+    from onnx import numpy_helper
+
+    if "value" in node.attrs:
+        return numpy_helper.to_array(node["value"])
+    kinds = {"value_float": np.float32, "value_floats": np.float32, "value_int": np.int64, "value_ints": np.int64}
+    for name, dtype in kinds.items():
+        if name in node.attrs:
+            return np.asarray(node[name], dtype)
+    raise AutofuseError(f"the XLA baseline supports Constant with {', '.join(['value', *kinds])} only, "
+                        f"not {', '.join(node.attrs)}")
+
+
+def _shape(xp, node, x):
+    # Static under jax tracing too, so always a numpy constant.
+    return np.asarray(x.shape[node.get("start", 0):node.get("end", None)], np.int64)
+
+
+def _reshape(xp, node, x, shape):
+    shape = _static(shape, "Reshape's shape")
+    if not node.get("allowzero", 0):
+        shape = [x.shape[i] if s == 0 else s for i, s in enumerate(shape)]  # 0 copies the input's dim
+    return xp.reshape(x, shape)
+
+
+def _transpose(xp, node, x):
+    return xp.transpose(x, node.get("perm"))  # no perm reverses the axes, in ONNX as in numpy
+
+
+def _flatten(xp, node, x):
+    axis = node.get("axis", 1) % (x.ndim + 1) if x.ndim else 0
+    return xp.reshape(x, (math.prod(x.shape[:axis]), math.prod(x.shape[axis:])))
+
+
+def _unsqueeze(xp, node, x, axes=None):
+    return xp.expand_dims(x, tuple(_axes(node, axes, "Unsqueeze's axes")))
+
+
+def _squeeze(xp, node, x, axes=None):
+    axes = _axes(node, axes, "Squeeze's axes")
+    return xp.squeeze(x, axis=None if axes is None else tuple(axes))
+
+
+def _concat(xp, node, *inputs):
+    return xp.concatenate(inputs, axis=node["axis"])
+
+
+def _gather(xp, node, x, indices):
+    axis = node.get("axis", 0) % x.ndim
+    # Negative indices count from the end; normalise them rather than rely on take's index mode.
+    indices = xp.where(indices < 0, indices + x.shape[axis], indices)
+    return xp.take(x, indices, axis=axis)
+
+
+def _slice(xp, node, x, starts=None, ends=None, axes=None, steps=None):
+    if node.opset < 10:  # starts, ends and axes were attributes then
+        starts, ends, axes = node["starts"], node["ends"], node.get("axes")
+    else:
+        starts, ends = _static(starts, "Slice's starts"), _static(ends, "Slice's ends")
+        axes = None if axes is None else _static(axes, "Slice's axes")
+        steps = None if steps is None else _static(steps, "Slice's steps")
+    axes = range(len(starts)) if axes is None else axes
+    steps = [1] * len(starts) if steps is None else steps
+    index = [slice(None)] * x.ndim
+    # Python slices clamp out-of-range starts and ends the way ONNX Slice does.
+    for start, end, axis, step in zip(starts, ends, axes, steps):
+        index[axis] = slice(start, end, step)
+    return x[tuple(index)]
+
+
+def _expand(xp, node, x, shape):
+    # ONNX Expand broadcasts both ways: a 1 in ``shape`` keeps the input's dim.
+    target = np.broadcast_shapes(x.shape, tuple(_static(shape, "Expand's shape")))
+    return xp.broadcast_to(x, target)
+
+
+OPS: dict[str, Callable] = {
+    "Add": _binary("add"), "Sub": _binary("subtract"), "Mul": _binary("multiply"), "Div": _div,
+    "Pow": _pow, "Max": _variadic("maximum"), "Min": _variadic("minimum"), "Sum": _variadic("add"),
+    "Equal": _binary("equal"), "Less": _binary("less"), "Greater": _binary("greater"),
+    "LessOrEqual": _binary("less_equal"), "GreaterOrEqual": _binary("greater_equal"),
+    "And": _binary("logical_and"), "Or": _binary("logical_or"), "Not": _unary("logical_not"),
+    "BitShift": _bit_shift, "BitwiseAnd": _binary("bitwise_and"), "BitwiseOr": _binary("bitwise_or"),
+    "BitwiseXor": _binary("bitwise_xor"), "BitwiseNot": _unary("bitwise_not"),
+    "Neg": _unary("negative"), "Abs": _unary("abs"), "Exp": _unary("exp"), "Log": _unary("log"),
+    "Sqrt": _unary("sqrt"), "Tanh": _unary("tanh"), "Reciprocal": _reciprocal, "Relu": _relu,
+    "Erf": _erf, "Sigmoid": _sigmoid, "Identity": _identity, "Where": _where, "Cast": _cast,
+    "MatMul": _matmul, "Gemm": _gemm, "Conv": _conv, "BatchNormalization": _batch_norm,
+    "LayerNormalization": _layer_norm, "Softmax": _softmax, "GlobalAveragePool": _global_average_pool,
+    "ReduceMean": _reduce("mean"), "ReduceSum": _reduce("sum"), "ReduceMax": _reduce("max"),
+    "ReduceMin": _reduce("min"),
+    "Constant": _constant, "Shape": _shape, "Reshape": _reshape, "Transpose": _transpose,
+    "Flatten": _flatten, "Unsqueeze": _unsqueeze, "Squeeze": _squeeze, "Concat": _concat,
+    "Gather": _gather, "Slice": _slice, "Expand": _expand,
+}
+
+# These call jax itself (jax.lax, jax.nn), so they never run on the numpy constant path.
+_JAX_ONLY = {"Erf", "Sigmoid", "Conv", "Softmax"}

@@ -1,0 +1,35 @@
+"""An ONNX graph through Relax in one of autofuse's fusion modes, records applied from a database,
+built and wrapped as a ``Prepared``: the shared path of autofuse's model contender, tvm-untuned
+and tvm-auto."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import tvm
+
+from . import Context, Prepared, Subject, Unavailable
+
+
+def prepare_relax(subject: Subject, ctx: Context, fusion: str, db) -> tuple[Prepared, tvm.IRModule]:
+    from tvm import relax
+
+    from ..model import build as model_build
+    from ..model.jobs import prepare
+
+    if subject.onnx_path is None:
+        raise Unavailable(f"{subject.name} has no ONNX graph to import")
+    prepared = prepare(subject.onnx_path, fusion)
+    mod, decisions = model_build.apply_database(prepared.mod, db, ctx.target, ctx.dev)
+    main = relax.VirtualMachine(model_build.build(mod, ctx.target), ctx.dev)["main"]
+    args = [tvm.runtime.tensor(x, ctx.dev) for x in subject.inputs]
+    last = {}
+
+    def call():
+        last["out"] = main(*args)
+        ctx.dev.sync()
+
+    info = {"fusion": fusion, "kernels": len(decisions), "matches": dict(prepared.matches),
+            "records_applied": sum(d.applied == "record" for d in decisions),
+            "decisions": [dataclasses.asdict(d) for d in decisions]}
+    return Prepared(call, lambda: model_build._flatten(last["out"]), info), mod
