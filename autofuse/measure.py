@@ -60,13 +60,22 @@ def time_calls(call: Callable[[], None], *, warmup: int = 3, repeat: int = 10,
     return Timing.of(samples)
 
 
+def param_buffers(func) -> list:
+    """A PrimFunc's parameters as buffers (TVM 0.27's params are buffers; older ones map them)."""
+    return [func.buffer_map[p] if hasattr(func, "buffer_map") else p for p in func.params]
+
+
+def param_bytes(func) -> int:
+    return sum(int(np.prod([int(d) for d in buf.shape])) * tvm.runtime.DataType(str(buf.dtype)).bits // 8
+               for buf in param_buffers(func))
+
+
 def param_arrays(func, seed: int = 0) -> list[np.ndarray]:
     """Seeded random data for every parameter of a PrimFunc (inputs and outputs alike), for
     kernels that have no input maker of their own."""
     rng = np.random.default_rng(seed)
     arrays = []
-    for param in func.params:
-        buf = func.buffer_map[param] if hasattr(func, "buffer_map") else param
+    for buf in param_buffers(func):
         shape = tuple(int(d) for d in buf.shape)
         dtype = str(buf.dtype)
         if dtype.startswith("float") or dtype == "bfloat16":

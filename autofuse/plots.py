@@ -75,13 +75,18 @@ def roofline(report: dict, path: str) -> None:
                            label=c["name"])
                 ax.annotate(subject["name"], (c["intensity"], c["gflops"]), fontsize=6)
     lo, hi = min(intensities) / 2, max(intensities) * 2
-    ridge = peak / bandwidth
-    ax.plot([lo, ridge, hi], [lo * bandwidth, peak, peak], color="black", lw=1)
+    ax.plot([lo, peak / bandwidth, hi], [lo * bandwidth, peak, peak], color="black", lw=1, label="DRAM roof")
+    cache = max((gbps for _, gbps in roof.get("bandwidth_ladder", [])), default=bandwidth)
+    if cache > bandwidth * 1.1:
+        # Kernels whose working set fits in cache are held to the copy bandwidth at their size,
+        # up to this line.
+        ax.plot([lo, peak / cache], [lo * cache, peak], color="black", lw=1, ls="--", label="cache roof")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity, FLOP/byte")
     ax.set_ylabel("GFLOP/s")
-    ax.set_title(f"roofline: {bandwidth:.1f} GB/s, {peak:.0f} GFLOP/s (grey: model kernels)")
+    ax.set_title(f"roofline: {bandwidth:.1f} GB/s DRAM, {cache:.1f} GB/s best cache copy, {peak:.0f} GFLOP/s\n"
+                 "(grey: model kernels)", fontsize=9)
     handles, labels = ax.get_legend_handles_labels()
     unique = dict(zip(labels, handles))
     if unique:

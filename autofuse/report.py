@@ -90,10 +90,13 @@ def compare_markdown(report: dict) -> str:
     lines = [f"# autofuse compare — {report['created']}", "",
              f"Machine: {m.get('processor')} ({m.get('mcpu', '?')}), {report['threads']} threads, "
              f"Python {m.get('python')}, TVM {m.get('tvm')}; roofline: {roof.get('bandwidth_gbps', 0):.1f} GB/s "
-             f"({roof.get('bandwidth_method', '?')}), {roof.get('peak_gflops', 0):.1f} GFLOP/s "
+             f"DRAM, up to {max((g for _, g in roof.get('bandwidth_ladder', [])), default=0):.1f} GB/s for cache-sized "
+             f"copies ({roof.get('bandwidth_method', '?')}), {roof.get('peak_gflops', 0):.1f} GFLOP/s "
              f"({roof.get('peak_method', '?')}).",
              f"Timing: {report['warmup']} warm-up calls, median of {report['repeat']} repeats (p10/p90 shown); "
-             f"trials added in this run: {report['trials_added']}; database {report['database']}.", "",
+             f"trials added in this run: {report['trials_added']}; database {report['database']}.",
+             "% roofline: of min(peak, intensity x the copy bandwidth at the kernel's working set), so kernels "
+             "that live in cache are held to the cache's bandwidth, not DRAM's.", "",
              "## Summary (median ms; ratio = autofuse / best of tvm-auto, onnxruntime, xla; target <= 0.8)", "",
              table(summary_rows(report), [("subject", "subject"), *[(n, n) for n in names], ("ratio", "ratio")],
                    markdown=True), ""]

@@ -18,7 +18,8 @@ def _fake_roofline(db_root):
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "roofline.json"), "w") as f:
         json.dump({"bandwidth_gbps": 20.0, "peak_gflops": 200.0, "bandwidth_method": "test",
-                   "peak_method": "test", "threads": len(os.sched_getaffinity(0))}, f)
+                   "peak_method": "test", "threads": len(os.sched_getaffinity(0)),
+                   "bandwidth_ladder": [[1 << 20, 60.0], [1 << 28, 20.0]]}, f)
 
 
 @pytest.fixture(scope="module")
@@ -74,7 +75,7 @@ def _in_process_subject(tmp_path):
     pattern = get_pattern("linear_bias_relu")
     subject = pattern_subject(pattern, pattern.small_shape(), "float32", str(tmp_path))
     ctx = Context(parse_target("llvm"), tvm.cpu(), 2, None)
-    return subject, ctx, Machine(20.0, 200.0, "test", "test", 2)
+    return subject, ctx, Machine(20.0, 200.0, "test", "test", 2, [[1 << 28, 20.0]])
 
 
 def test_missing_optional_baselines_are_reported_not_crashed(tmp_path, monkeypatch):

@@ -11,7 +11,7 @@ import tvm
 from tvm import tirx
 from tvm.target import Target
 
-from ..measure import param_arrays, run_on, time_function, to_device
+from ..measure import param_arrays, param_bytes, run_on, time_function, to_device
 from ..pattern import Pattern
 from ..registry import get_pattern
 from ..verify import check_module, compare
@@ -100,22 +100,24 @@ def finite(values) -> bool:
 
 
 def kernel_figures(mod: tvm.IRModule, target: Target, dev, repeat: int = 5) -> list[dict]:
-    """Every kernel of a built module as it will run: its latency on seeded data, estimated FLOPs
-    and the bytes of its buffers (each read or written once: the traffic a perfect schedule moves)."""
+    """Every kernel of a built module as it will run: its latency on seeded data, FLOPs and bytes.
+    A pattern kernel counts them as its pattern does; any other kernel gets TVM's FLOP estimate
+    and the bytes of its buffers, each read or written once (the traffic a perfect schedule moves)."""
     from tvm.s_tir.analysis import estimate_tir_flops
 
     figures = []
     for kernel in kernels(mod):
         workload = kernel.workload
-        try:
-            flops = float(estimate_tir_flops(workload))
-        except Exception:  # the estimator rejects some TIR (Let expressions); FLOPs stay unknown
-            flops = None
-        nbytes = 0
-        for param in kernel.func.params:
-            buf = kernel.func.buffer_map[param] if hasattr(kernel.func, "buffer_map") else param
-            nbytes += int(np.prod([int(d) for d in buf.shape])) * tvm.runtime.DataType(str(buf.dtype)).bits // 8
+        if kernel.pattern is not None:
+            shape, dtype = kernel.pattern_shape()
+            flops, nbytes = kernel.pattern.flops(shape), kernel.pattern.bytes(shape, dtype)
+        else:
+            try:
+                flops = float(estimate_tir_flops(workload))
+            except Exception:  # the estimator rejects some TIR (Let expressions); FLOPs stay unknown
+                flops = None
+            nbytes = param_bytes(kernel.func)
         figures.append({"name": kernel.name, "pattern": kernel.pattern.name if kernel.pattern else None,
                         "ms": time_module(workload, kernel.func, target, dev, repeat=repeat) * 1e3,
-                        "flops": flops, "bytes": float(nbytes)})
+                        "flops": float(flops) if flops else None, "bytes": float(nbytes)})
     return figures
