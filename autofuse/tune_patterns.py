@@ -51,23 +51,55 @@ def time_kernel(job: Job, rt, dev, repeat: int) -> float:
     return time_function(rt, inputs + outputs, dev, repeat=repeat).median_secs
 
 
+@dataclasses.dataclass
+class Choice:
+    """What runs for a pattern workload: the best checked record or the template default,
+    whichever is faster measured here; ``source`` says which."""
+    mod: tvm.IRModule
+    source: str
+    secs: float
+    record_secs: float | None = None   # the chosen record's own timing, also when the default won
+
+
+def choose(job: Job, db: TuningDatabase | None, target: Target, dev, repeat: int = 10,
+           with_default: bool = True) -> tuple[Choice | None, list[str]]:
+    """Never worse than no tuning: a short search can leave records slower than the template's
+    default knobs, so both are timed on the same inputs and the faster one runs. None when no
+    record passes its check and there is no default (or ``with_default`` is off); with one line
+    per rejected record."""
+    chosen, rejected = db.best(job.func, checker(job, target, dev)) if db is not None else (None, [])
+    candidates = []
+    if chosen is not None:
+        candidates.append((chosen.schedule.mod, chosen.source))
+    if with_default and job.pattern.templates_for(target):
+        candidates.append((job.pattern.default_schedule(job.func, target).mod, "template-default"))
+    if not candidates:
+        return None, rejected
+    timed = [(time_kernel(job, build_kernel(mod, target), dev, repeat), mod, source) for mod, source in candidates]
+    secs, mod, source = min(timed, key=lambda t: t[0])
+    return Choice(mod, source, secs, timed[0][0] if chosen is not None else None), rejected
+
+
 def summarize(job: Job, db: TuningDatabase, target: Target, *, space: str, stats: TuneStats | None,
               index: int, repeat: int = 10) -> dict:
-    """One table row: best checked record vs the untuned kernel."""
+    """One table row: the best checked record (or the template default, when faster) vs the
+    untuned kernel."""
     dev = tvm.device("cpu" if target.kind.name == "llvm" else target.kind.name, 0)
-    chosen, rejected = db.best(job.func, checker(job, target, dev))
+    # The generic space is measured on its own: a template default would not be its result.
+    choice, rejected = choose(job, db, target, dev, repeat, with_default=space != "generic")
     untuned = time_kernel(job, build_kernel(job.func, target), dev, repeat)
     valid, total = db.count(job.func)
     row = {
         "pattern": job.pattern.name, "shape": shape_label(job.shape), "dtype": job.dtype, "space": space,
         "trials": stats.trials.get(index, 0) if stats else 0, "records": total, "valid_records": valid,
         "untuned_ms": untuned * 1e3, "best_ms": None, "gflops": None, "gbps": None, "speedup": None,
-        "source": None, "tune_secs": stats.task_secs.get(index, 0.0) if stats else 0.0,
+        "source": None, "record_ms": None, "tune_secs": stats.task_secs.get(index, 0.0) if stats else 0.0,
         "rejected": rejected,
     }
-    if chosen is not None:
-        best = time_kernel(job, build_kernel(chosen.schedule.mod, target), dev, repeat)
-        row.update(best_ms=best * 1e3, speedup=untuned / best, source=chosen.source,
+    if choice is not None:
+        best = choice.secs
+        row.update(best_ms=best * 1e3, speedup=untuned / best, source=choice.source,
+                   record_ms=choice.record_secs * 1e3 if choice.record_secs else None,
                    gflops=job.pattern.flops(job.shape) / best / 1e9,
                    gbps=job.pattern.bytes(job.shape, job.dtype) / best / 1e9)
     return row

@@ -1,11 +1,12 @@
 """autofuse: ours. A pattern runs as its PrimFunc with the best numerically checked record from
-the database (its template default when there is none); a model is fused by our patterns (the
+the database or its template default, whichever is faster; a model is fused by our patterns (the
 rest auto) with records applied never-worse, as ``autofuse build`` does."""
 
 from __future__ import annotations
 
 import tvm
 
+from ..errors import AutofuseError
 from . import Context, Prepared, Subject
 from .relax_vm import prepare_relax
 
@@ -25,17 +26,14 @@ class Autofuse:
     @staticmethod
     def _pattern(subject: Subject, ctx: Context) -> Prepared:
         from ..measure import empty_outputs, to_device
-        from ..tune_patterns import Job, checker
+        from ..tune_patterns import Job, choose
 
         job = Job(subject.pattern, subject.shape, subject.dtype)
-        chosen, rejected = (None, [])
-        if ctx.db is not None:
-            chosen, rejected = ctx.db.best(job.func, checker(job, ctx.target, ctx.dev))
-        if chosen is not None:
-            mod, source = chosen.schedule.mod, chosen.source
-        else:
-            mod, source = job.pattern.default_schedule(job.func, ctx.target).mod, "template-default"
-        rt = tvm.tirx.build(mod, target=ctx.target)
+        choice, rejected = choose(job, ctx.db, ctx.target, ctx.dev)
+        if choice is None:
+            raise AutofuseError(f"{job.label}: no record passed the numerical check and the pattern has no "
+                                f"template for {ctx.target.kind.name}")
+        rt = tvm.tirx.build(choice.mod, target=ctx.target)
         args = to_device(subject.inputs, ctx.dev)
         outs = empty_outputs(job.pattern.output_specs(job.func), ctx.dev)
 
@@ -45,4 +43,6 @@ class Autofuse:
 
         valid, total = ctx.db.count(job.func) if ctx.db is not None else (0, 0)
         return Prepared(call, lambda: [o.numpy() for o in outs],
-                        {"source": source, "records": total, "valid_records": valid, "rejected": rejected})
+                        {"source": choice.source, "records": total, "valid_records": valid,
+                         "record_ms": choice.record_secs * 1e3 if choice.record_secs else None,
+                         "rejected": rejected})
