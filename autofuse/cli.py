@@ -1,4 +1,4 @@
-"""The ``autofuse`` command: sub-commands ``tune``, ``build``, ``run`` and ``list``.
+"""The ``autofuse`` command: sub-commands ``tune``, ``build``, ``compare``, ``db``, ``run`` and ``list``.
 
 Every known problem with the user's input is an ``AutofuseError``; this module alone prints it, as
 one line on stderr, and exits with code 2.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from .baselines import BASELINES
 from .errors import AutofuseError
 
-from .baselines import BASELINES
 DEFAULT_PATTERN = "linear_bias_relu"
 DEFAULT_TRIALS = 32
 
@@ -69,6 +69,8 @@ def _build_parser() -> argparse.ArgumentParser:
                            "(Ansor-style); union: both (default)")
     tune.add_argument("--db", default="logs", help="database root; records go to DB/<target-key>/ (default logs)")
     tune.add_argument("--seed", default=None, type=int, help="random seed of the search")
+    tune.add_argument("--timeout", default=30.0, type=_positive_float, metavar="SECS",
+                      help="a candidate that runs longer (or crashes) is stored as a failed trial (default 30)")
     tune.add_argument("--json", default=None, metavar="PATH", help="also write the result rows as JSON")
     tune.add_argument("--small", action="store_true", help="use each pattern's small test shape")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -115,6 +117,23 @@ def _build_parser() -> argparse.ArgumentParser:
     cmp.add_argument("--no-progress", action="store_true", help="no progress bar while tuning")
     cmp.add_argument("--seed", default=None, type=int, help="random seed of the search (with --trials)")
 
+    db = sub.add_parser("db", help="check or compact a tuning database",
+                        description="Inspect and maintain the tuning database: every target folder under --db.")
+    db_sub = db.add_subparsers(dest="db_command", metavar="ACTION", parser_class=_Parser, required=True)
+    check = db_sub.add_parser("check", help="report damaged lines, stale records and failed numerical checks",
+                              description=(
+        "Read every target folder under --db and report lines that are skipped (not JSON, record of an "
+        "unknown workload, half-written), records whose trace no longer applies to their TensorIR, and "
+        "records that failed the numerical check. Exit 0 when clean, 1 when something was found."))
+    check.add_argument("--db", default="logs", help="database root (default logs)")
+    compact = db_sub.add_parser("compact", help="rewrite the database keeping the best records per workload",
+                                description=(
+        "Rewrite every target folder under --db keeping the --keep fastest valid records per workload whose "
+        "trace still applies; damaged lines and failed trials go. The files are replaced atomically and the "
+        "old ones kept as *.bak. Safe while other autofuse processes use the database."))
+    compact.add_argument("--db", default="logs", help="database root (default logs)")
+    compact.add_argument("--keep", default=16, type=_positive_int, help="records kept per workload (default 16)")
+
     run = sub.add_parser("run", help="run a library built by autofuse build",
                          description="Run LIB on inputs from an .npz (arrays named as the model's inputs) "
                                      "or on seeded random inputs; print a summary, optionally save the outputs.")
@@ -138,6 +157,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
     return value
 
 
@@ -226,6 +255,28 @@ def cmd_compare(args) -> int:
     return 0
 
 
+def cmd_db(args) -> int:
+    from .database import check_folder, compact_folder, database_folders
+
+    folders = database_folders(args.db)
+    if args.db_command == "compact":
+        for folder in folders:
+            before, after = compact_folder(folder, args.keep)
+            print(f"{folder}: {before} records -> {after} (best {args.keep} per workload; old files kept as *.bak)")
+        return 0
+    dirty = False
+    for folder in folders:
+        found = check_folder(folder)
+        print(f"{folder}: {found['workloads']} workloads, {found['records']} records ({found['valid']} valid), "
+              f"{found['failed_numerical_check']} failed the numerical check (kept, never chosen)")
+        for problem in found["problems"]:
+            print(f"  {problem}")
+        dirty |= bool(found["problems"])
+    if dirty:
+        print("problems found: `autofuse db compact` rewrites the database without them", file=sys.stderr)
+    return 1 if dirty else 0
+
+
 def _check_writable(folder: str) -> None:
     import os
     probe = folder
@@ -262,7 +313,7 @@ def cmd_tune(args) -> int:
     print(f"autofuse: tuning {len(jobs)} workload(s) on {target_key(target)}, space {args.space}, "
           f"{args.trials} trials each, database {db.path}", file=sys.stderr)
     rows, stats = tune_jobs(jobs, target, db, trials=args.trials, space=args.space, seed=args.seed,
-                            progress=not args.no_progress)
+                            run_timeout=args.timeout, progress=not args.no_progress)
     print(table(rows, TUNE_COLUMNS))
     for row in rows:
         for line in row["rejected"]:
@@ -295,7 +346,7 @@ def _tune_model(args) -> int:
     print(f"autofuse: tuning {prepared.name} (fusion {args.fusion}) on {target_key(target)}, {args.trials} trials "
           f"shared by its kernels, database {db.path}", file=sys.stderr)
     tasks, stats = tune_model(prepared, target, db, trials=args.trials, space=args.space, seed=args.seed,
-                              progress=not args.no_progress)
+                              run_timeout=args.timeout, progress=not args.no_progress)
     rows = [{"kernel": t.name, "weight": t.weight, "space": t.space, "trials": stats.trials.get(i, 0),
              "best_ms": stats.best_secs[i] * 1e3 if i in stats.best_secs else None,
              "tune_secs": stats.task_secs.get(i, 0.0)} for i, t in enumerate(tasks)]
@@ -427,7 +478,8 @@ def _stored_best(db, pattern, target) -> dict:
     return {"records": total, "best_ms": chosen.run_secs * 1e3, "source": chosen.source}
 
 
-COMMANDS = {"tune": cmd_tune, "build": cmd_build, "compare": cmd_compare, "run": cmd_run, "list": cmd_list}
+COMMANDS = {"tune": cmd_tune, "build": cmd_build, "compare": cmd_compare, "db": cmd_db, "run": cmd_run,
+            "list": cmd_list}
 
 
 def main(argv: list[str] | None = None) -> int:

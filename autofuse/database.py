@@ -1,4 +1,5 @@
-"""The tuning database: MetaSchedule's ``JSONDatabase`` under ``<root>/<target-key>/``, plus the
+"""The tuning database: MetaSchedule's JSON database files under ``<root>/<target-key>/``
+(written through ``store.SafeJSONDatabase``: locked, crash-safe, readable by plain TVM), plus the
 numerical verdicts that decide which records may be used.
 
 A record is only ever used (reported, applied to a build) after its kernel has matched the
@@ -24,12 +25,12 @@ from tvm.target import Target
 
 from .errors import AutofuseError
 from .pattern import TEMPLATE_ANNOTATION
+from .store import FAILED_RUN_SECS, SafeJSONDatabase, mean_secs
 from .target import target_key
 
 WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"
 VERDICTS = "autofuse_verdicts.json"
-FAILED_RUN_SECS = 1e9
 
 log = logging.getLogger("autofuse")
 
@@ -42,11 +43,8 @@ class ChosenRecord:
     schedule: s_tir.Schedule
 
 
-def record_secs(record: ms.database.TuningRecord) -> float:
-    if not record.run_secs:
-        return float("inf")
-    values = [float(s) for s in record.run_secs]
-    return sum(values) / len(values)
+# The mean of a record's measured run times (inf for none).
+record_secs = mean_secs
 
 
 def record_source(trace) -> str:
@@ -84,8 +82,7 @@ class TuningDatabase:
             os.remove(probe)
         except OSError as err:
             raise AutofuseError(f"database directory {self.path} is not writable: {err.strerror}") from None
-        self.ms = ms.database.JSONDatabase(path_workload=os.path.join(self.path, WORKLOADS),
-                                           path_tuning_record=os.path.join(self.path, RECORDS))
+        self.ms = SafeJSONDatabase(os.path.join(self.path, WORKLOADS), os.path.join(self.path, RECORDS))
         self._verdicts_path = os.path.join(self.path, VERDICTS)
         self._verdicts = self._load_verdicts()
 
@@ -100,42 +97,27 @@ class TuningDatabase:
     def records(self, func: tirx.PrimFunc) -> list[ms.database.TuningRecord]:
         """Every valid (built and ran) record of ``func``'s workload, fastest first."""
         mod = _normalize_mod(func)
-        if not self.ms.has_workload(mod):
+        if self.ms.workload_index(mod) is None:
             return []
-        workload = self.ms.commit_workload(mod)
-        found = [r for r in self.ms.get_top_k(workload, len(self.ms) or 1) if record_secs(r) < FAILED_RUN_SECS]
-        return sorted(found, key=record_secs)
+        return self.ms.get_top_k(self.ms.commit_workload(mod), len(self.ms) or 1)
 
     def count(self, func: tirx.PrimFunc) -> tuple[int, int]:
         """(valid, all) records of ``func``'s workload, failed builds/runs included in ``all``."""
-        mod = _normalize_mod(func)
-        if not self.ms.has_workload(mod):
-            return 0, 0
-        shash = tvm_ffi.structural_hash(mod)
-        every = [r for r in self.ms.get_all_tuning_records() if tvm_ffi.structural_hash(r.workload.mod) == shash]
-        return sum(record_secs(r) < FAILED_RUN_SECS for r in every), len(every)
+        history = self.history(func)
+        return sum(secs < float("inf") for secs, _ in history), len(history)
 
     def history(self, func: tirx.PrimFunc) -> list[tuple[float, str]]:
-        """(mean seconds, source) of every record of ``func``'s workload in the order it was measured.
-
-        JSONDatabase hands records back sorted by latency; the order lives only in its record
-        file, which it appends to as trials finish. Failed trials have ``inf`` seconds.
-        """
-        shash = tvm_ffi.structural_hash(_normalize_mod(func))
-        with open(os.path.join(self.path, WORKLOADS), encoding="utf-8") as f:
-            workloads = [json.loads(line) for line in f if line.strip()]
-        indices = {i for i, (workload_hash, _mod) in enumerate(workloads) if int(workload_hash) == shash}
+        """(mean seconds, source) of every record of ``func``'s workload in the order it was
+        measured; failed trials have ``inf`` seconds."""
+        index = self.ms.workload_index(_normalize_mod(func))
+        if index is None:
+            return []
         found = []
-        with open(os.path.join(self.path, RECORDS), encoding="utf-8") as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                workload_index, (trace, run_secs, *_rest) = json.loads(line)
-                if workload_index not in indices:
-                    continue
-                secs = sum(map(float, run_secs)) / len(run_secs) if run_secs else float("inf")
-                source = "template" if "autofuse.template" in json.dumps(trace) else "generic"
-                found.append((secs if secs < FAILED_RUN_SECS else float("inf"), source))
+        for workload_index, record in self.ms.records_in_order():
+            if workload_index == index:
+                secs = record_secs(record)
+                found.append((secs if secs < FAILED_RUN_SECS else float("inf"),
+                              "generic" if record_source(record.trace) == "generic" else "template"))
         return found
 
     def best_so_far(self, func: tirx.PrimFunc) -> list[float | None]:
@@ -201,3 +183,65 @@ class TuningDatabase:
             f.write(json.dumps({"workload": wkey, "trace": tkey, **verdict}) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+# --- check and compact (``autofuse db``) -------------------------------------------------------
+
+def database_folders(root: str) -> list[str]:
+    """The per-target database folders under ``root``."""
+    if not os.path.isdir(root):
+        raise AutofuseError(f"no database at {root}")
+    found = sorted(os.path.join(root, name) for name in os.listdir(root)
+                   if os.path.isfile(os.path.join(root, name, WORKLOADS)))
+    if not found:
+        raise AutofuseError(f"no database under {root} (expected {root}/<target>/{WORKLOADS})")
+    return found
+
+
+def trace_applies(record: ms.database.TuningRecord) -> bool:
+    """Whether a record's trace still replays on its workload (false once the TensorIR changed
+    under it, e.g. a record copied from an older pattern version)."""
+    try:
+        record.trace.apply_to_schedule(s_tir.Schedule(record.workload.mod), remove_postproc=False)
+        return True
+    except Exception:
+        return False
+
+
+def check_folder(folder: str) -> dict:
+    """What is in one database folder and what is wrong with it: skipped lines (file:line: why),
+    records whose trace no longer applies, records that failed the numerical check."""
+    quiet = log.level
+    log.setLevel(logging.ERROR)  # the skipped lines are this function's answer, not warnings
+    try:
+        db = SafeJSONDatabase(os.path.join(folder, WORKLOADS), os.path.join(folder, RECORDS))
+    finally:
+        log.setLevel(quiet)
+    problems = [str(p) for p in db.problems]
+    records = db.records_in_order()
+    valid = 0
+    for number, (_index, record) in enumerate(records, 1):
+        if record_secs(record) >= FAILED_RUN_SECS:
+            continue
+        valid += 1
+        if not trace_applies(record):
+            problems.append(f"record {number} ({trace_key(record)[:8]}): its trace no longer applies to its workload")
+    failed_checks = 0
+    verdicts = os.path.join(folder, VERDICTS)
+    if os.path.exists(verdicts):
+        with open(verdicts, encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                try:
+                    failed_checks += not json.loads(line)["ok"]
+                except (ValueError, KeyError, TypeError):
+                    problems.append(f"{verdicts}:{number}: not a verdict")
+    return {"folder": folder, "workloads": len(db.workloads()), "records": len(records), "valid": valid,
+            "failed_numerical_check": failed_checks, "problems": problems}
+
+
+def compact_folder(folder: str, keep: int) -> tuple[int, int]:
+    """Rewrite one folder's database keeping the ``keep`` best records per workload whose trace
+    still applies; (records before, after)."""
+    from .store import compact
+    db = SafeJSONDatabase(os.path.join(folder, WORKLOADS), os.path.join(folder, RECORDS))
+    return compact(db, keep, usable=trace_applies)

@@ -182,13 +182,16 @@ def _mean_secs(run_secs) -> float | None:
 def tune(tasks: Sequence[Task], target: Target, database: ms.database.Database, work_dir: str, *,
          trials_per_task: int, trials_total: int | None = None, space: str = "union", seed: int | None = None,
          num_trials_per_iter: int = 8, cost_model_path: str | None = None,
-         runner: ms.runner.Runner | str = "local", on_progress: ProgressFn | None = None,
+         runner: ms.runner.Runner | None = None, run_timeout: float = 30.0,
+         on_progress: ProgressFn | None = None,
          on_phase: Callable[[str], None] | None = None) -> TuneStats:
     """Tune every task for ``trials_per_task`` more trials into ``database``; with
     ``trials_total``, the tasks share that budget instead, by weight (MetaSchedule's gradient
     task scheduler), as the kernels of one model do.
 
     Records already in ``database`` seed the evolutionary search, so a rerun continues from them.
+    A candidate that crashes its runner or runs past ``run_timeout`` seconds is stored as failed
+    (run time 1e10) and the search goes on.
     MetaSchedule's logs go to ``work_dir/logs``; nothing of it reaches the terminal.
     """
     if trials_per_task <= 0 or (trials_total is not None and trials_total <= 0):
@@ -217,7 +220,8 @@ def tune(tasks: Sequence[Task], target: Target, database: ms.database.Database, 
             tasks=contexts, task_weights=[t.weight for t in tasks], work_dir=work_dir,
             max_trials_global=trials_total or trials_per_task * len(tasks), max_trials_per_task=trials_per_task,
             num_trials_per_iter=_trials_per_round(num_trials_per_iter, trials_per_task, trials_total, len(tasks)),
-            builder=ms.builder.LocalBuilder(f_build=fast_build), runner=runner, database=database,
+            builder=ms.builder.LocalBuilder(f_build=fast_build),
+            runner=runner or ms.runner.LocalRunner(timeout_sec=run_timeout), database=database,
             cost_model=cost_model,
             measure_callbacks=ms.measure_callback.MeasureCallback.create("default")
             + [_ProgressCallback(stats, on_progress)],

@@ -67,12 +67,18 @@ def choose(job: Job, db: TuningDatabase | None, target: Target, dev, repeat: int
     default knobs, so both are timed on the same inputs and the faster one runs. None when no
     record passes its check and there is no default (or ``with_default`` is off); with one line
     per rejected record."""
-    chosen, rejected = db.best(job.func, checker(job, target, dev)) if db is not None else (None, [])
+    check = checker(job, target, dev)
+    chosen, rejected = db.best(job.func, check) if db is not None else (None, [])
     candidates = []
     if chosen is not None:
         candidates.append((chosen.schedule.mod, chosen.source))
     if with_default and job.pattern.templates_for(target):
-        candidates.append((job.pattern.default_schedule(job.func, target).mod, "template-default"))
+        default = job.pattern.default_schedule(job.func, target)
+        ok, message = check(default)  # a template's defaults are checked like any record
+        if ok:
+            candidates.append((default.mod, "template-default"))
+        else:
+            rejected.append(f"template default failed the numerical check: {message}")
     if not candidates:
         return None, rejected
     timed = [(time_kernel(job, build_kernel(mod, target), dev, repeat), mod, source) for mod, source in candidates]
@@ -106,13 +112,14 @@ def summarize(job: Job, db: TuningDatabase, target: Target, *, space: str, stats
 
 
 def tune_jobs(jobs: list[Job], target: Target, db: TuningDatabase, *, trials: int, space: str,
-              seed: int | None, progress: bool = True) -> tuple[list[dict], TuneStats]:
+              seed: int | None, progress: bool = True, run_timeout: float = 30.0) -> tuple[list[dict], TuneStats]:
     from .progress import tuning_bar
 
     tasks = [Task(job.label, job.func, job.pattern.templates) for job in jobs]
     with tuning_bar(trials * len(jobs), [job.label for job in jobs], progress) as (on_phase, on_progress):
         stats = tune(tasks, target, db.ms, db.work_dir, trials_per_task=trials, space=space, seed=seed,
-                     cost_model_path=db.cost_model_path, on_progress=on_progress, on_phase=on_phase)
+                     cost_model_path=db.cost_model_path, run_timeout=run_timeout, on_progress=on_progress,
+                     on_phase=on_phase)
     rows = []
     for index, job in enumerate(jobs):
         rows.append(summarize(job, db, target, space=space, stats=stats, index=index))

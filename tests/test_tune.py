@@ -73,7 +73,7 @@ def test_pattern_all_tunes_every_pattern_in_one_session(tmp_path):
     table = result.stdout
     for name in all_patterns():
         line = next(l for l in table.splitlines() if l.startswith(name))
-        assert "template:" in line, line
+        assert "template:" in line or "template-default" in line, line
     assert f"{4 * len(all_patterns())} trials" in table
 
 
@@ -106,3 +106,78 @@ def test_a_record_slower_than_the_template_default_is_not_what_runs(tmp_path):
     # Without the default (how the generic space is measured) the record is what runs.
     generic, _ = choose(job, db, target, tvm.cpu(), repeat=3, with_default=False)
     assert generic.source != "template-default" and generic.secs == generic.record_secs
+
+
+def test_candidates_that_crash_or_hang_are_stored_failed_and_tuning_goes_on(tmp_path):
+    """A kernel that segfaults its runner and one that never ends: both are recorded as failed
+    trials, and the healthy task in the same session still gets valid records."""
+    from tvm.script import tirx as T
+
+    from autofuse.tune import Task, tune
+
+    @T.prim_func(s_tir=True)
+    def healthy(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
+        for i in range(64):
+            with T.sblock("b"):
+                vi = T.axis.spatial(64, i)
+                b[vi] = a[vi] + T.float32(1)
+
+    @T.prim_func(s_tir=True)
+    def crashes(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
+        for i in range(64):
+            with T.sblock("b"):
+                vi = T.axis.spatial(64, i)
+                b[vi * 100000000 + 100000000] = a[vi]  # far outside b: the runner process dies
+
+    @T.prim_func(s_tir=True)
+    def hangs(a: T.Buffer((1,), "float32"), b: T.Buffer((1,), "float32")):
+        # 1e10 dependent square roots, which no schedule or compiler can shorten: far past 3 s.
+        for k0, k1 in T.grid(100000, 100000):
+            with T.sblock("b"):
+                vk0, vk1 = T.axis.remap("RR", [k0, k1])
+                with T.init():
+                    b[0] = T.float32(0)
+                b[0] = T.sqrt(b[0] + a[0])
+
+    target = parse_target("llvm")
+    db = TuningDatabase(str(tmp_path), target)
+    tasks = [Task("crashes", crashes), Task("hangs", hangs), Task("healthy", healthy)]
+    stats = tune(tasks, target, db.ms, db.work_dir, trials_per_task=2, space="generic", seed=0, run_timeout=3)
+    assert stats.trials.get(0, 0) >= 1 and stats.failed.get(0) == stats.trials[0]
+    assert stats.trials.get(1, 0) >= 1 and stats.failed.get(1) == stats.trials[1]
+    assert stats.trials.get(2, 0) >= 1 and not stats.failed.get(2)
+    assert db.count(healthy)[0] >= 1
+    for func in (crashes, hangs):
+        valid, total = db.count(func)
+        assert valid == 0 and total >= 1
+
+
+def test_a_template_that_computes_wrong_is_tuned_but_never_chosen(tmp_path):
+    """An injected bug: a template that stages the weights through a float16 copy. Its candidates
+    build, run and are stored, but neither they nor its defaults ever pass the reference check."""
+    import dataclasses
+
+    import tvm
+
+    from autofuse.pattern import template
+    from autofuse.tune_patterns import Job, choose, tune_jobs
+
+    @template("fp16_weights")
+    def fp16_weights(sch, target, knobs):
+        mm = sch.get_sblock("matmul")
+        i, j, k = sch.get_loops(mm)
+        _, k1 = sch.split(k, knobs.tile(k, 2, [16]))
+        sch.unroll(k1)
+        staged = sch.cache_read(mm, 1, "global")
+        sch.unsafe_set_dtype(staged, 0, "float16")  # the bug: the weights lose precision
+
+    pattern = dataclasses.replace(get_pattern("linear_bias_relu"), templates=[fp16_weights])
+    job = Job(pattern, {"m": 32, "n": 32, "k": 256}, "float32")
+    target = parse_target("llvm")
+    db = TuningDatabase(str(tmp_path), target)
+    rows, _ = tune_jobs([job], target, db, trials=4, space="template", seed=0, progress=False)
+    assert db.count(job.func)[0] >= 1  # the wrong candidates were measured and kept as history
+    assert rows[0]["best_ms"] is None and rows[0]["source"] is None
+    assert any("failed the numerical check" in line for line in rows[0]["rejected"])
+    choice, rejected = choose(job, db, target, tvm.cpu())
+    assert choice is None and any("template default failed" in line for line in rejected)
