@@ -224,10 +224,11 @@ def cmd_compare(args) -> int:
     machine = load_or_measure(cache, threads)
     report = new_report(ctx, machine, baselines=baselines, trials=args.trials, repeat=args.repeat,
                         warmup=args.warmup)
-    for subject in subjects:
-        if args.trials:
+    if args.trials:  # all tuning first, so no measurement shares the cores with a tuning run
+        for subject in subjects:
             report["budgets"][subject.name] = tune_subject(subject, ctx, baselines, args.trials, args.seed,
                                                            progress=not args.no_progress)
+    for subject in subjects:
         entry = compare_subject(subject, ctx, baselines, machine, repeat=args.repeat, warmup=args.warmup,
                                 log=lambda msg: print(f"autofuse: measuring {msg}", file=sys.stderr))
         report["subjects"].append(entry)

@@ -169,6 +169,8 @@ def compare_subject(subject: Subject, ctx: Context, baselines: list[str], machin
             row.update(status="failed", reason=_first_line(err), traceback=traceback.format_exc(limit=4))
             continue
         row["info"] = {k: v for k, v in prepared.info.items() if k != "kernel_figures"}
+        # The search budget each tuned contender has had: its kernels' records in the database.
+        row["trials_in_db"] = prepared.info.get("records")
         if reference is None:
             reference, reference_name = outputs, f"{name} (onnxruntime missing)"
         check = compare(outputs, reference, *subject.tolerance)

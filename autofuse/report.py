@@ -65,7 +65,8 @@ def write_json(path: str, payload: dict) -> None:
 
 COMPARE_COLUMNS = [("name", "contender"), ("status", "status"), ("median_ms", "median ms"), ("p10_ms", "p10 ms"),
                    ("p90_ms", "p90 ms"), ("gflops", "GFLOP/s"), ("gbps", "GB/s"), ("intensity", "FLOP/B"),
-                   ("roofline_pct", "% roofline"), ("autofuse_speedup", "autofuse speed-up")]
+                   ("roofline_pct", "% roofline"), ("autofuse_speedup", "autofuse speed-up"),
+                   ("trials_in_db", "trials in db")]
 KERNEL_COLUMNS = [("name", "kernel"), ("pattern", "pattern"), ("applied", "applied"), ("source", "record from"),
                   ("ms", "ms"), ("gflops", "GFLOP/s"), ("gbps", "GB/s"), ("intensity", "FLOP/B"),
                   ("roofline_pct", "% roofline")]
@@ -94,7 +95,8 @@ def compare_markdown(report: dict) -> str:
              f"copies ({roof.get('bandwidth_method', '?')}), {roof.get('peak_gflops', 0):.1f} GFLOP/s "
              f"({roof.get('peak_method', '?')}).",
              f"Timing: {report['warmup']} warm-up calls, median of {report['repeat']} repeats (p10/p90 shown); "
-             f"trials added in this run: {report['trials_added']}; database {report['database']}.",
+             f"trials added in this run: {report['trials_added']} each for autofuse and tvm-auto; database "
+             f"{report['database']} ('trials in db': every trial stored for the contender's kernels).",
              "% roofline: of min(peak, intensity x the copy bandwidth at the kernel's working set), so kernels "
              "that live in cache are held to the cache's bandwidth, not DRAM's.", "",
              "## Summary (median ms; ratio = autofuse / best of tvm-auto, onnxruntime, xla; target <= 0.8)", "",

@@ -1,11 +1,14 @@
 """The full comparison: every pattern and every model under models/ against tvm-untuned, tvm-auto,
-onnxruntime and xla, at one trial budget for ours and for tvm-auto, in one fresh database.
+onnxruntime and xla, at one trial budget for ours and for tvm-auto.
 
     python benchmarks/run_all.py [--trials 64] [--repeat 20] [--patterns all] [--models mlp,...]
+    python benchmarks/run_all.py --skip-tuning      # measure again on the database as it is
 
-Runs ``autofuse compare`` (in this process) once for all patterns and once per model, each with
-``--trials N``: ours tuned in the union space, tvm-auto's auto-fused kernels in the generic space,
-N new trials each. Writes, under benchmarks/results/compare-<target-key>/:
+Two passes of ``autofuse compare`` (in this process), once for all patterns and once per model:
+a tuning pass with ``--trials N`` (ours tuned in the union space, tvm-auto's auto-fused kernels in
+the generic space, N new trials each, into --db; its timings are thrown away) and a measuring
+pass with no tuning, which is the report. Keep the machine otherwise idle during the second.
+Writes, under benchmarks/results/compare-<target-key>/:
   patterns/ and <model>/   each a compare report (report.md/.json/.png, roofline.png, search.png)
   search.png               best latency vs trials, template vs generic vs union, from
                            benchmarks/results/patterns-<target-key>.json (benchmarks/patterns.py)
@@ -18,7 +21,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +41,9 @@ def main() -> int:
     parser.add_argument("--patterns", default="all", help="'all', a pattern name, or 'none'")
     parser.add_argument("--models", default=",".join(MODELS), help="comma-separated names under models/, or 'none'")
     parser.add_argument("--target", default="llvm")
-    parser.add_argument("--db", default=None, help="database root (default: a fresh temporary one)")
+    parser.add_argument("--db", default=os.path.join(ROOT, "benchmarks", "work", "db"),
+                        help="database root (default benchmarks/work/db, not committed)")
+    parser.add_argument("--skip-tuning", action="store_true", help="only the measuring pass")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -52,21 +56,31 @@ def main() -> int:
     if args.models != "none":
         runs += [(name, [os.path.join(ROOT, "models", f"{name}.onnx")]) for name in args.models.split(",")]
 
-    with tempfile.TemporaryDirectory(prefix="autofuse-run-all-") as scratch:
-        db = args.db or scratch
-        summary = {"target_key": key, "trials": args.trials, "repeat": args.repeat, "runs": {}}
+    common = ["--db", args.db, "--target", args.target, "--seed", "0", "--no-progress"]
+    if not args.skip_tuning:
+        scratch = os.path.join(os.path.dirname(args.db), "tuning-pass")
         for name, subject in runs:
-            start = time.perf_counter()
-            code = cli.main(["compare", *subject, "--db", db, "--target", args.target, "--trials", str(args.trials),
-                             "--repeat", str(args.repeat), "--report", os.path.join(out, name), "--seed", "0",
-                             "--no-progress"])
-            with open(os.path.join(out, name, "report.json"), encoding="utf-8") as f:
-                report = json.load(f)
-            summary["runs"][name] = {"exit_code": code, "secs": time.perf_counter() - start,
-                                     "budgets": report["budgets"], "rows": summary_rows(report)}
-            summary.update(machine=report["machine"], versions=report["versions"], threads=report["threads"],
-                           baselines=report["baselines"])
-            write_json(os.path.join(out, "summary.json"), summary)  # after every run: a cut run keeps the rest
+            code = cli.main(["compare", *subject, *common, "--trials", str(args.trials), "--repeat", "1",
+                             "--warmup", "0", "--no-plots", "--report", os.path.join(scratch, name)])
+            if code != 0:
+                print(f"tuning pass of {name} exited {code}", file=sys.stderr)
+    print("== measuring pass: keep the machine idle ==", file=sys.stderr, flush=True)
+    summary = {"target_key": key, "trials": None if args.skip_tuning else args.trials, "repeat": args.repeat,
+               "database": os.path.relpath(args.db, ROOT), "runs": {}}
+    for name, subject in runs:
+        start = time.perf_counter()
+        code = cli.main(["compare", *subject, *common, "--trials", "0", "--repeat", str(args.repeat),
+                         "--report", os.path.join(out, name)])
+        with open(os.path.join(out, name, "report.json"), encoding="utf-8") as f:
+            report = json.load(f)
+        summary["runs"][name] = {"exit_code": code, "secs": time.perf_counter() - start,
+                                 "trials_in_db": {s["name"]: {c["name"]: c.get("trials_in_db") for c in s["contenders"]
+                                                              if c.get("trials_in_db") is not None}
+                                                  for s in report["subjects"]},
+                                 "rows": summary_rows(report)}
+        summary.update(machine=report["machine"], versions=report["versions"], threads=report["threads"],
+                       baselines=report["baselines"])
+        write_json(os.path.join(out, "summary.json"), summary)  # after every run: a cut run keeps the rest
 
     rows = [row for run in summary["runs"].values() for row in run["rows"]]
     names = ["autofuse", *summary.get("baselines", [])]

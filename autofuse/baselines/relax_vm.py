@@ -31,5 +31,6 @@ def prepare_relax(subject: Subject, ctx: Context, fusion: str, db) -> tuple[Prep
 
     info = {"fusion": fusion, "kernels": len(decisions), "matches": dict(prepared.matches),
             "records_applied": sum(d.applied == "record" for d in decisions),
+            "records": sum(d.records for d in decisions),
             "decisions": [dataclasses.asdict(d) for d in decisions]}
     return Prepared(call, lambda: model_build._flatten(last["out"]), info), mod

@@ -28,6 +28,7 @@ class KernelDecision:
     default_ms: float | None
     tuned_ms: float | None
     note: str = ""
+    records: int = 0        # tuning records of this kernel in the database, failed trials included
 
 
 def default_schedule(kernel: Kernel, target: Target) -> s_tir.Schedule | None:
@@ -54,6 +55,7 @@ def apply_database(mod: tvm.IRModule, db: TuningDatabase | None, target: Target,
         fallback_mod = fallback.mod if fallback is not None else kernel.workload
         chosen = None
         note = ""
+        records = db.count(kernel.workload)[1] if db is not None else 0
         if db is not None:
             chosen, rejected = db.best(kernel.workload, make_checker(kernel, target, dev))
             if rejected:
@@ -61,7 +63,7 @@ def apply_database(mod: tvm.IRModule, db: TuningDatabase | None, target: Target,
         if chosen is None:
             kind = "template-default" if fallback is not None else "default"
             decisions.append(KernelDecision(kernel.name, pattern, kind, None, None, None,
-                                            note or ("no record" if db is not None else "")))
+                                            note or ("no record" if db is not None else ""), records))
             if fallback is not None:
                 mod[kernel.gv] = _as_kernel(fallback.mod["main"], kernel)
             continue
@@ -70,13 +72,14 @@ def apply_database(mod: tvm.IRModule, db: TuningDatabase | None, target: Target,
         if tuned_secs <= default_secs:
             mod[kernel.gv] = _as_kernel(chosen.schedule.mod["main"], kernel)
             decisions.append(KernelDecision(kernel.name, pattern, "record", chosen.source,
-                                            default_secs * 1e3, tuned_secs * 1e3, note))
+                                            default_secs * 1e3, tuned_secs * 1e3, note, records))
         else:
             if fallback is not None:
                 mod[kernel.gv] = _as_kernel(fallback.mod["main"], kernel)
             decisions.append(KernelDecision(
                 kernel.name, pattern, "template-default" if fallback is not None else "default", chosen.source,
-                default_secs * 1e3, tuned_secs * 1e3, (note + "; " if note else "") + "record slower than default"))
+                default_secs * 1e3, tuned_secs * 1e3, (note + "; " if note else "") + "record slower than default",
+                records))
     return mod, decisions
 
 
