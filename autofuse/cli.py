@@ -279,13 +279,14 @@ def cmd_db(args) -> int:
 
 
 def _check_writable(folder: str) -> None:
+    """Before any work: the report folder must exist as a writable directory or be creatable."""
     import os
     probe = folder
     while probe and not os.path.exists(probe):
         probe = os.path.dirname(probe)
     probe = probe or "."
-    if not os.access(probe, os.W_OK):
-        raise AutofuseError(f"report folder {folder} is not writable")
+    if not os.path.isdir(probe) or not os.access(probe, os.W_OK):
+        raise AutofuseError(f"report folder {folder} cannot be written ({probe} is not a writable directory)")
 
 
 def cmd_tune(args) -> int:

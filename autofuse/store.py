@@ -122,7 +122,7 @@ class _File:
                     aside.flush()
                     os.fsync(aside.fileno())
                 f.truncate(self.offset)
-                log.warning("%s: moved a half-written line to %s.damaged", self.path, self.path)
+                log.info("%s: repaired; the torn bytes are kept in %s.damaged", self.path, self.path)
             elif self.torn and size:  # a complete last line without its newline
                 f.write(b"\n")
                 self.offset += 1

@@ -1,8 +1,6 @@
 import json
 import os
 
-import pytest
-
 from conftest import run_cli
 
 
@@ -24,43 +22,6 @@ def test_list_shows_every_pattern_with_its_templates():
         assert pattern.name in result.stdout
         for template in pattern.templates:
             assert template.name in result.stdout
-
-
-BAD_TUNE_ARGS = [
-    (["--pattern", "no_such_pattern"], "unknown pattern"),
-    (["--pattern", "linear_bias_relu", "--shape", "m=abc"], "not an integer"),
-    (["--pattern", "linear_bias_relu", "--shape", "m=-4"], "must be positive"),
-    (["--pattern", "linear_bias_relu", "--shape", "q=4"], "no shape parameter"),
-    (["--pattern", "linear_bias_relu", "--shape", "m"], "key=value"),
-    (["--target", "tpu"], "unknown target"),
-    (["--target", "{not json"], "target JSON"),
-    (["--trials", "0"], "must be positive"),
-    (["--trials", "many"], "not an integer"),
-    (["--space", "ansor"], "invalid choice"),
-    (["--dtype", "int3"], "dtype"),
-    (["--pattern", "all", "--shape", "m=8"], "one pattern"),
-]
-
-
-@pytest.mark.parametrize("args,expected", BAD_TUNE_ARGS, ids=[" ".join(a) for a, _ in BAD_TUNE_ARGS])
-def test_bad_tune_input_is_one_line_and_exit_2(tmp_path, args, expected):
-    db = tmp_path / "db"
-    result = run_cli("tune", "--db", str(db), "--no-progress", *args)
-    assert result.returncode == 2, result.stderr
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert expected in lines[0]
-    assert "Traceback" not in result.stderr
-    assert not db.exists(), "a rejected command must not touch the database"
-
-
-def test_unwritable_db_is_a_clear_error(tmp_path):
-    blocker = tmp_path / "file"
-    blocker.write_text("not a directory")
-    result = run_cli("tune", "--db", str(blocker), "--no-progress")
-    assert result.returncode == 2
-    assert len(result.stderr.strip().splitlines()) == 1
-    assert "not writable" in result.stderr
 
 
 def test_tune_prints_the_result_table(tuned_db):

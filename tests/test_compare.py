@@ -110,19 +110,3 @@ def test_a_contender_that_disagrees_is_invalid_and_never_timed(tmp_path, monkeyp
     assert ort_row["status"] == "invalid" and ort_row["median_ms"] is None
     assert "disagrees" in ort_row["reason"]
     assert entry["contenders"][0]["status"] == "ok"
-
-
-@pytest.mark.parametrize("args, message", [
-    ([], "MODEL.onnx or --pattern"),
-    (["--pattern", "linear_bias_relu", "--baselines", "tvm-auto,pytorch"], "unknown baseline"),
-    (["--pattern", "nope"], "nope"),
-    (["--pattern", "linear_bias_relu", "--threads", "999"], "--threads"),
-    (["models/mlp.onnx", "--small"], "apply to patterns"),
-    (["--pattern", "linear_bias_relu", "--trials", "-1"], "zero or more"),
-])
-def test_bad_compare_invocations_are_one_line_errors(args, message, tmp_path):
-    result = run_cli("compare", *args, "--db", str(tmp_path / "db"), "--report", str(tmp_path / "r"))
-    assert result.returncode == 2
-    assert message in result.stderr and "Traceback" not in result.stderr
-    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
-    assert not (tmp_path / "r").exists()

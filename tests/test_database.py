@@ -74,3 +74,56 @@ def test_history_is_in_trial_order_and_the_curve_ends_at_the_best(tuned_db):
     valid = [c for c in curve if c is not None]
     assert all(a >= b for a, b in zip(valid, valid[1:]))
     assert abs(valid[-1] - record_secs(db.records(func)[0]) * 1e3) < 1e-9
+
+
+def _record_lines(folder):
+    path = folder / "database_tuning_record.json"
+    return path.read_bytes().split(b"\n")[:-1] if path.exists() else []
+
+
+def _tune_process(db, pattern, trials, seed):
+    import subprocess
+    import sys
+    from conftest import REPO
+    return subprocess.Popen([sys.executable, "-m", "autofuse.cli", "tune", "--pattern", pattern, "--small",
+                             "--trials", str(trials), "--db", str(db), "--seed", str(seed), "--no-progress"],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_two_tune_processes_on_one_database_lose_nothing(tmp_path):
+    from tvm.s_tir import meta_schedule as ms
+    procs = [_tune_process(tmp_path, "layernorm_residual", 4, 1), _tune_process(tmp_path, "softmax_dropout", 4, 2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, err[-2000:]
+    folder = tmp_path / os.listdir(tmp_path)[0]
+    assert len(_record_lines(folder)) == 8
+    plain = ms.database.JSONDatabase(path_workload=str(folder / "database_workload.json"),
+                                     path_tuning_record=str(folder / "database_tuning_record.json"))
+    names = sorted(str(r.workload.mod["main"].attrs["global_symbol"]) for r in plain.get_all_tuning_records())
+    assert names == ["layernorm_residual"] * 4 + ["softmax_dropout"] * 4
+
+
+def test_kill_9_mid_tuning_then_rerun_keeps_every_committed_record(tmp_path):
+    import signal
+    import time
+    proc = _tune_process(tmp_path, "softmax_dropout", 400, 1)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        folders = [tmp_path / d for d in os.listdir(tmp_path)] if tmp_path.exists() else []
+        if folders and len(_record_lines(folders[0])) >= 4:
+            break
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate()
+    folder = folders[0]
+    before = _record_lines(folder)
+    assert len(before) >= 4
+    with open(folder / "database_tuning_record.json", "ab") as f:
+        f.write(before[-1][:100])  # as if the kill had landed mid-write
+    rerun = _tune_process(tmp_path, "softmax_dropout", 4, 2)
+    _, err = rerun.communicate(timeout=600)
+    assert rerun.returncode == 0, err[-2000:]
+    assert err.count("half-written") == 1
+    after = _record_lines(folder)
+    assert after[:len(before)] == before and len(after) == len(before) + 4
