@@ -141,7 +141,9 @@ class TuningDatabase:
             verdict = self._verdicts.get((wkey, tkey))
             sch = self._schedule(mod, record)
             if sch is None:
-                rejected.append(f"record {tkey[:8]} no longer applies to this TensorIR")
+                message = f"{self.ms.location(record)}: record {tkey[:8]} no longer applies to this TensorIR; skipped"
+                log.warning(message)
+                rejected.append(message)
                 continue
             if verdict is None:
                 ok, message = check(sch)

@@ -157,6 +157,7 @@ class SafeJSONDatabase(ms.database.PyDatabase):
         self._workloads: dict[int, ms.database.Workload] = {}       # file line index -> workload
         self._by_hash: dict[int, list[int]] = {}                     # structural hash -> indices
         self._records: list[tuple[int, ms.database.TuningRecord]] = []
+        self._record_lines: list[int] = []                           # file line of each record
         with self._locked(fcntl.LOCK_EX):
             finish_compaction(folder)
             for path in (path_workload, path_tuning_record):
@@ -193,6 +194,7 @@ class SafeJSONDatabase(ms.database.PyDatabase):
                 raise ValueError("commit_tuning_record: the record's workload was never committed")
             self._record_file.append(_dumps([index, record.as_json()]))
             self._records.append((index, record))
+            self._record_lines.append(self._record_file.lines)
 
     def get_top_k(self, workload: ms.database.Workload, top_k: int) -> list[ms.database.TuningRecord]:
         if top_k < 0:
@@ -220,6 +222,13 @@ class SafeJSONDatabase(ms.database.PyDatabase):
         with self._locked(fcntl.LOCK_SH):
             self._refresh()
         return list(self._records)
+
+    def location(self, record: ms.database.TuningRecord) -> str:
+        """``file:line`` of a record this database handed out, for messages about it."""
+        for (_, stored), line in zip(self._records, self._record_lines):
+            if stored.same_as(record):
+                return f"{self._record_file.path}:{line}"
+        return self._record_file.path
 
     def workload_index(self, mod: tvm.IRModule) -> int | None:
         with self._locked(fcntl.LOCK_SH):
@@ -282,8 +291,12 @@ class SafeJSONDatabase(ms.database.PyDatabase):
                 continue
             try:
                 self._records.append((index, ms.database.TuningRecord.from_json(body, workload)))
+                self._record_lines.append(number)
             except Exception as err:
-                self._skip(rfile.path, number, f"record TVM cannot parse ({_reason(err)})")
+                # TVM replays the trace while parsing: a ScheduleError means the TensorIR changed under it.
+                stale = "ScheduleError" in type(err).__name__ or "ScheduleError" in str(err)
+                self._skip(rfile.path, number, "its trace no longer applies to its workload" if stale
+                           else f"record TVM cannot parse ({_reason(err)})")
 
 
 def _reason(err: BaseException) -> str:
@@ -325,7 +338,7 @@ def compact(db: SafeJSONDatabase, keep: int, usable=lambda record: True) -> tupl
         finish_compaction(folder)
         # Start over from the new files.
         db._workload_file, db._record_file = _File(wpath), _File(rpath)
-        db._workloads, db._by_hash, db._records = {}, {}, []
+        db._workloads, db._by_hash, db._records, db._record_lines = {}, {}, [], []
         db._refresh()
     return len(records), len(kept)
 

@@ -127,3 +127,33 @@ def test_kill_9_mid_tuning_then_rerun_keeps_every_committed_record(tmp_path):
     assert err.count("half-written") == 1
     after = _record_lines(folder)
     assert after[:len(before)] == before and len(after) == len(before) + 4
+
+
+def test_a_record_whose_trace_no_longer_applies_is_named_skipped_reported_and_compacted_away(tmp_path, caplog):
+    import logging
+
+    import tvm
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+
+    from conftest import run_cli
+
+    target = parse_target("llvm")
+    db = TuningDatabase(str(tmp_path), target)
+    func = _func()
+    workload = db.ms.commit_workload(_normalize_mod(func))
+    # A trace written against other TensorIR (here: a block this kernel does not have).
+    other = tvm.s_tir.Schedule(get_pattern("softmax_dropout").build({"rows": 4, "cols": 8}, "float32"))
+    other.get_sblock("row_max")
+    db.ms.commit_tuning_record(ms.database.TuningRecord(other.trace, workload, [1e-6], target,
+                                                        ms.arg_info.ArgInfo.from_prim_func(func)))
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
+        chosen, rejected = db.best(func, lambda sch: (True, ""))
+    assert chosen is None
+    assert rejected[0].startswith(f"{db.path}/database_tuning_record.json:1: ") and "no longer applies" in rejected[0]
+    assert any("no longer applies" in r.message for r in caplog.records)
+    check = run_cli("db", "check", "--db", str(tmp_path))
+    assert check.returncode == 1 and "no longer applies" in check.stdout
+    compact = run_cli("db", "compact", "--db", str(tmp_path))
+    assert compact.returncode == 0 and "-> 0" in compact.stdout
+    assert run_cli("db", "check", "--db", str(tmp_path)).returncode == 0
