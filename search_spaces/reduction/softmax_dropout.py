@@ -37,6 +37,25 @@ def _seed_mix(seed):
     return (int(seed) * _GOLDEN) & 0xFFFFFFFF
 
 
+def _mul_wrap(a, c):
+    """a * c mod 2**32 for a uint32 expression a. TVM emits a uint32 multiply as LLVM ``mul nuw``
+    (no unsigned wrap), so the wrapping multiplies of the hash are poison and LLVM may fold the
+    keep test to a constant (seen: p = 0.25, threshold 2**22, kept every element). The product
+    of the zero-extended operands cannot wrap in 64 bits; LLVM narrows it back to a plain 32-bit
+    ``mul``, so this costs nothing."""
+    return tirx.Cast("uint32", tirx.Cast("uint64", a) * tirx.const(c, "uint64"))
+
+
+def hash_keep(flat_index, mix: int, thresh: int):
+    """The keep test of the dropout mask in TIR: fmix32 of ``uint32(flat_index) ^ mix``, kept when
+    its top 24 bits reach ``thresh``. ``dropout_mask`` is the same in numpy."""
+    h0 = tirx.Cast("uint32", flat_index) ^ tirx.const(mix, "uint32")
+    h1 = _mul_wrap(h0 ^ (h0 >> tirx.const(16, "uint32")), _FMIX_C1)
+    h2 = _mul_wrap(h1 ^ (h1 >> tirx.const(13, "uint32")), _FMIX_C2)
+    h3 = h2 ^ (h2 >> tirx.const(16, "uint32"))
+    return (h3 >> tirx.const(8, "uint32")) >= tirx.const(thresh, "uint32")
+
+
 def _threshold(p):
     if not 0.0 <= p < 1.0:
         raise ValueError(f"dropout probability must be in [0, 1), not {p}")
@@ -110,12 +129,8 @@ def build_with(shape, dtype, p, seed):
         for i, j in T.grid(rows, cols):
             with T.sblock("norm_dropout"):
                 vi, vj = T.axis.remap("SS", [i, j])
-                h0: T.let = T.Cast("uint32", vi * cols + vj) ^ T.uint32(mix)
-                h1: T.let = (h0 ^ (h0 >> T.uint32(16))) * T.uint32(_FMIX_C1)
-                h2: T.let = (h1 ^ (h1 >> T.uint32(13))) * T.uint32(_FMIX_C2)
-                h3: T.let = h2 ^ (h2 >> T.uint32(16))
                 y[vi, vj] = T.Cast(dtype, T.Select(
-                    (h3 >> T.uint32(8)) >= T.uint32(thresh),
+                    hash_keep(vi * cols + vj, mix, thresh),
                     _exp(T.Cast("float32", x[vi, vj]) - row_max[vi])
                     * (T.float32(scale) / row_sum[vi]),
                     T.float32(0)))

@@ -1,0 +1,1 @@
+"""Attention-family patterns: fused attention kernels (flash, decode, paged, cross) and RoPE."""

@@ -1,0 +1,320 @@
+"""paged_attention: attention over a KV cache kept in fixed-size pages addressed through a block
+table (vLLM's layout), for decode (``q_len`` = 1) and chunked prefill (``q_len`` > 1, causal).
+
+``k_pages``/``v_pages`` are a pool of ``num_pages`` physical pages, each (num_kv_heads, page_size,
+head_dim). ``block_table[b, i]`` is the physical page holding logical page i of sequence b, and
+``seq_lens[b]`` its context length; both are int32 *inputs*, so the kernel gathers K and V through
+the table: key position j of sequence b lives at
+``k_pages[block_table[b, j // page_size], kv_head, j % page_size, :]``. The queries are the last
+``q_len`` tokens of each sequence: query t sits at position ``seq_lens[b] - q_len + t`` and sees the
+keys at positions up to its own, which also keeps it inside the sequence. Decode and prefill are one
+pattern: ``q_len`` is a shape parameter. Heads are grouped (GQA): head h reads kv head
+``h // (num_heads // num_kv_heads)``.
+
+Stages, one sblock each, per (batch, query token, head) row, over the maximum context
+``max_pages * page_size`` with everything past the row's last visible position masked:
+``qk`` (q.k dot products through the table), ``row_max`` (max of the visible scores), ``probs``
+(exp((s - max) * scale) where visible, exactly 0 elsewhere: a ``Select``, so a masked key adds
+nothing however large its stale score), ``exp_sum``, ``pv`` (probabilities times the gathered V)
+and ``out`` (divide by the sum). Unfused, the scores, the probabilities and the unnormalised
+output each round-trip through memory (batch * q_len * heads * context floats twice); an
+unfused baseline also first materialises the gathered, group-expanded K and V. Fused, one row's
+scores and probabilities live in a context-long scratch row that stays in L1, and K/V are read
+straight from their pages.
+
+The template runs rows in parallel (batch x query tokens x heads fused), puts every stage inside
+the row loop, vectorises the dot products along head_dim (an rfactor over lanes), the max and sum
+along the key axis (rfactors again), the exponentials along the key axis, and P*V along head_dim.
+The exponential is ``_exp`` from ``softmax_dropout`` (a polynomial; ``T.exp`` is a scalar call per
+lane on x86).
+"""
+
+import math
+
+import numpy as np
+from tvm.script import tirx as T
+
+from autofuse.pattern import Pattern, ShapeParam, template
+from search_spaces.reduction.softmax_dropout import _exp
+
+
+def _dims(shape):
+    b, q, h, kvh = shape["batch"], shape["q_len"], shape["num_heads"], shape["num_kv_heads"]
+    d, ps, mp, npg = shape["head_dim"], shape["page_size"], shape["max_pages"], shape["num_pages"]
+    if h % kvh:
+        raise ValueError(f"num_heads ({h}) must be a multiple of num_kv_heads ({kvh})")
+    if q > mp * ps:
+        raise ValueError(f"q_len ({q}) cannot exceed the maximum context max_pages*page_size ({mp * ps})")
+    return b, q, h, kvh, d, ps, mp, npg
+
+
+def build(shape, dtype):
+    B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
+    C = MP * PS
+    G = H // KVH
+    scale = 1.0 / math.sqrt(D)
+
+    @T.prim_func(s_tir=True)
+    def paged_attention(q: T.Buffer((B, Q, H, D), dtype), k_pages: T.Buffer((NP, KVH, PS, D), dtype),
+                        v_pages: T.Buffer((NP, KVH, PS, D), dtype), block_table: T.Buffer((B, MP), "int32"),
+                        seq_lens: T.Buffer((B,), "int32"), o: T.Buffer((B, Q, H, D), dtype)):
+        T.func_attr({"global_symbol": "paged_attention", "tirx.noalias": True})
+        scores = T.sblock_alloc_buffer((B, Q, H, C), "float32")
+        row_max = T.sblock_alloc_buffer((B, Q, H), "float32")
+        probs = T.sblock_alloc_buffer((B, Q, H, C), "float32")
+        row_sum = T.sblock_alloc_buffer((B, Q, H), "float32")
+        acc = T.sblock_alloc_buffer((B, Q, H, D), "float32")
+        for b, t, h, j, d in T.grid(B, Q, H, C, D):
+            with T.sblock("qk"):
+                vb, vt, vh, vj, vd = T.axis.remap("SSSSR", [b, t, h, j, d])
+                with T.init():
+                    scores[vb, vt, vh, vj] = T.float32(0)
+                scores[vb, vt, vh, vj] = scores[vb, vt, vh, vj] + T.Cast(
+                    "float32", q[vb, vt, vh, vd]) * T.Cast(
+                    "float32", k_pages[block_table[vb, vj // PS], vh // G, vj % PS, vd])
+        # Key j is visible to query t when j <= seq_lens[b] - Q + t (causal, and inside the sequence).
+        for b, t, h, j in T.grid(B, Q, H, C):
+            with T.sblock("row_max"):
+                vb, vt, vh, vj = T.axis.remap("SSSR", [b, t, h, j])
+                with T.init():
+                    row_max[vb, vt, vh] = T.min_value("float32")
+                row_max[vb, vt, vh] = T.max(row_max[vb, vt, vh], T.Select(
+                    vj + (Q - vt) <= seq_lens[vb], scores[vb, vt, vh, vj], T.min_value("float32")))
+        for b, t, h, j in T.grid(B, Q, H, C):
+            with T.sblock("probs"):
+                vb, vt, vh, vj = T.axis.remap("SSSS", [b, t, h, j])
+                probs[vb, vt, vh, vj] = T.Select(
+                    vj + (Q - vt) <= seq_lens[vb],
+                    _exp((scores[vb, vt, vh, vj] - row_max[vb, vt, vh]) * T.float32(scale)), T.float32(0))
+        for b, t, h, j in T.grid(B, Q, H, C):
+            with T.sblock("exp_sum"):
+                vb, vt, vh, vj = T.axis.remap("SSSR", [b, t, h, j])
+                with T.init():
+                    row_sum[vb, vt, vh] = T.float32(0)
+                row_sum[vb, vt, vh] = row_sum[vb, vt, vh] + probs[vb, vt, vh, vj]
+        for b, t, h, d, j in T.grid(B, Q, H, D, C):
+            with T.sblock("pv"):
+                vb, vt, vh, vd, vj = T.axis.remap("SSSSR", [b, t, h, d, j])
+                with T.init():
+                    acc[vb, vt, vh, vd] = T.float32(0)
+                acc[vb, vt, vh, vd] = acc[vb, vt, vh, vd] + probs[vb, vt, vh, vj] * T.Cast(
+                    "float32", v_pages[block_table[vb, vj // PS], vh // G, vj % PS, vd])
+        for b, t, h, d in T.grid(B, Q, H, D):
+            with T.sblock("out"):
+                vb, vt, vh, vd = T.axis.remap("SSSS", [b, t, h, d])
+                o[vb, vt, vh, vd] = T.Cast(dtype, acc[vb, vt, vh, vd] / row_sum[vb, vt, vh])
+
+    return paged_attention
+
+
+def gather_cache(pages, block_table):
+    """(batch, kv_heads, max_pages*page_size, head_dim): each sequence's pages in logical order."""
+    b, mp = block_table.shape
+    _, kvh, ps, d = pages.shape
+    return pages[block_table].transpose(0, 2, 1, 3, 4).reshape(b, kvh, mp * ps, d)
+
+
+def reference(q, k_pages, v_pages, block_table, seq_lens):
+    b, ql, h, d = q.shape
+    kvh = k_pages.shape[1]
+    k = np.repeat(gather_cache(k_pages, block_table).astype(np.float64), h // kvh, axis=1)
+    v = np.repeat(gather_cache(v_pages, block_table).astype(np.float64), h // kvh, axis=1)
+    s = np.einsum("bthd,bhjd->bthj", q.astype(np.float64), k) / math.sqrt(d)
+    pos = np.arange(k.shape[2])
+    last = seq_lens.astype(np.int64)[:, None] - ql + np.arange(ql)[None, :]       # (b, t)
+    visible = pos[None, None, :] <= last[:, :, None]                                 # (b, t, j)
+    s = np.where(visible[:, :, None, :], s, -np.inf)
+    p = np.exp(s - s.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    return np.einsum("bthj,bhjd->bthd", p, v).astype(q.dtype)
+
+
+def make_inputs(shape, dtype, seed):
+    """Sequences of different seeded lengths in [q_len, max context]; each sequence's pages are
+    taken from a seeded permutation of the pool, so they are scattered; block-table entries past a
+    sequence's last page point at random pages (other sequences' data), which must stay masked."""
+    B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
+    if NP < B * MP:
+        raise ValueError(f"num_pages ({NP}) must hold batch*max_pages ({B * MP}) pages")
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, Q, H, D)).astype(dtype)
+    k_pages = rng.standard_normal((NP, KVH, PS, D)).astype(dtype)
+    v_pages = rng.standard_normal((NP, KVH, PS, D)).astype(dtype)
+    seq_lens = rng.integers(Q, MP * PS + 1, size=B).astype("int32")
+    block_table = rng.integers(0, NP, size=(B, MP)).astype("int32")
+    perm = rng.permutation(NP).astype("int32")
+    used = 0
+    for b in range(B):
+        n = -(-int(seq_lens[b]) // PS)
+        block_table[b, :n] = perm[used:used + n]
+        used += n
+    return [q, k_pages, v_pages, block_table, seq_lens]
+
+
+def flops(shape):
+    # Over the maximum context, as the kernel computes it: q.k and p.v (2 flops per MAC each), then
+    # max, sub+mul+exp, sum per score and one division per output.
+    B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
+    rows, c = B * Q * H, MP * PS
+    return rows * (4.0 * c * D + 5.0 * c + D)
+
+
+def nbytes(shape, dtype):
+    # q and the output once, the block table and lengths once, and the K/V pages the block table
+    # addresses once (not the rest of the pool, which no kernel needs to touch).
+    B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
+    item = np.dtype(dtype).itemsize
+    return item * (2 * B * Q * H * D + 2 * B * MP * KVH * PS * D) + 4 * (B * MP + B)
+
+
+def _vector_reduce(sch, knobs, name, default_width, max_width, factor_axis):
+    """Split the reduction block's innermost loop into (outer, lanes) and rfactor the lanes: the rf
+    block keeps one partial per lane (a spatial axis, which vectorises) and the original block
+    becomes a short sum/max over the lanes. rfactor comes before compute_at (it needs the reduction
+    loop to lead its block)."""
+    block = sch.get_sblock(name)
+    k = sch.get_loops(block)[-1]
+    _, lanes = sch.split(k, knobs.tile(k, 2, [default_width], max_innermost_factor=max_width))
+    rf = sch.rfactor(lanes, factor_axis=factor_axis)
+    return rf, block
+
+
+@template("row_parallel")
+def row_parallel(sch, target, knobs):
+    """(batch, query, head) rows in parallel with all six stages at the row; q.k vectorised along
+    head_dim, the max, exponentials and sum along the key axis, P*V along head_dim."""
+    out = sch.get_sblock("out")
+    pv = sch.get_sblock("pv")
+    probs = sch.get_sblock("probs")
+    # The q.k partials are laid out (row, key, lane) so each key's lane vector is contiguous; the
+    # max/sum partials are one short lane vector per row.
+    qk_rf, qk_fin = _vector_reduce(sch, knobs, "qk", 8, 32, 4)
+    max_rf, max_fin = _vector_reduce(sch, knobs, "row_max", 16, 32, 0)
+    sum_rf, sum_fin = _vector_reduce(sch, knobs, "exp_sum", 16, 32, 0)
+
+    b, t, h, d = sch.get_loops(out)
+    # One fused row loop, not split further: an inner row tile that does not divide num_heads
+    # leaves the blocks under it with non-affine (b, t, h) bindings, which vectorize rejects.
+    row = sch.fuse(b, t, h)
+    sch.parallel(row)
+    sch.vectorize(d)
+    # Consumers first: each block joins the row loop after everything reading it already has.
+    for blk in (pv, sum_fin, sum_rf, probs, max_fin, max_rf, qk_fin, qk_rf):
+        sch.compute_at(blk, row, preserve_unit_loops=True)
+
+    # P*V: the key loop outside, head_dim inside and vectorised, so one probability scales a
+    # contiguous row of the V page.
+    pv_loops = sch.get_loops(pv)
+    pd, pj = pv_loops[-2], pv_loops[-1]
+    sch.reorder(pj, pd)
+    pd0, pd1 = sch.split(pd, knobs.tile(pd, 2, [64], max_innermost_factor=64))
+    sch.reorder(pd0, pj, pd1)
+    sch.vectorize(pd1)
+    sch.decompose_reduction(pv, pj)
+
+    pj = sch.get_loops(probs)[-1]
+    _, pj1 = sch.split(pj, knobs.tile(pj, 2, [16], max_innermost_factor=32))
+    sch.vectorize(pj1)
+
+    # The final q.k block sums each key's lanes: the key loop outside, the lanes inside, so it
+    # reads its (key, lane) partials in order.
+    fin = sch.get_loops(qk_fin)
+    sch.reorder(*fin[2:], fin[1])
+
+    for rf in (qk_rf, max_rf, sum_rf):
+        loops = sch.get_loops(rf)
+        # After compute_at the rf block's loops follow its iter order: lanes, (unit b, t, h),
+        # [key for qk], outer reduction. Put the lanes innermost.
+        lanes = loops[1]
+        rest = loops[2:]
+        sch.reorder(*rest, lanes)
+        sch.vectorize(lanes)
+        sch.decompose_reduction(rf, rest[-1])
+    sch.annotate(row, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
+    sch.annotate(row, "pragma_unroll_explicit", 1)
+
+
+def onnx_graph(shape, dtype):
+    """Gather the pages through the table, lay them out per sequence, repeat the kv heads over
+    their groups, MatMul, mask from seq_lens (a constant position iota compared with each query's
+    last visible position), Softmax, MatMul."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
+    C, G = MP * PS, H // KVH
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    i32 = onnx.TensorProto.INT32
+    consts = {
+        "kv_shape": np.array([B, KVH, C, D], np.int64),
+        "expand_shape": np.array([B, KVH, G, C, D], np.int64),
+        "head_shape": np.array([B, H, C, D], np.int64),
+        "axis2": np.array([2], np.int64),
+        "axes_1_3": np.array([1, 3], np.int64),
+        "lens_shape": np.array([B, 1], np.int64),
+        "positions": np.arange(C, dtype=np.int32),                       # (C,)
+        "query_offset": (np.arange(Q) - Q).astype(np.int32),             # t - Q, (Q,)
+        "scale": np.array(1.0 / math.sqrt(D), dtype),
+        "masked": np.array(-1e30, dtype),
+    }
+
+    def heads(pages, name):
+        return [
+            helper.make_node("Gather", [pages, "block_table"], [f"{name}_g"], axis=0),       # (B,MP,KVH,PS,D)
+            helper.make_node("Transpose", [f"{name}_g"], [f"{name}_t"], perm=[0, 2, 1, 3, 4]),
+            helper.make_node("Reshape", [f"{name}_t", "kv_shape"], [f"{name}_c"]),           # (B,KVH,C,D)
+            helper.make_node("Unsqueeze", [f"{name}_c", "axis2"], [f"{name}_u"]),
+            helper.make_node("Expand", [f"{name}_u", "expand_shape"], [f"{name}_e"]),
+            helper.make_node("Reshape", [f"{name}_e", "head_shape"], [name]),                # (B,H,C,D)
+        ]
+
+    nodes = heads("k_pages", "k") + heads("v_pages", "v") + [
+        helper.make_node("Transpose", ["q"], ["qh"], perm=[0, 2, 1, 3]),                     # (B,H,Q,D)
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+        helper.make_node("MatMul", ["qh", "kt"], ["s_raw"]),                                  # (B,H,Q,C)
+        helper.make_node("Mul", ["s_raw", "scale"], ["s"]),
+        # last[b, t] = seq_lens[b] - Q + t; key j visible when j <= last, i.e. not last < j.
+        helper.make_node("Reshape", ["seq_lens", "lens_shape"], ["lens"]),
+        helper.make_node("Add", ["lens", "query_offset"], ["last"]),                          # (B,Q)
+        helper.make_node("Unsqueeze", ["last", "axes_1_3"], ["last4"]),                       # (B,1,Q,1)
+        helper.make_node("Less", ["last4", "positions"], ["hidden"]),                         # (B,1,Q,C)
+        helper.make_node("Where", ["hidden", "masked", "s"], ["s_masked"]),
+        helper.make_node("Softmax", ["s_masked"], ["p"], axis=-1),
+        helper.make_node("MatMul", ["p", "v"], ["oh"]),                                       # (B,H,Q,D)
+        helper.make_node("Transpose", ["oh"], ["o"], perm=[0, 2, 1, 3]),
+    ]
+    graph = helper.make_graph(
+        nodes, "paged_attention",
+        [helper.make_tensor_value_info("q", elem, [B, Q, H, D]),
+         helper.make_tensor_value_info("k_pages", elem, [NP, KVH, PS, D]),
+         helper.make_tensor_value_info("v_pages", elem, [NP, KVH, PS, D]),
+         helper.make_tensor_value_info("block_table", i32, [B, MP]),
+         helper.make_tensor_value_info("seq_lens", i32, [B])],
+        [helper.make_tensor_value_info("o", elem, [B, Q, H, D])],
+        initializer=[numpy_helper.from_array(v, k) for k, v in consts.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="autofuse")
+    onnx.checker.check_model(model)
+    return model
+
+
+PATTERN = Pattern(
+    name="paged_attention",
+    family="attention",
+    description="attention over a block-table paged KV cache (vLLM layout), GQA; q_len=1 is decode, "
+                "q_len>1 causal chunked prefill",
+    shape_params=[ShapeParam("batch", 4, 2, "sequences"),
+                  ShapeParam("q_len", 1, 3, "query tokens per sequence, its last ones (1: decode)"),
+                  ShapeParam("num_heads", 16, 4, "query heads"),
+                  ShapeParam("num_kv_heads", 4, 2, "key/value heads (divides num_heads)"),
+                  ShapeParam("head_dim", 64, 8, "head dimension"),
+                  ShapeParam("page_size", 16, 4, "tokens per KV page"),
+                  ShapeParam("max_pages", 32, 3, "block-table entries per sequence"),
+                  ShapeParam("num_pages", 160, 8, "physical pages in the pool (>= batch*max_pages)")],
+    build=build,
+    reference=reference,
+    make_inputs=make_inputs,
+    onnx_graph=onnx_graph,
+    flops=flops,
+    bytes=nbytes,
+    templates=[row_parallel],
+)

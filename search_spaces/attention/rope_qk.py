@@ -1,0 +1,209 @@
+"""rope_qk: scores = rope(q) @ rope(k)^T * scale, rotary position embedding fused into Q.K^T.
+
+RoPE is the "rotate half" convention of GPT-NeoX and Llama: with D = head_dim and h = D/2,
+``x'[d] = x[d]*cos[pos, d] - x[d+h]*sin[pos, d]`` for d < h and
+``x'[d] = x[d]*cos[pos, d] + x[d-h]*sin[pos, d]`` for d >= h. The cos/sin tables (seq_k, D) are
+inputs (base 10000, positions 0..seq_k-1, each frequency repeated in both halves). Keys sit at
+positions 0..seq_k-1 and queries at the last seq_q of them, seq_k - seq_q + i (a decode step or a
+chunk appended to a cache); scale = 1/sqrt(D).
+
+Blocks: ``rope_q`` and ``rope_k`` (the rotations, float32), ``qk`` (the D-long dot products,
+float32 accumulator) and ``scale`` (the output). The rotated tensors are indexed by (half c, index
+e in the half), so the partner element is ``(1-c)*h + e`` and its sign ``2c-1``: affine indices, no
+modulo, and the rotation vectorises along e. Rotated K is stored transposed (D before keys), so
+the GEMM's innermost key axis reads it contiguously.
+
+Unfused, rope(q) and rope(k) are written to memory and read back by the matmul (and the scores
+by a separate scaling pass). The template rotates a query tile's Q once into a small buffer and,
+per key tile, rotates that K tile once into another (L1-sized) that every query of the tile
+reuses; the scale is applied to the register accumulator tile as it is stored.
+"""
+
+import math
+
+import numpy as np
+from tvm.script import tirx as T
+
+from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
+
+BASE = 10000.0
+
+
+def _dims(shape):
+    b, heads, sq, sk, d = (shape[n] for n in ("batch", "heads", "seq_q", "seq_k", "head_dim"))
+    if d % 2:
+        raise ValueError(f"head_dim must be even for rotate-half RoPE, not {d}")
+    if sk < sq:
+        raise ValueError(f"seq_k ({sk}) must be >= seq_q ({sq}): queries are the last seq_q positions")
+    return b, heads, sq, sk, d
+
+
+def build(shape, dtype):
+    b, heads, sq, sk, d = _dims(shape)
+    half = d // 2
+    off = sk - sq
+    scale = 1.0 / math.sqrt(d)
+
+    @T.prim_func(s_tir=True)
+    def rope_qk(q: T.Buffer((b, heads, sq, d), dtype), k: T.Buffer((b, heads, sk, d), dtype),
+                cos: T.Buffer((sk, d), dtype), sin: T.Buffer((sk, d), dtype),
+                scores: T.Buffer((b, heads, sq, sk), dtype)):
+        T.func_attr({"global_symbol": "rope_qk", "tirx.noalias": True})
+        qr = T.sblock_alloc_buffer((b, heads, sq, 2, half), "float32")
+        # Transposed: keys innermost, for the GEMM's vectorised key axis.
+        kr = T.sblock_alloc_buffer((b, heads, 2, half, sk), "float32")
+        acc = T.sblock_alloc_buffer((b, heads, sq, sk), "float32")
+        for n, h, i, c, e in T.grid(b, heads, sq, 2, half):
+            with T.sblock("rope_q"):
+                vn, vh, vi, vc, ve = T.axis.remap("SSSSS", [n, h, i, c, e])
+                qr[vn, vh, vi, vc, ve] = (
+                    T.Cast("float32", q[vn, vh, vi, vc * half + ve])
+                    * T.Cast("float32", cos[off + vi, vc * half + ve])
+                    + T.Cast("float32", q[vn, vh, vi, (1 - vc) * half + ve]) * T.Cast("float32", vc * 2 - 1)
+                    * T.Cast("float32", sin[off + vi, vc * half + ve]))
+        for n, h, c, e, j in T.grid(b, heads, 2, half, sk):
+            with T.sblock("rope_k"):
+                vn, vh, vc, ve, vj = T.axis.remap("SSSSS", [n, h, c, e, j])
+                kr[vn, vh, vc, ve, vj] = (
+                    T.Cast("float32", k[vn, vh, vj, vc * half + ve])
+                    * T.Cast("float32", cos[vj, vc * half + ve])
+                    + T.Cast("float32", k[vn, vh, vj, (1 - vc) * half + ve]) * T.Cast("float32", vc * 2 - 1)
+                    * T.Cast("float32", sin[vj, vc * half + ve]))
+        for n, h, i, j, c, e in T.grid(b, heads, sq, sk, 2, half):
+            with T.sblock("qk"):
+                vn, vh, vi, vj, vc, ve = T.axis.remap("SSSSRR", [n, h, i, j, c, e])
+                with T.init():
+                    acc[vn, vh, vi, vj] = T.float32(0)
+                acc[vn, vh, vi, vj] = acc[vn, vh, vi, vj] + qr[vn, vh, vi, vc, ve] * kr[vn, vh, vc, ve, vj]
+        for n, h, i, j in T.grid(b, heads, sq, sk):
+            with T.sblock("scale"):
+                vn, vh, vi, vj = T.axis.remap("SSSS", [n, h, i, j])
+                scores[vn, vh, vi, vj] = T.Cast(dtype, acc[vn, vh, vi, vj] * T.float32(scale))
+
+    return rope_qk
+
+
+def rope_tables(positions, d, base=BASE):
+    """cos and sin (positions, d) of the rotate-half convention, in float64."""
+    inv_freq = base ** (-np.arange(0, d, 2, dtype=np.float64) / d)
+    freqs = np.outer(np.arange(positions, dtype=np.float64), inv_freq)
+    emb = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(emb), np.sin(emb)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
+
+
+def apply_rope(x, cos, sin):
+    """rope(x) for x (..., seq, d) with the cos/sin rows of its positions (seq, d), float64."""
+    x = x.astype(np.float64)
+    return x * cos.astype(np.float64) + rotate_half(x) * sin.astype(np.float64)
+
+
+def reference(q, k, cos, sin):
+    sq, sk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    qr = apply_rope(q, cos[sk - sq:sk], sin[sk - sq:sk])
+    kr = apply_rope(k, cos[:sk], sin[:sk])
+    return (np.matmul(qr, np.swapaxes(kr, -1, -2)) / math.sqrt(d)).astype(q.dtype)
+
+
+def make_inputs(shape, dtype, seed):
+    b, heads, sq, sk, d = _dims(shape)
+    rng = np.random.default_rng(seed)
+    cos, sin = rope_tables(sk, d)
+    return [rng.standard_normal((b, heads, sq, d)).astype(dtype),
+            rng.standard_normal((b, heads, sk, d)).astype(dtype),
+            cos.astype(dtype), sin.astype(dtype)]
+
+
+def flops(shape):
+    b, heads, sq, sk, d = _dims(shape)
+    # rope: 2 mul + 1 add per rotated element (the sign ignored); QK^T: 2*D per score; scale: 1.
+    return 3.0 * b * heads * (sq + sk) * d + 2.0 * b * heads * sq * sk * d + b * heads * sq * sk
+
+
+def nbytes(shape, dtype):
+    b, heads, sq, sk, d = _dims(shape)
+    return np.dtype(dtype).itemsize * (b * heads * (sq + sk) * d + 2 * sk * d + b * heads * sq * sk)
+
+
+@template("key_tiles")
+def key_tiles(sch, target, knobs):
+    """(batch, head, query tile) in parallel; the query tile's rope(q) computed once at that loop,
+    each key tile's rope(k) computed once at the key-tile loop and reused by every query of the
+    tile; a register-blocked (queries x keys) accumulator vectorised along keys, scaled at the tile."""
+    qk = sch.get_sblock("qk")
+    epi = sch.get_sblock("scale")
+    rq = sch.get_sblock("rope_q")
+    rk = sch.get_sblock("rope_k")
+    n, h, i, j, c, e = sch.get_loops(qk)
+    i0, i1, i2 = sch.split(i, knobs.tile(i, 3, [8, 4], max_innermost_factor=8))
+    j0, j1, j2 = sch.split(j, knobs.tile(j, 3, [4, 16], max_innermost_factor=64))
+    sch.reorder(n, h, i0, j0, i1, j1, c, e, i2, j2)
+    outer = sch.fuse(n, h, i0)
+    sch.parallel(outer)
+    sch.reverse_compute_at(epi, j1, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(epi)[-1])
+    # The K tile joins the key-tile loop: rotated once per (query tile, key tile), and the compacted
+    # kr buffer shrinks to (D, key tile). Its key loop goes outermost so the rotation vectorises
+    # along e (contiguous k, cos, sin reads; the transposed stores are strided).
+    sch.compute_at(rk, j0, preserve_unit_loops=True)
+    rc, re_, rj = sch.get_loops(rk)[-3:]
+    sch.reorder(rj, rc, re_)
+    sch.vectorize(re_)
+    sch.compute_at(rq, outer, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(rq)[-1])
+    sch.vectorize(j2)
+    sch.decompose_reduction(qk, c)
+    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
+    sch.annotate(outer, "pragma_unroll_explicit", 1)
+
+
+def onnx_graph(shape, dtype):
+    """Rotate-half as Slice/Neg/Concat, Mul/Add with the tables (the queries' rows Sliced out),
+    Transpose, MatMul, Mul by the scale."""
+    from onnx import helper
+    b, heads, sq, sk, d = _dims(shape)
+    half = d // 2
+    i64 = np.int64
+    consts = {"h_lo": np.array([0], i64), "h_mid": np.array([half], i64), "h_end": np.array([d], i64),
+              "ax_last": np.array([-1], i64), "ax0": np.array([0], i64),
+              "q_start": np.array([sk - sq], i64), "q_end": np.array([sk], i64),
+              "scale": np.array(1.0 / math.sqrt(d), dtype)}
+    nodes = [helper.make_node("Slice", ["cos", "q_start", "q_end", "ax0"], ["cos_q"]),
+             helper.make_node("Slice", ["sin", "q_start", "q_end", "ax0"], ["sin_q"])]
+    for x, c, s in (("q", "cos_q", "sin_q"), ("k", "cos", "sin")):
+        nodes += [helper.make_node("Slice", [x, "h_lo", "h_mid", "ax_last"], [f"{x}1"]),
+                  helper.make_node("Slice", [x, "h_mid", "h_end", "ax_last"], [f"{x}2"]),
+                  helper.make_node("Neg", [f"{x}2"], [f"{x}2n"]),
+                  helper.make_node("Concat", [f"{x}2n", f"{x}1"], [f"{x}rot"], axis=-1),
+                  helper.make_node("Mul", [x, c], [f"{x}c"]),
+                  helper.make_node("Mul", [f"{x}rot", s], [f"{x}s"]),
+                  helper.make_node("Add", [f"{x}c", f"{x}s"], [f"{x}r"])]
+    nodes += [helper.make_node("Transpose", ["kr"], ["krt"], perm=[0, 1, 3, 2]),
+              helper.make_node("MatMul", ["qr", "krt"], ["s"]),
+              helper.make_node("Mul", ["s", "scale"], ["scores"])]
+    return onnx_model("rope_qk", nodes,
+                      [("q", (b, heads, sq, d)), ("k", (b, heads, sk, d)), ("cos", (sk, d)), ("sin", (sk, d))],
+                      [("scores", (b, heads, sq, sk))], dtype, consts)
+
+
+PATTERN = Pattern(
+    name="rope_qk",
+    family="attention",
+    description="rope(q) @ rope(k)^T / sqrt(D), rotate-half RoPE fused into the attention scores",
+    shape_params=[ShapeParam("batch", 1, 1, "batch size"),
+                  ShapeParam("heads", 8, 2, "attention heads"),
+                  ShapeParam("seq_q", 256, 8, "queries (the last seq_q positions)"),
+                  ShapeParam("seq_k", 256, 12, "keys (positions 0..seq_k-1), >= seq_q"),
+                  ShapeParam("head_dim", 64, 8, "head dimension D (even)", minimum=2)],
+    build=build,
+    reference=reference,
+    make_inputs=make_inputs,
+    onnx_graph=onnx_graph,
+    flops=flops,
+    bytes=nbytes,
+    templates=[key_tiles],
+)

@@ -1,0 +1,1 @@
+"""Feed-forward patterns: gated FFNs with their epilogues fused."""

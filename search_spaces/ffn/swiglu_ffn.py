@@ -1,0 +1,205 @@
+"""swiglu_ffn: y = r + dropout((silu(x @ W1) * (x @ W3)) @ W2), the Llama-style gated FFN.
+
+Weights are in [in, out] layout: W1, W3 (hidden, inter), W2 (inter, hidden), so a GEMM's
+innermost output-feature loop reads contiguous weights. silu(a) = a * sigmoid(a), and sigmoid is
+written with the polynomial ``_exp`` of softmax_dropout (``T.exp`` would be a scalar ``expf`` call
+per lane), which is only valid for non-positive arguments: with e = exp(-|a|), sigmoid(a) is
+1/(1+e) for a >= 0 and e/(1+e) for a < 0. Dropout is softmax_dropout's deterministic hashed mask
+over the (tokens, hidden) output, its TIR keep test (``hash_keep``) and numpy ``dropout_mask`` imported from there
+(p = p_permille / 1000, seed ``SEED``; p_permille = 0 is inference, no dropout).
+
+Blocks: ``gate`` and ``up`` (the two GEMMs, float32 accumulators), ``swiglu`` (h = silu(g) * u,
+written once to a (tokens, inter) buffer), ``down`` (h @ W2, float32) and ``epilogue`` (dropout
+and the residual add). Unfused, g and u each round-trip through memory before the SiLU product
+reads them, and the down projection's output is written, read by dropout, written again and read
+by the residual add. The template computes the gate and up accumulator tiles for the same
+(token, feature) register tile back to back from the same x rows (hot in L1) and writes only h;
+the down GEMM applies dropout and adds the residual to its accumulator tile as it stores it.
+"""
+
+import numpy as np
+from tvm import tirx
+from tvm.script import tirx as T
+
+from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
+from search_spaces.reduction.softmax_dropout import SEED, _exp, _seed_mix, _threshold, dropout_mask, hash_keep
+
+
+def _p(shape):
+    return shape.get("p_permille", 100) / 1000.0
+
+
+def build(shape, dtype):
+    return build_with(shape, dtype, _p(shape), SEED)
+
+
+def build_with(shape, dtype, p, seed):
+    """The kernel with dropout probability ``p`` and mask seed ``seed`` baked in as constants."""
+    tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
+    if tokens * hidden >= 1 << 31:
+        raise ValueError("tokens*hidden must fit the int32 flat index the mask hashes")
+    mix = _seed_mix(seed)
+    thresh = _threshold(p)
+    keep_scale = 1.0 / (1.0 - p)
+
+    @T.prim_func(s_tir=True)
+    def swiglu_ffn(x: T.Buffer((tokens, hidden), dtype), w1: T.Buffer((hidden, inter), dtype),
+                   w3: T.Buffer((hidden, inter), dtype), w2: T.Buffer((inter, hidden), dtype),
+                   r: T.Buffer((tokens, hidden), dtype), y: T.Buffer((tokens, hidden), dtype)):
+        T.func_attr({"global_symbol": "swiglu_ffn", "tirx.noalias": True})
+        g = T.sblock_alloc_buffer((tokens, inter), "float32")
+        u = T.sblock_alloc_buffer((tokens, inter), "float32")
+        h = T.sblock_alloc_buffer((tokens, inter), "float32")
+        acc = T.sblock_alloc_buffer((tokens, hidden), "float32")
+        for t, n, k in T.grid(tokens, inter, hidden):
+            with T.sblock("gate"):
+                vt, vn, vk = T.axis.remap("SSR", [t, n, k])
+                with T.init():
+                    g[vt, vn] = T.float32(0)
+                g[vt, vn] = g[vt, vn] + T.Cast("float32", x[vt, vk]) * T.Cast("float32", w1[vk, vn])
+        for t, n, k in T.grid(tokens, inter, hidden):
+            with T.sblock("up"):
+                vt, vn, vk = T.axis.remap("SSR", [t, n, k])
+                with T.init():
+                    u[vt, vn] = T.float32(0)
+                u[vt, vn] = u[vt, vn] + T.Cast("float32", x[vt, vk]) * T.Cast("float32", w3[vk, vn])
+        for t, n in T.grid(tokens, inter):
+            with T.sblock("swiglu"):
+                vt, vn = T.axis.remap("SS", [t, n])
+                a: T.let = g[vt, vn]
+                # e = exp(-|a|) in (0, 1]: sigmoid(a) = (a < 0 ? e : 1) / (1 + e), never overflowing.
+                e: T.let = _exp(-T.fabs(a))
+                h[vt, vn] = a * T.Select(a < T.float32(0), e, T.float32(1)) / (T.float32(1) + e) * u[vt, vn]
+        for t, m, n in T.grid(tokens, hidden, inter):
+            with T.sblock("down"):
+                vt, vm, vn = T.axis.remap("SSR", [t, m, n])
+                with T.init():
+                    acc[vt, vm] = T.float32(0)
+                acc[vt, vm] = acc[vt, vm] + h[vt, vn] * T.Cast("float32", w2[vn, vm])
+        for t, m in T.grid(tokens, hidden):
+            with T.sblock("epilogue"):
+                vt, vm = T.axis.remap("SS", [t, m])
+                y[vt, vm] = T.Cast(dtype, T.Cast("float32", r[vt, vm]) + T.Select(
+                    hash_keep(vt * hidden + vm, mix, thresh), acc[vt, vm] * T.float32(keep_scale), T.float32(0)))
+
+    return swiglu_ffn
+
+
+def silu(a):
+    a = np.asarray(a, dtype=np.float64)
+    return a / (1.0 + np.exp(-a))
+
+
+def reference_with(x, w1, w3, w2, r, p, seed):
+    f64 = np.float64
+    x64 = x.astype(f64)
+    hmid = silu(x64 @ w1.astype(f64)) * (x64 @ w3.astype(f64))
+    down = hmid @ w2.astype(f64)
+    keep = dropout_mask(x.shape[0], w2.shape[1], p, seed)
+    return (r.astype(f64) + np.where(keep, down / (1.0 - p), 0.0)).astype(x.dtype)
+
+
+def reference(x, w1, w3, w2, r, shape=None):
+    return reference_with(x, w1, w3, w2, r, _p(shape or {}), SEED)
+
+
+def make_inputs(shape, dtype, seed):
+    rng = np.random.default_rng(seed)
+    tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
+    return [rng.standard_normal((tokens, hidden)).astype(dtype),
+            (rng.standard_normal((hidden, inter)) / np.sqrt(hidden)).astype(dtype),
+            (rng.standard_normal((hidden, inter)) / np.sqrt(hidden)).astype(dtype),
+            (rng.standard_normal((inter, hidden)) / np.sqrt(inter)).astype(dtype),
+            rng.standard_normal((tokens, hidden)).astype(dtype)]
+
+
+def flops(shape):
+    tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
+    # three GEMMs; silu*u ~ 5 per element (exp as one op); dropout select+scale+residual 2, hash ignored.
+    return 6.0 * tokens * hidden * inter + 5.0 * tokens * inter + 2.0 * tokens * hidden
+
+
+def nbytes(shape, dtype):
+    tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
+    return np.dtype(dtype).itemsize * (3 * tokens * hidden + 3 * hidden * inter)
+
+
+@template("two_gemms")
+def two_gemms(sch, target, knobs):
+    """Two register-blocked GEMM nests, each parallel over (token tile, feature tile) and
+    vectorised over output features. In the first, the gate and up accumulator tiles are computed
+    at the register-tile loop of the SiLU product, one after the other over the same x rows, and
+    only h is stored; in the second, dropout and the residual run on the down accumulator tile."""
+    gate, up, prod = sch.get_sblock("gate"), sch.get_sblock("up"), sch.get_sblock("swiglu")
+    down, epi = sch.get_sblock("down"), sch.get_sblock("epilogue")
+
+    t, n = sch.get_loops(prod)
+    t0, t1, t2 = sch.split(t, knobs.tile(t, 3, [8, 4], max_innermost_factor=8))
+    n0, n1, n2 = sch.split(n, knobs.tile(n, 3, [4, 16], max_innermost_factor=32))
+    sch.reorder(t0, n0, t1, n1, t2, n2)
+    outer = sch.fuse(t0, n0)
+    sch.parallel(outer)
+    sch.vectorize(n2)
+    # Both accumulator tiles land before the product in the register-tile loop, so g and u shrink
+    # to (t2 x n2) tiles (registers), each with its k loop outermost; x's t2 rows stay in L1 between.
+    for blk in (up, gate):
+        sch.compute_at(blk, n1, preserve_unit_loops=True)
+        bt, bn, bk = sch.get_loops(blk)[-3:]
+        sch.reorder(bk, bt, bn)
+        sch.vectorize(bn)
+        sch.decompose_reduction(blk, bk)
+    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
+    sch.annotate(outer, "pragma_unroll_explicit", 1)
+
+    t, m, k = sch.get_loops(down)
+    t0, t1, t2 = sch.split(t, knobs.tile(t, 3, [8, 4], max_innermost_factor=8))
+    m0, m1, m2 = sch.split(m, knobs.tile(m, 3, [4, 16], max_innermost_factor=32))
+    k0, k1 = sch.split(k, knobs.tile(k, 2, [64], max_innermost_factor=64))
+    sch.reorder(t0, m0, t1, m1, k0, k1, t2, m2)
+    outer2 = sch.fuse(t0, m0)
+    sch.parallel(outer2)
+    sch.reverse_compute_at(epi, m1, preserve_unit_loops=True)
+    sch.vectorize(m2)
+    sch.decompose_reduction(down, k0)
+    sch.vectorize(sch.get_loops(epi)[-1])
+    sch.annotate(outer2, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
+    sch.annotate(outer2, "pragma_unroll_explicit", 1)
+
+
+def onnx_graph(shape, dtype):
+    """MatMul/Sigmoid/Mul (SiLU), MatMul, Mul, MatMul, Mul by a constant keep/(1-p) mask (as
+    softmax_dropout's graph: p and the seed are compile-time constants), Add the residual."""
+    from onnx import helper
+    tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
+    p = _p(shape)
+    scale = np.where(dropout_mask(tokens, hidden, p, SEED), 1.0 / (1.0 - p), 0.0).astype(dtype)
+    nodes = [helper.make_node("MatMul", ["x", "w1"], ["g"]),
+             helper.make_node("Sigmoid", ["g"], ["sg"]),
+             helper.make_node("Mul", ["g", "sg"], ["act"]),
+             helper.make_node("MatMul", ["x", "w3"], ["u"]),
+             helper.make_node("Mul", ["act", "u"], ["h"]),
+             helper.make_node("MatMul", ["h", "w2"], ["d"]),
+             helper.make_node("Mul", ["d", "keep_scale"], ["dd"]),
+             helper.make_node("Add", ["r", "dd"], ["y"])]
+    return onnx_model("swiglu_ffn", nodes,
+                      [("x", (tokens, hidden)), ("w1", (hidden, inter)), ("w3", (hidden, inter)),
+                       ("w2", (inter, hidden)), ("r", (tokens, hidden))],
+                      [("y", (tokens, hidden))], dtype, {"keep_scale": scale})
+
+
+PATTERN = Pattern(
+    name="swiglu_ffn",
+    family="ffn",
+    description="r + dropout((silu(x W1) * (x W3)) W2): SwiGLU FFN with hashed dropout and residual fused",
+    shape_params=[ShapeParam("tokens", 128, 8, "tokens (rows of x)"),
+                  ShapeParam("hidden", 256, 16, "model width (x, y and the residual)"),
+                  ShapeParam("inter", 704, 24, "intermediate width (~2.75x hidden, Llama-style)"),
+                  ShapeParam("p_permille", 100, 100, "dropout probability in 1/1000 (0: inference)", minimum=0)],
+    build=build,
+    reference=reference,
+    make_inputs=make_inputs,
+    onnx_graph=onnx_graph,
+    flops=flops,
+    bytes=nbytes,
+    templates=[two_gemms],
+)
