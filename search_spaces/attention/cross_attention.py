@@ -1,0 +1,209 @@
+"""cross_attention: out = softmax(q k^T / sqrt(head_dim)) v, decoder queries over encoder keys.
+
+q is (batch, heads, seq_q, head_dim), k and v are (batch, heads, seq_kv, head_dim) with seq_kv
+the encoder length (in general != seq_q); there is no mask. Six sblocks: ``scores`` (q k^T, raw
+dot products, float32), ``row_max``, ``exp`` (p = exp((s - max) * scale), the 1/sqrt(head_dim)
+scale folded in here rather than into every multiply-add, valid because scale > 0), ``row_sum``,
+``pv`` (p v, float32 accumulator) and ``normalise`` (divide by the row sum once per output element
+rather than once per probability).
+
+Unfused, the seq_q x seq_kv score matrix of every head is written to memory and read back three
+times (max, exp/sum, P*V) plus once more for the probabilities. The ``query_tile`` template
+parallelises over (batch, head, query tile) and computes every stage at the query tile, so the
+scores and probabilities of only tile x seq_kv floats live in per-thread scratch (compacted to
+that size; the full matrix is never allocated). For the score stage, vectorised along the key
+axis, the tile first copies K^T of its head into scratch (a cache_read with a transposed layout:
+K rows are head_dim apart, so key-axis lanes of K itself would be a gather); that copy is
+seq_kv x head_dim per tile, 1/tile of the score stage's multiply-adds. The max and sum are
+vectorised along the key axis through an rfactor over a lane tile, P*V along head_dim with the
+tile's query rows as an inner register block that reuses each V row.
+"""
+
+import math
+
+import numpy as np
+from tvm.script import tirx as T
+
+from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
+from search_spaces.reduction.softmax_dropout import _exp
+
+
+def _dims(shape):
+    return shape["batch"], shape["heads"], shape["seq_q"], shape["seq_kv"], shape["head_dim"]
+
+
+def build(shape, dtype):
+    nb, nh, sq, skv, hd = _dims(shape)
+    scale = 1.0 / math.sqrt(hd)
+
+    @T.prim_func(s_tir=True)
+    def cross_attention(q: T.Buffer((nb, nh, sq, hd), dtype), k: T.Buffer((nb, nh, skv, hd), dtype),
+                        v: T.Buffer((nb, nh, skv, hd), dtype), out: T.Buffer((nb, nh, sq, hd), dtype)):
+        T.func_attr({"global_symbol": "cross_attention", "tirx.noalias": True})
+        s = T.sblock_alloc_buffer((nb, nh, sq, skv), "float32")
+        row_max = T.sblock_alloc_buffer((nb, nh, sq), "float32")
+        p = T.sblock_alloc_buffer((nb, nh, sq, skv), "float32")
+        row_sum = T.sblock_alloc_buffer((nb, nh, sq), "float32")
+        acc = T.sblock_alloc_buffer((nb, nh, sq, hd), "float32")
+        for b, h, i, j, d in T.grid(nb, nh, sq, skv, hd):
+            with T.sblock("scores"):
+                vb, vh, vi, vj, vd = T.axis.remap("SSSSR", [b, h, i, j, d])
+                with T.init():
+                    s[vb, vh, vi, vj] = T.float32(0)
+                s[vb, vh, vi, vj] = s[vb, vh, vi, vj] + (T.Cast("float32", q[vb, vh, vi, vd])
+                                                         * T.Cast("float32", k[vb, vh, vj, vd]))
+        for b, h, i, j in T.grid(nb, nh, sq, skv):
+            with T.sblock("row_max"):
+                vb, vh, vi, vj = T.axis.remap("SSSR", [b, h, i, j])
+                with T.init():
+                    row_max[vb, vh, vi] = T.min_value("float32")
+                row_max[vb, vh, vi] = T.max(row_max[vb, vh, vi], s[vb, vh, vi, vj])
+        for b, h, i, j in T.grid(nb, nh, sq, skv):
+            with T.sblock("exp"):
+                vb, vh, vi, vj = T.axis.remap("SSSS", [b, h, i, j])
+                p[vb, vh, vi, vj] = _exp((s[vb, vh, vi, vj] - row_max[vb, vh, vi]) * T.float32(scale))
+        for b, h, i, j in T.grid(nb, nh, sq, skv):
+            with T.sblock("row_sum"):
+                vb, vh, vi, vj = T.axis.remap("SSSR", [b, h, i, j])
+                with T.init():
+                    row_sum[vb, vh, vi] = T.float32(0)
+                row_sum[vb, vh, vi] = row_sum[vb, vh, vi] + p[vb, vh, vi, vj]
+        for b, h, i, d, j in T.grid(nb, nh, sq, hd, skv):
+            with T.sblock("pv"):
+                vb, vh, vi, vd, vj = T.axis.remap("SSSSR", [b, h, i, d, j])
+                with T.init():
+                    acc[vb, vh, vi, vd] = T.float32(0)
+                acc[vb, vh, vi, vd] = acc[vb, vh, vi, vd] + p[vb, vh, vi, vj] * T.Cast(
+                    "float32", v[vb, vh, vj, vd])
+        for b, h, i, d in T.grid(nb, nh, sq, hd):
+            with T.sblock("normalise"):
+                vb, vh, vi, vd = T.axis.remap("SSSS", [b, h, i, d])
+                out[vb, vh, vi, vd] = T.Cast(dtype, acc[vb, vh, vi, vd] / row_sum[vb, vh, vi])
+
+    return cross_attention
+
+
+def reference(q, k, v):
+    qf, kf, vf = (a.astype(np.float64) for a in (q, k, v))
+    s = qf @ kf.swapaxes(-1, -2) / math.sqrt(q.shape[-1])
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    return ((e / e.sum(axis=-1, keepdims=True)) @ vf).astype(q.dtype)
+
+
+def make_inputs(shape, dtype, seed):
+    rng = np.random.default_rng(seed)
+    nb, nh, sq, skv, hd = _dims(shape)
+    # Unit-variance q and k give scores q.k/sqrt(hd) of unit variance: a softmax neither flat nor one-hot.
+    return [rng.standard_normal((nb, nh, sq, hd)).astype(dtype),
+            rng.standard_normal((nb, nh, skv, hd)).astype(dtype),
+            rng.standard_normal((nb, nh, skv, hd)).astype(dtype)]
+
+
+def flops(shape):
+    nb, nh, sq, skv, hd = _dims(shape)
+    # Two matmuls (2 flops per multiply-add each), plus max, sub+mul+exp, add per score (exp as one
+    # op), plus a divide per output element.
+    return nb * nh * (4.0 * sq * skv * hd + 5.0 * sq * skv + sq * hd)
+
+
+def nbytes(shape, dtype):
+    nb, nh, sq, skv, hd = _dims(shape)
+    return np.dtype(dtype).itemsize * nb * nh * hd * (2 * sq + 2 * skv)
+
+
+def _vector_reduce(sch, knobs, name, default_width):
+    """Split the reduction's key loop into (outer, lanes) and rfactor the lanes, so the partials are
+    a spatial (vectorisable) axis; rfactor must precede compute_at (it needs the reduction to be the
+    first child of its loop). Returns (rf block, final block)."""
+    block = sch.get_sblock(name)
+    j = sch.get_loops(block)[-1]
+    _, lanes = sch.split(j, knobs.tile(j, 2, [default_width], max_innermost_factor=32))
+    return sch.rfactor(lanes, factor_axis=3), block
+
+
+@template("query_tile")
+def query_tile(sch, target, knobs):
+    """(batch, head, query tile) in parallel; scores, softmax stages and P*V computed per tile in
+    scratch; scores/exp/max/sum vectorised along keys (K^T staged per tile), P*V along head_dim."""
+    scores = sch.get_sblock("scores")
+    exp = sch.get_sblock("exp")
+    pv = sch.get_sblock("pv")
+    norm = sch.get_sblock("normalise")
+    max_rf, max_fin = _vector_reduce(sch, knobs, "row_max", 16)
+    sum_rf, sum_fin = _vector_reduce(sch, knobs, "row_sum", 16)
+    # K^T of the head: the score stage's key-axis lanes then read contiguous memory.
+    k_t = sch.cache_read(scores, "k", "global")
+    sch.transform_layout(k_t, ("write", 0), lambda b, h, j, d: (b, h, d, j))
+
+    b, h, i, d = sch.get_loops(norm)
+    i0, i1 = sch.split(i, knobs.tile(i, 2, [16], max_innermost_factor=32))
+    tile = sch.fuse(b, h, i0)
+    sch.parallel(tile)
+    _, d1 = sch.split(d, knobs.tile(d, 2, [16], max_innermost_factor=64))
+    sch.vectorize(d1)
+    # Consumers first, so each producer lands ahead of everything under the tile that reads it.
+    for blk in (pv, sum_fin, sum_rf, exp, max_fin, max_rf, scores, k_t):
+        sch.compute_at(blk, tile, preserve_unit_loops=True)
+
+    # Scores as a register-blocked GEMM over the tile: each K^T row chunk is reused by every row.
+    i, j, d = sch.get_loops(scores)[-3:]
+    j0, j1 = sch.split(j, knobs.tile(j, 2, [16], max_innermost_factor=32))
+    sch.reorder(j0, d, i, j1)
+    sch.vectorize(j1)
+    sch.decompose_reduction(scores, d)
+
+    for rf in (max_rf, sum_rf):
+        # compute_at regenerates the rf block's loops in its iter order: lanes, b, h, row, outer.
+        lanes, _, _, row, outer = sch.get_loops(rf)[-5:]
+        sch.reorder(row, outer, lanes)
+        sch.vectorize(lanes)
+        sch.decompose_reduction(rf, outer)
+
+    j = sch.get_loops(exp)[-1]
+    _, j1 = sch.split(j, knobs.tile(j, 2, [16], max_innermost_factor=32))
+    sch.vectorize(j1)
+
+    # P*V: head_dim chunks as vectors, the tile's rows inside so each V row chunk serves them all.
+    i, d, j = sch.get_loops(pv)[-3:]
+    d0, d1 = sch.split(d, knobs.tile(d, 2, [16], max_innermost_factor=64))
+    sch.reorder(d0, j, i, d1)
+    sch.vectorize(d1)
+    sch.decompose_reduction(pv, j)
+
+    sch.annotate(tile, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
+    sch.annotate(tile, "pragma_unroll_explicit", 1)
+
+
+def onnx_graph(shape, dtype):
+    """MatMul(q, Transpose(k)) * scale, Softmax, MatMul with v: what an exporter writes for
+    scaled_dot_product_attention without a mask."""
+    from onnx import helper
+    nb, nh, sq, skv, hd = _dims(shape)
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]),
+             helper.make_node("Mul", ["s", "scale"], ["ss"]),
+             helper.make_node("Softmax", ["ss"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["out"])]
+    return onnx_model("cross_attention", nodes,
+                      [("q", (nb, nh, sq, hd)), ("k", (nb, nh, skv, hd)), ("v", (nb, nh, skv, hd))],
+                      [("out", (nb, nh, sq, hd))], dtype,
+                      {"scale": np.asarray(1.0 / math.sqrt(hd), dtype=dtype)})
+
+
+PATTERN = Pattern(
+    name="cross_attention",
+    family="attention",
+    description="softmax(q k^T / sqrt(d)) v with seq_q != seq_kv, no mask, scores kept per query tile",
+    shape_params=[ShapeParam("batch", 1, 1, "batch size"),
+                  ShapeParam("heads", 8, 2, "attention heads"),
+                  ShapeParam("seq_q", 128, 8, "decoder (query) length"),
+                  ShapeParam("seq_kv", 384, 12, "encoder (key/value) length"),
+                  ShapeParam("head_dim", 64, 8, "per-head feature size")],
+    build=build,
+    reference=reference,
+    make_inputs=make_inputs,
+    onnx_graph=onnx_graph,
+    flops=flops,
+    bytes=nbytes,
+    templates=[query_tile],
+)
