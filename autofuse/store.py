@@ -27,6 +27,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 
 import tvm
 import tvm_ffi
@@ -57,6 +58,18 @@ def mean_secs(record: ms.database.TuningRecord) -> float:
         return float("inf")
     values = [float(s) for s in record.run_secs]
     return sum(values) / len(values)
+
+
+_BLOCK_NAME = re.compile(r'T\.sblock\("([^"]*)"')
+
+
+def workload_key(mod: tvm.IRModule) -> tuple:
+    """What makes two modules one workload here: structural equality (as MetaSchedule's JSON
+    database has it) and the same block names. Structural equality ignores names, but a trace
+    finds its blocks by name: Relax names a legalized kernel's blocks after its variables
+    (``lv1_sum``, ``lv5_sum``), and a record of one, filed under the other, no longer parses
+    when the database is read again (seen: two models' layer_norm kernels)."""
+    return tvm_ffi.structural_hash(mod), tuple(_BLOCK_NAME.findall(mod.script()))
 
 
 def _plain(value):
@@ -155,7 +168,7 @@ class SafeJSONDatabase(ms.database.PyDatabase):
         self._record_file = _File(path_tuning_record)
         self.problems: list[Problem] = []
         self._workloads: dict[int, ms.database.Workload] = {}       # file line index -> workload
-        self._by_hash: dict[int, list[int]] = {}                     # structural hash -> indices
+        self._by_hash: dict[tuple, list[int]] = {}                   # workload_key -> indices
         self._records: list[tuple[int, ms.database.TuningRecord]] = []
         self._record_lines: list[int] = []                           # file line of each record
         with self._locked(fcntl.LOCK_EX):
@@ -257,14 +270,14 @@ class SafeJSONDatabase(ms.database.PyDatabase):
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
     def _find(self, mod: tvm.IRModule) -> int | None:
-        for index in self._by_hash.get(tvm_ffi.structural_hash(mod), ()):
+        for index in self._by_hash.get(workload_key(mod), ()):
             if tvm_ffi.structural_equal(self._workloads[index].mod, mod):
                 return index
         return None
 
     def _add_workload(self, index: int, workload: ms.database.Workload) -> None:
         self._workloads[index] = workload
-        self._by_hash.setdefault(tvm_ffi.structural_hash(workload.mod), []).append(index)
+        self._by_hash.setdefault(workload_key(workload.mod), []).append(index)
 
     def _skip(self, path: str, line: int, reason: str) -> None:
         problem = Problem(path, line, reason)

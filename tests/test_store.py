@@ -16,19 +16,19 @@ from autofuse.store import COMPACT_MARKER, SafeJSONDatabase, compact, finish_com
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 
 
-def _func(n: int):
+def _func(n: int, block: str = "b"):
     @T.prim_func(s_tir=True)
     def scale(a: T.Buffer((n,), "float32"), b: T.Buffer((n,), "float32")):
         for i in range(n):
-            with T.sblock("b"):
+            with T.sblock(block):
                 vi = T.axis.spatial(n, i)
                 b[vi] = a[vi] * T.float32(2)
     return tvm.IRModule({"main": scale})
 
 
-def _record(workload, secs: float):
+def _record(workload, secs: float, block: str = "b"):
     sch = tvm.s_tir.Schedule(workload.mod)
-    sch.get_sblock("b")  # a record needs a non-empty trace
+    sch.get_sblock(block)  # a record needs a non-empty trace
     return ms.database.TuningRecord(sch.trace, workload, [secs], TARGET,
                                     ms.arg_info.ArgInfo.from_prim_func(workload.mod["main"]))
 
@@ -175,3 +175,16 @@ def test_a_compaction_cut_short_is_finished_or_undone(tmp_path):
     assert not (tmp_path / COMPACT_MARKER).exists()
     finish_compaction(str(tmp_path))  # nothing left to do
     assert len(db.get_all_tuning_records()) == 6  # an old handle keeps what it read
+
+
+def test_kernels_equal_but_for_block_names_are_separate_workloads(tmp_path):
+    """Relax names a kernel's blocks after its variables: two models' identical layer_norms
+    differ only there. Filed as one workload, the second one's records would not parse again."""
+    db = _open(tmp_path)
+    first, second = _func(16, "lv1_sum"), _func(16, "lv5_sum")
+    db.commit_tuning_record(_record(db.commit_workload(first), 1e-6, "lv1_sum"))
+    db.commit_tuning_record(_record(db.commit_workload(second), 2e-6, "lv5_sum"))
+    reopened = _open(tmp_path)
+    assert reopened.problems == [] and len(reopened.workloads()) == 2
+    assert [mean_secs(r) for r in reopened.get_top_k(reopened.commit_workload(second), 5)] == [pytest.approx(2e-6)]
+    assert len(_plain_tvm(tmp_path)) == 2
