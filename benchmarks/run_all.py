@@ -44,6 +44,7 @@ def main() -> int:
     parser.add_argument("--db", default=os.path.join(ROOT, "benchmarks", "work", "db"),
                         help="database root (default benchmarks/work/db, not committed)")
     parser.add_argument("--skip-tuning", action="store_true", help="only the measuring pass")
+    parser.add_argument("--tune-only", action="store_true", help="only the tuning pass")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -64,6 +65,8 @@ def main() -> int:
                              "--warmup", "0", "--no-plots", "--report", os.path.join(scratch, name)])
             if code != 0:
                 print(f"tuning pass of {name} exited {code}", file=sys.stderr)
+    if args.tune_only:
+        return 0
     print("== measuring pass: keep the machine idle ==", file=sys.stderr, flush=True)
     summary = {"target_key": key, "trials": None if args.skip_tuning else args.trials, "repeat": args.repeat,
                "database": os.path.relpath(args.db, ROOT), "runs": {}}
