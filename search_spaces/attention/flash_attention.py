@@ -1,0 +1,371 @@
+"""flash_attention: o = softmax(q k^T * scale [+ causal mask]) v in one kernel, FlashAttention style.
+
+scale = 1/sqrt(head_dim). Causal masking is aligned at the end, as in decoding with a KV cache:
+key j is visible to query i when ``j <= i + (seq_kv - seq_q)``.
+
+Unfused (what the ONNX baselines run), the batch*heads*seq_q*seq_kv score matrix is written by
+the first MatMul, read and written again by the scale/mask/Softmax ops and read once more by the
+second MatMul: at seq 256, 8 heads, head_dim 64, 2 MiB per pass, as much as q, k, v and o
+together.
+Here it never exists. Keys are processed in tiles of ``KV_TILE`` (fixed at build time, see below)
+with the online-softmax recurrence, per query row:
+
+    s   = q_i . k_tile^T * scale                     (KV_TILE scores, masked)
+    m'  = max(m, max(s));  alpha = exp(m - m')        (running max; rescale factor)
+    p   = exp(s - m');     l = l * alpha + sum(p)     (running denominator)
+    acc = acc * alpha + p . v_tile                    (unnormalised output row)
+    after the last tile: o_i = acc / l
+
+Blocks, one per stage. First ``k_scaled_t``: k * scale transposed to (head_dim, keys) and
+padded to whole tiles, so that a score tile is a row of a small GEMM, vectorisable along keys
+(a prologue nest reading K once: O(seq_kv * head_dim) per head, not a score-sized buffer). Then,
+all under the loops ``b, h, i, t`` (batch, head, query row, key tile): ``qk`` (the score tile
+s), ``tile_max_lanes`` + ``tile_max`` (the tile's row max in two steps, one partial per lane:
+an rfactor written out, as rfactor itself wants the reduction to be first in its loop nest),
+``run_max`` (m, and alpha = exp(m - m') from the old m), ``prob`` (p, 0 where masked),
+``tile_sum_lanes`` + ``tile_sum``, ``run_sum`` (l), ``pv`` (p . v_tile), ``run_acc`` (acc) and
+``out`` (o = acc / l, under the predicate ``t >= last tile``).
+
+How the recurrence fits TensorIR: every buffer has exactly one writer, and the running state
+(m with alpha, l, acc) is written only by reduction blocks whose reduction axis is the tile index
+``t``, ``T.init`` giving the state before the first tile; no block reads a state buffer before
+its writer in the loop body (alpha comes out of ``run_max`` for that reason). TVM then accepts
+the nest as "compact dataflow", so its loops can be split, reordered, parallelised and
+vectorised, and it places the state buffers above the ``t`` loop. The per-tile blocks bind ``t``
+as a spatial axis that indexes no output: each tile overwrites the same KV_TILE-wide scratch
+(s, p), which is only right because ``t`` stays a serial loop (no template parallelises,
+vectorises or reorders it against other tiles). A KV_TILE-wide row of scores per query row is all
+of the score matrix that ever lives in memory.
+
+The key tile is fixed at build time (``KV_TILE`` = 64, or seq_kv when smaller): the tile index
+is a loop of the TIR, not a split a template can choose. seq_kv need not be a multiple of it:
+the last tile is padded, its key index clamped to seq_kv - 1 for the loads and its scores masked
+out, so there is no divisibility rule. The one shape rule (a ValueError in ``build``): with
+``causal=1``, seq_q <= seq_kv, so that every query row sees at least one key (otherwise its
+softmax is over an empty set). With ``causal=1``, the two products skip a key tile wholly
+above a row's diagonal (an ``if`` in their body; their inits still zero s and pv).
+
+Template ``flash_tiles``: query rows split into tiles (knob), the loops reordered to (batch,
+head, query tile, key tile, row in tile) with the first three fused and parallel. Each thread
+keeps the running state of its query tile (m, l: a row each; acc: rows x head_dim) while it
+streams K/V tiles, so a K/V tile (2 x 16 KiB at head_dim 64) is fetched once per query tile and
+then reused from L1/L2 by every row of it, instead of once per row. The score tile is
+vectorised along keys and P.V along head_dim (a split of each is a knob: the inner part is the
+vector, its accumulators stay in registers across the reduction); the lane partials of the tile
+max and sum are vectorised; the running-state inits are hoisted out of the key-tile loop. The
+parallel axes are not a knob: (batch, head, query tile) fused is always the outer loop, and the
+query-tile knob sets how many parallel chunks it has.
+Measured once on 2 cores (znver4, default shape, with another job sharing the machine):
+unscheduled 32 ms, ``flash_tiles`` defaults 2.2 ms (causal=0: 63 ms and 3.0 ms). On one thread the
+defaults reach ~54 GFLOP/s at causal=0, about half of a core's FMA peak: the two products are
+4-register FMA chains with the K/V operand loaded from cache.
+"""
+
+import math
+
+import numpy as np
+from tvm.script import tirx as T
+
+from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
+from search_spaces.reduction.softmax_dropout import _exp
+
+KV_TILE = 64
+
+
+def kv_tile(seq_kv):
+    """The key tile ``build`` uses for this seq_kv."""
+    return min(KV_TILE, seq_kv)
+
+
+def _lanes(kt):
+    """Partial results per row in the tile max/sum: the widest of 16, 8, 4, 2, 1 dividing kt."""
+    return next(w for w in (16, 8, 4, 2, 1) if kt % w == 0)
+
+
+def build(shape, dtype):
+    b_, h_, sq, skv, d_ = (shape[k] for k in ("batch", "heads", "seq_q", "seq_kv", "head_dim"))
+    causal = int(shape.get("causal", 0))
+    if causal not in (0, 1):
+        raise ValueError(f"causal must be 0 or 1, not {causal}")
+    if causal and sq > skv:
+        raise ValueError(f"causal attention needs seq_q <= seq_kv (got seq_q={sq}, seq_kv={skv}): "
+                         "with the mask aligned at the end, the first seq_q - seq_kv query rows "
+                         "would see no key at all")
+    kt = kv_tile(skv)
+    nt = (skv + kt - 1) // kt
+    padded = nt * kt
+    lanes = _lanes(kt)
+    off = skv - sq
+    scale = 1.0 / math.sqrt(d_)
+    f32 = "float32"
+    neg = T.min_value(f32)
+
+    def key(j):
+        # The padded tail reads the last key again (and masks its score): no out-of-bounds load.
+        return T.min(j, skv - 1) if padded != skv else j
+
+    def visible(i, j):
+        cond = None
+        if padded != skv:
+            cond = j < skv
+        if causal:
+            c2 = j <= i + off
+            cond = c2 if cond is None else T.And(cond, c2)
+        return cond
+
+    def live(i, t):
+        # Causal: a key tile wholly above the diagonal of row i changes nothing (all its scores
+        # are masked, p = 0), so the two products skip it; their inits still run, which makes
+        # the skipped tile's s and pv zeros. (An if in the body rather than a block predicate:
+        # TVM's affine-binding check rejects a predicate coupling t and i.)
+        return t * kt <= i + off if causal else True
+
+    def masked(i, j, value, fill):
+        cond = visible(i, j)
+        return value if cond is None else T.Select(cond, value, fill)
+
+    @T.prim_func(s_tir=True)
+    def flash_attention(q: T.Buffer((b_, h_, sq, d_), dtype), k: T.Buffer((b_, h_, skv, d_), dtype),
+                        v: T.Buffer((b_, h_, skv, d_), dtype), o: T.Buffer((b_, h_, sq, d_), dtype)):
+        T.func_attr({"global_symbol": "flash_attention", "tirx.noalias": True})
+        k_t = T.sblock_alloc_buffer((b_, h_, d_, padded), f32)
+        s = T.sblock_alloc_buffer((b_, h_, sq, kt), f32)
+        max_l = T.sblock_alloc_buffer((b_, h_, sq, lanes), f32)
+        tile_max = T.sblock_alloc_buffer((b_, h_, sq), f32)
+        alpha = T.sblock_alloc_buffer((b_, h_, sq), f32)
+        m = T.sblock_alloc_buffer((b_, h_, sq), f32)
+        p = T.sblock_alloc_buffer((b_, h_, sq, kt), f32)
+        sum_l = T.sblock_alloc_buffer((b_, h_, sq, lanes), f32)
+        tile_sum = T.sblock_alloc_buffer((b_, h_, sq), f32)
+        l = T.sblock_alloc_buffer((b_, h_, sq), f32)
+        pv = T.sblock_alloc_buffer((b_, h_, sq, d_), f32)
+        acc = T.sblock_alloc_buffer((b_, h_, sq, d_), f32)
+        for b, h, dd, j in T.grid(b_, h_, d_, padded):
+            with T.sblock("k_scaled_t"):
+                vb, vh, vd, vj = T.axis.remap("SSSS", [b, h, dd, j])
+                k_t[vb, vh, vd, vj] = T.Cast(f32, k[vb, vh, key(vj), vd]) * T.float32(scale)
+        for b, h, i, t in T.grid(b_, h_, sq, nt):
+            for c, dd in T.grid(kt, d_):
+                with T.sblock("qk"):
+                    vb, vh, vi, vt, vc, vd = T.axis.remap("SSSSSR", [b, h, i, t, c, dd])
+                    with T.init():
+                        s[vb, vh, vi, vc] = T.float32(0)
+                    if live(vi, vt):
+                        s[vb, vh, vi, vc] = (s[vb, vh, vi, vc]
+                                             + T.Cast(f32, q[vb, vh, vi, vd]) * k_t[vb, vh, vd, vt * kt + vc])
+            # Row max of the tile in two steps, one partial per lane then over the lanes (an
+            # rfactor written out: rfactor itself needs the reduction to be the first block
+            # of its loop nest, and these blocks share theirs).
+            for lane, c in T.grid(lanes, kt // lanes):
+                with T.sblock("tile_max_lanes"):
+                    vb, vh, vi, vt, vl, vc = T.axis.remap("SSSSSR", [b, h, i, t, lane, c])
+                    with T.init():
+                        max_l[vb, vh, vi, vl] = neg
+                    max_l[vb, vh, vi, vl] = T.max(max_l[vb, vh, vi, vl], masked(
+                        vi, vt * kt + vc * lanes + vl, s[vb, vh, vi, vc * lanes + vl], neg))
+            for lane in T.serial(lanes):
+                with T.sblock("tile_max"):
+                    vb, vh, vi, vt, vl = T.axis.remap("SSSSR", [b, h, i, t, lane])
+                    with T.init():
+                        tile_max[vb, vh, vi] = neg
+                    tile_max[vb, vh, vi] = T.max(tile_max[vb, vh, vi], max_l[vb, vh, vi, vl])
+            with T.sblock("run_max"):
+                vb, vh, vi, vt = T.axis.remap("SSSR", [b, h, i, t])
+                # alpha (exp(m - m'), the factor that rescales l and acc) is written here, from
+                # the old m, so that no other block reads m before it is updated. On the first
+                # tile m is the float32 minimum and _exp clamps: alpha ~ 1e-38 times l = acc = 0.
+                with T.init():
+                    m[vb, vh, vi] = neg
+                    alpha[vb, vh, vi] = T.float32(0)
+                alpha[vb, vh, vi] = _exp(m[vb, vh, vi] - T.max(m[vb, vh, vi], tile_max[vb, vh, vi]))
+                m[vb, vh, vi] = T.max(m[vb, vh, vi], tile_max[vb, vh, vi])
+            for c in T.serial(kt):
+                with T.sblock("prob"):
+                    vb, vh, vi, vt, vc = T.axis.remap("SSSSS", [b, h, i, t, c])
+                    p[vb, vh, vi, vc] = masked(vi, vt * kt + vc, _exp(s[vb, vh, vi, vc] - m[vb, vh, vi]),
+                                               T.float32(0))
+            for lane, c in T.grid(lanes, kt // lanes):
+                with T.sblock("tile_sum_lanes"):
+                    vb, vh, vi, vt, vl, vc = T.axis.remap("SSSSSR", [b, h, i, t, lane, c])
+                    with T.init():
+                        sum_l[vb, vh, vi, vl] = T.float32(0)
+                    sum_l[vb, vh, vi, vl] = sum_l[vb, vh, vi, vl] + p[vb, vh, vi, vc * lanes + vl]
+            for lane in T.serial(lanes):
+                with T.sblock("tile_sum"):
+                    vb, vh, vi, vt, vl = T.axis.remap("SSSSR", [b, h, i, t, lane])
+                    with T.init():
+                        tile_sum[vb, vh, vi] = T.float32(0)
+                    tile_sum[vb, vh, vi] = tile_sum[vb, vh, vi] + sum_l[vb, vh, vi, vl]
+            with T.sblock("run_sum"):
+                vb, vh, vi, vt = T.axis.remap("SSSR", [b, h, i, t])
+                with T.init():
+                    l[vb, vh, vi] = T.float32(0)
+                l[vb, vh, vi] = l[vb, vh, vi] * alpha[vb, vh, vi] + tile_sum[vb, vh, vi]
+            for dd, c in T.grid(d_, kt):
+                with T.sblock("pv"):
+                    vb, vh, vi, vt, vd, vc = T.axis.remap("SSSSSR", [b, h, i, t, dd, c])
+                    with T.init():
+                        pv[vb, vh, vi, vd] = T.float32(0)
+                    if live(vi, vt):
+                        pv[vb, vh, vi, vd] = (pv[vb, vh, vi, vd]
+                                              + p[vb, vh, vi, vc] * T.Cast(f32, v[vb, vh, key(vt * kt + vc), vd]))
+            for dd in T.serial(d_):
+                with T.sblock("run_acc"):
+                    vb, vh, vi, vt, vd = T.axis.remap("SSSRS", [b, h, i, t, dd])
+                    with T.init():
+                        acc[vb, vh, vi, vd] = T.float32(0)
+                    acc[vb, vh, vi, vd] = acc[vb, vh, vi, vd] * alpha[vb, vh, vi] + pv[vb, vh, vi, vd]
+            for dd in T.serial(d_):
+                with T.sblock("out"):
+                    vb, vh, vi, vd = T.axis.remap("SSSS", [b, h, i, dd])
+                    T.where(t >= nt - 1)
+                    o[vb, vh, vi, vd] = T.Cast(dtype, acc[vb, vh, vi, vd] / l[vb, vh, vi])
+
+    return flash_attention
+
+
+def reference(q, k, v, shape=None):
+    causal = int((shape or {}).get("causal", 0))
+    qf, kf, vf = (x.astype(np.float64) for x in (q, k, v))
+    sq, skv, d = q.shape[2], k.shape[2], q.shape[3]
+    s = qf @ np.swapaxes(kf, -1, -2) / math.sqrt(d)
+    if causal:
+        i = np.arange(sq)[:, None]
+        j = np.arange(skv)[None, :]
+        s = np.where(j <= i + (skv - sq), s, -np.inf)
+    s = s - s.max(axis=-1, keepdims=True)
+    e = np.exp(s)
+    return (e / e.sum(axis=-1, keepdims=True) @ vf).astype(q.dtype)
+
+
+def make_inputs(shape, dtype, seed):
+    rng = np.random.default_rng(seed)
+    b, h, sq, skv, d = (shape[k] for k in ("batch", "heads", "seq_q", "seq_kv", "head_dim"))
+    # Unit-normal q and k: scores q.k/sqrt(d) are about unit-normal, a realistic softmax spread.
+    return [rng.standard_normal((b, h, sq, d)).astype(dtype),
+            rng.standard_normal((b, h, skv, d)).astype(dtype),
+            rng.standard_normal((b, h, skv, d)).astype(dtype)]
+
+
+def visible_pairs(shape):
+    """(query, key) pairs the mask lets through, per batch and head."""
+    sq, skv = shape["seq_q"], shape["seq_kv"]
+    if not int(shape.get("causal", 0)):
+        return sq * skv
+    off = skv - sq
+    return sum(min(skv, max(0, i + off + 1)) for i in range(sq))
+
+
+def flops(shape):
+    # Two multiply-adds per (pair, head_dim element) for q.k and p.v, plus ~5 per score for the
+    # scale/max/exp/sum; counted over the visible pairs (the useful work).
+    bh = shape["batch"] * shape["heads"]
+    return bh * visible_pairs(shape) * (4.0 * shape["head_dim"] + 5.0)
+
+
+def nbytes(shape, dtype):
+    b, h, sq, skv, d = (shape[k] for k in ("batch", "heads", "seq_q", "seq_kv", "head_dim"))
+    return np.dtype(dtype).itemsize * b * h * d * (2 * sq + 2 * skv)
+
+
+@template("flash_tiles")
+def flash_tiles(sch, target, knobs):
+    """Query tiles in parallel over (batch, head, query tile), key tiles streamed through each
+    query tile's running state; the score tile vectorised along keys, P.V along head_dim."""
+    qk = sch.get_sblock("qk")
+    b, h, i, t, c, dd = sch.get_loops(qk)
+    # Default 32 rows: acc is 32 x head_dim floats (8 KiB at 64) per thread and each K/V tile
+    # serves 32 rows. 8 to 64 measured within the noise of a shared machine at the default shape.
+    i0, i1 = sch.split(i, knobs.tile(i, 2, [32], max_innermost_factor=64))
+    # Key tile outside the query rows: one K/V tile serves every row of the query tile while it
+    # is in L1, and the rows' running state (m, l, acc) stays live across the key tiles.
+    sch.reorder(t, i1)
+    outer = sch.fuse(b, h, i0)
+    sch.parallel(outer)
+    # K scaled and transposed once per call, its own parallel nest (not per query tile: that
+    # costs a strided gather of the whole K per query tile, as much as the score products
+    # themselves at 8-32 rows a tile). Left scalar: LLVM took 80 s to compile the 64-lane
+    # strided gather, and the pass is 1/seq_q of the work.
+    kts = sch.get_sblock("k_scaled_t")
+    kb, kh, kd, kj = sch.get_loops(kts)
+    sch.parallel(sch.fuse(kb, kh, kd))
+
+    # Score tile: a (1 x head_dim) . (head_dim x key tile) product, key lanes innermost.
+    # (Everything is vectorised before decompose_reduction: an update block without its init
+    # is neither complete nor a reduction, and vectorize refuses the loop around it.)
+    c0, c1 = sch.split(c, knobs.tile(c, 2, [64], max_innermost_factor=64))
+    sch.reorder(c0, dd, c1)
+    sch.vectorize(c1)
+
+    sch.vectorize(sch.get_loops(sch.get_sblock("prob"))[-1])
+    lane_blocks = [sch.get_sblock(n) for n in ("tile_max_lanes", "tile_sum_lanes")]
+    for blk in lane_blocks:
+        lane, r = sch.get_loops(blk)[-2:]
+        sch.reorder(r, lane)
+        sch.vectorize(lane)
+
+    # P.V: head_dim lanes innermost, the key tile the reduction around them.
+    pv = sch.get_sblock("pv")
+    pd, pc = sch.get_loops(pv)[-2:]
+    pd0, pd1 = sch.split(pd, knobs.tile(pd, 2, [64], max_innermost_factor=64))
+    sch.reorder(pd0, pc, pd1)
+    sch.vectorize(pd1)
+    for name in ("run_acc", "out"):
+        sch.vectorize(sch.get_loops(sch.get_sblock(name))[-1])
+
+    sch.decompose_reduction(qk, dd)
+    for blk in lane_blocks:
+        sch.decompose_reduction(blk, sch.get_loops(blk)[-2])
+    sch.decompose_reduction(pv, pc)
+    # Running state: initialised once per query tile, before the key-tile loop.
+    for name in ("run_max", "run_sum", "run_acc"):
+        sch.decompose_reduction(sch.get_sblock(name), t)
+    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
+    sch.annotate(outer, "pragma_unroll_explicit", 1)
+
+
+def onnx_graph(shape, dtype):
+    """MatMul(q, Transpose(k)) * scale [+ constant 0/-1e9 causal mask], Softmax, MatMul with v: the
+    score matrix is materialised, as the baselines compute it."""
+    from onnx import helper
+    b, h, sq, skv, d = (shape[k] for k in ("batch", "heads", "seq_q", "seq_kv", "head_dim"))
+    causal = int(shape.get("causal", 0))
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["qk"]),
+             helper.make_node("Mul", ["qk", "scale"], ["scores"])]
+    consts = {"scale": np.array(1.0 / math.sqrt(d), dtype=dtype)}
+    logits = "scores"
+    if causal:
+        i = np.arange(sq)[:, None]
+        j = np.arange(skv)[None, :]
+        # -1e9 rather than -inf: exp underflows to exactly 0 either way, and a finite mask is what
+        # exporters emit.
+        consts["mask"] = np.where(j <= i + (skv - sq), 0.0, -1e9).astype(dtype)
+        nodes.append(helper.make_node("Add", ["scores", "mask"], ["masked"]))
+        logits = "masked"
+    nodes += [helper.make_node("Softmax", [logits], ["probs"], axis=-1),
+              helper.make_node("MatMul", ["probs", "v"], ["o"])]
+    return onnx_model("flash_attention", nodes,
+                      [("q", (b, h, sq, d)), ("k", (b, h, skv, d)), ("v", (b, h, skv, d))],
+                      [("o", (b, h, sq, d))], dtype, consts)
+
+
+PATTERN = Pattern(
+    name="flash_attention",
+    family="attention",
+    description="softmax(q k^T / sqrt(d) [+ causal mask]) v in one kernel, online softmax over key tiles",
+    shape_params=[ShapeParam("batch", 1, 1, "batch size"),
+                  ShapeParam("heads", 8, 2, "attention heads"),
+                  ShapeParam("seq_q", 256, 16, "query positions"),
+                  ShapeParam("seq_kv", 256, 16, "key/value positions (any length; tiles of KV_TILE)"),
+                  ShapeParam("head_dim", 64, 8, "per-head feature size"),
+                  ShapeParam("causal", 1, 1, "1: key j visible to query i iff j <= i + seq_kv - seq_q",
+                             minimum=0)],
+    build=build,
+    reference=reference,
+    make_inputs=make_inputs,
+    onnx_graph=onnx_graph,
+    flops=flops,
+    bytes=nbytes,
+    templates=[flash_tiles],
+)

@@ -1,0 +1,105 @@
+"""flash_attention beyond the automatic checks: the causal mask aligned at the end when seq_q !=
+seq_kv, seq_kv not a multiple of the key tile (a padded, masked last tile), causal key tiles
+skipped, the shape rule build enforces, and the ONNX graph on the same shapes.
+
+The tiling needs no divisibility: a key tile is KV_TILE (64) keys, or seq_kv when smaller; when
+seq_kv is not a multiple of it the last tile is padded and masked. The one rule is causal=1 ->
+seq_q <= seq_kv (every query row must see a key)."""
+
+import numpy as np
+import pytest
+import tvm
+
+from autofuse.target import parse_target
+from search_spaces.attention import flash_attention as fa
+
+TARGET = parse_target("llvm")
+DEV = tvm.cpu()
+
+
+def _shape(seq_q, seq_kv, causal, heads=2, head_dim=8, batch=1):
+    return {"batch": batch, "heads": heads, "seq_q": seq_q, "seq_kv": seq_kv, "head_dim": head_dim,
+            "causal": causal}
+
+
+def _run(shape, schedule, inputs=None):
+    func = fa.build(shape, "float32")
+    if schedule:
+        mod = fa.flash_tiles.apply(func, TARGET, tunable=False).mod
+    else:
+        mod = tvm.IRModule({"main": func})
+    rt = tvm.tirx.build(mod, target=TARGET)
+    inputs = fa.make_inputs(shape, "float32", 7) if inputs is None else inputs
+    out = tvm.runtime.tensor(np.zeros_like(inputs[0]), DEV)
+    rt(*[tvm.runtime.tensor(x, DEV) for x in inputs], out)
+    return inputs, out.numpy()
+
+
+def _naive(q, k, v, causal):
+    """Attention row by row, straight from the definition (float64)."""
+    sq, skv, d = q.shape[2], k.shape[2], q.shape[3]
+    out = np.zeros(q.shape)
+    for b in range(q.shape[0]):
+        for h in range(q.shape[1]):
+            for i in range(sq):
+                keys = range(skv) if not causal else range(min(skv, i + skv - sq + 1))
+                s = np.array([q[b, h, i] @ k[b, h, j] for j in keys], dtype=np.float64) / np.sqrt(d)
+                p = np.exp(s - s.max())
+                out[b, h, i] = (p / p.sum()) @ v[b, h, list(keys)].astype(np.float64)
+    return out
+
+
+# (seq_q, seq_kv): 70 keys = a 64-key tile and a padded tile of 6; 130 = two tiles and 2 keys,
+# and with causal=1 the first 10 query rows skip the third tile entirely; 40 keys < KV_TILE is
+# one tile of 40; 12 queries against 70 keys puts the causal diagonal at key i + 58.
+SHAPES = [(12, 70), (12, 130), (5, 40), (70, 70)]
+
+
+@pytest.mark.parametrize("schedule", [False, True], ids=["unscheduled", "flash_tiles"])
+@pytest.mark.parametrize("causal", [0, 1], ids=["full", "causal"])
+@pytest.mark.parametrize("seq_q,seq_kv", SHAPES)
+def test_kernel_matches_definition(seq_q, seq_kv, causal, schedule):
+    shape = _shape(seq_q, seq_kv, causal)
+    (q, k, v), out = _run(shape, schedule)
+    np.testing.assert_allclose(out, _naive(q, k, v, causal), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out, fa.reference(q, k, v, shape=shape), rtol=1e-4, atol=1e-5)
+
+
+def test_causal_mask_is_aligned_at_the_end():
+    # seq_q=4 against 70 keys: row i sees keys j <= i + 66. Key 67 (in the padded last tile) is
+    # hidden from row 0 only, so changing its value leaves row 0 bit for bit alone and moves
+    # rows 1-3.
+    shape = _shape(4, 70, 1)
+    (q, k, v), out = _run(shape, True)
+    v2 = v.copy()
+    v2[:, :, 67] += 10.0
+    _, out2 = _run(shape, True, [q, k, v2])
+    np.testing.assert_array_equal(out2[:, :, 0], out[:, :, 0])
+    assert np.all(np.abs(out2[:, :, 1:] - out[:, :, 1:]).max(axis=-1) > 1e-3)
+
+
+def test_decode_row_sees_all_keys():
+    # One query against a cache: causal or not, the same attention.
+    q, k, v = fa.make_inputs(_shape(1, 70, 1), "float32", 2)
+    np.testing.assert_allclose(fa.reference(q, k, v, shape=_shape(1, 70, 1)),
+                               fa.reference(q, k, v, shape=_shape(1, 70, 0)), rtol=1e-6)
+
+
+def test_shape_rule():
+    with pytest.raises(ValueError, match="seq_q <= seq_kv"):
+        fa.build(_shape(20, 16, 1), "float32")
+    with pytest.raises(ValueError, match="causal must be 0 or 1"):
+        fa.build(_shape(16, 16, 2), "float32")
+    fa.build(_shape(20, 16, 0), "float32")    # without the mask any seq_q is fine
+
+
+@pytest.mark.parametrize("causal", [0, 1])
+def test_onnx_graph_on_uneven_shapes(causal):
+    import onnxruntime as ort
+    shape = _shape(12, 70, causal)
+    model = fa.onnx_graph(shape, "float32")
+    inputs = fa.make_inputs(shape, "float32", 4)
+    names = [i.name for i in model.graph.input]
+    (got,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, dict(zip(names, inputs)))
+    np.testing.assert_allclose(got, fa.reference(*inputs, shape=shape), rtol=1e-4, atol=1e-5)
