@@ -72,19 +72,40 @@ def workload_key(mod: tvm.IRModule) -> tuple:
     return tvm_ffi.structural_hash(mod), tuple(_BLOCK_NAME.findall(mod.script()))
 
 
-def _plain(value):
-    """A record's JSON as MetaSchedule's own writer spells it (booleans as 0/1)."""
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    return value
-
-
 def _dumps(value) -> str:
-    return json.dumps(_plain(value), separators=(",", ":"))
+    return json.dumps(value, separators=(",", ":"))
+
+
+def _record_body(line: str) -> str:
+    """The record part of a record line ``[index,<record>]``, as text."""
+    head, _, rest = line.partition(",")
+    if not head.lstrip().startswith("[") or not rest.rstrip().endswith("]"):
+        raise ValueError("not a [index, record] line")
+    return rest.rstrip()[:-1]
+
+
+class _RecordWriter:
+    """Spells tuning records exactly as MetaSchedule's own JSON writer does, by letting it: a
+    scratch ``JSONDatabase`` in a temporary folder takes each record and the line it appends is
+    ours. (Its JSON printer knows every object a trace can hold, IndexMaps included, which
+    ``TuningRecord.as_json`` hands to Python unconverted.)"""
+
+    def __init__(self):
+        import tempfile
+        self._folder = tempfile.TemporaryDirectory(prefix="autofuse-record-writer-")
+        self._records = os.path.join(self._folder.name, "records.json")
+        self._db = ms.database.JSONDatabase(path_workload=os.path.join(self._folder.name, "workloads.json"),
+                                            path_tuning_record=self._records)
+        self._offset = 0
+
+    def body(self, record: ms.database.TuningRecord) -> str:
+        self._db.commit_workload(record.workload.mod)
+        self._db.commit_tuning_record(record)
+        with open(self._records, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        self._offset += len(data)
+        return _record_body(data.decode("utf-8").rstrip("\n"))
 
 
 class _File:
@@ -171,6 +192,8 @@ class SafeJSONDatabase(ms.database.PyDatabase):
         self._by_hash: dict[tuple, list[int]] = {}                   # workload_key -> indices
         self._records: list[tuple[int, ms.database.TuningRecord]] = []
         self._record_lines: list[int] = []                           # file line of each record
+        self._record_bodies: list[str] = []                          # each record's JSON text
+        self._writer: _RecordWriter | None = None
         with self._locked(fcntl.LOCK_EX):
             finish_compaction(folder)
             for path in (path_workload, path_tuning_record):
@@ -205,9 +228,13 @@ class SafeJSONDatabase(ms.database.PyDatabase):
             index = self._find(record.workload.mod)
             if index is None:
                 raise ValueError("commit_tuning_record: the record's workload was never committed")
-            self._record_file.append(_dumps([index, record.as_json()]))
+            if self._writer is None:
+                self._writer = _RecordWriter()
+            body = self._writer.body(record)
+            self._record_file.append(f"[{index},{body}]")
             self._records.append((index, record))
             self._record_lines.append(self._record_file.lines)
+            self._record_bodies.append(body)
 
     def get_top_k(self, workload: ms.database.Workload, top_k: int) -> list[ms.database.TuningRecord]:
         if top_k < 0:
@@ -305,6 +332,7 @@ class SafeJSONDatabase(ms.database.PyDatabase):
             try:
                 self._records.append((index, ms.database.TuningRecord.from_json(body, workload)))
                 self._record_lines.append(number)
+                self._record_bodies.append(_record_body(text))
             except Exception as err:
                 # TVM replays the trace while parsing: a ScheduleError means the TensorIR changed under it.
                 stale = "ScheduleError" in type(err).__name__ or "ScheduleError" in str(err)
@@ -341,7 +369,8 @@ def compact(db: SafeJSONDatabase, keep: int, usable=lambda record: True) -> tupl
         for index in sorted({i for i, _ in kept}):
             new_index[index] = len(workload_lines)
             workload_lines.append(_dumps(db._workloads[index].as_json()))
-        record_lines = [_dumps([new_index[i], r.as_json()]) for i, r in kept]
+        bodies = {id(r): body for r, body in zip(records, db._record_bodies)}
+        record_lines = [f"[{new_index[r[0]]},{bodies[id(r)]}]" for r in kept]
         for path, lines in ((wpath, workload_lines), (rpath, record_lines)):
             with open(f"{path}.new", "w", encoding="utf-8") as f:
                 f.writelines(line + "\n" for line in lines)
@@ -351,7 +380,7 @@ def compact(db: SafeJSONDatabase, keep: int, usable=lambda record: True) -> tupl
         finish_compaction(folder)
         # Start over from the new files.
         db._workload_file, db._record_file = _File(wpath), _File(rpath)
-        db._workloads, db._by_hash, db._records, db._record_lines = {}, {}, [], []
+        db._workloads, db._by_hash, db._records, db._record_lines, db._record_bodies = {}, {}, [], [], []
         db._refresh()
     return len(records), len(kept)
 

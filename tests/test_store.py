@@ -126,7 +126,7 @@ def _commit_many(folder, n, count, offset):
 
 
 def test_two_processes_committing_at_once_lose_nothing(tmp_path):
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # fork after jax or TVM threads start can deadlock
     jobs = [(16, 0), (32, 1000), (16, 2000), (48, 3000)]  # two of them share a workload
     procs = [ctx.Process(target=_commit_many, args=(tmp_path, n, 40, offset)) for n, offset in jobs]
     for p in procs:
@@ -188,3 +188,21 @@ def test_kernels_equal_but_for_block_names_are_separate_workloads(tmp_path):
     assert reopened.problems == [] and len(reopened.workloads()) == 2
     assert [mean_secs(r) for r in reopened.get_top_k(reopened.commit_workload(second), 5)] == [pytest.approx(2e-6)]
     assert len(_plain_tvm(tmp_path)) == 2
+
+
+def test_a_trace_holding_an_index_map_is_written_as_metaschedule_writes_it(tmp_path):
+    """transform_layout puts an IndexMap in the trace, which TuningRecord.as_json leaves as a TVM
+    object: the line must still be what MetaSchedule's JSON writer produces, readable both ways."""
+    from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
+
+    from autofuse.registry import get_pattern
+    pattern = get_pattern("cross_attention")
+    func = pattern.build(pattern.small_shape(), "float32")
+    sch = pattern.default_schedule(func, TARGET)
+    assert "transform_layout" in str(sch.trace.as_python())
+    db = _open(tmp_path)
+    workload = db.commit_workload(_normalize_mod(func))
+    db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, [1e-3], TARGET,
+                                                     ms.arg_info.ArgInfo.from_prim_func(func)))
+    assert len(_open(tmp_path)) == 1 and _open(tmp_path).problems == []
+    assert len(_plain_tvm(tmp_path)) == 1
