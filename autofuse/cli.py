@@ -52,7 +52,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "record is checked against the numpy reference before it is reported."))
     tune.add_argument("model", nargs="?", default=None, metavar="MODEL.onnx",
                       help="tune this ONNX model's kernels instead of a pattern (see --fusion)")
-    tune.add_argument("--pattern", default=None, help=f"pattern name or 'all' (default {DEFAULT_PATTERN})")
+    tune.add_argument("--pattern", default=None, help=f"pattern name, several separated by commas, or 'all' (default {DEFAULT_PATTERN})")
     tune.add_argument("--fusion", default="patterns", choices=["none", "auto", "patterns"],
                       help="for a model: none (op per kernel), auto (TVM FuseOps, the XLA-style baseline) or "
                            "patterns (our patterns matched first, the rest auto; default)")
@@ -97,7 +97,7 @@ def _build_parser() -> argparse.ArgumentParser:
         "ONNX graph). Outputs are checked against the reference first; a contender that disagrees is "
         "marked invalid. Writes report.md, report.json, report.png and roofline.png to --report."))
     cmp.add_argument("model", nargs="?", default=None, metavar="MODEL.onnx", help="compare on this ONNX model")
-    cmp.add_argument("--pattern", default=None, help="compare on a pattern (or 'all') at its default shape")
+    cmp.add_argument("--pattern", default=None, help="compare on a pattern (several separated by commas, or 'all') at its default shape")
     cmp.add_argument("--shape", action="append", metavar="K=V", help="override a pattern shape parameter")
     cmp.add_argument("--small", action="store_true", help="use each pattern's small test shape")
     cmp.add_argument("--dtype", default=None, help="element type (default: the pattern's first)")
@@ -210,7 +210,7 @@ def cmd_compare(args) -> int:
     if args.model is None:
         patterns = resolve_patterns(args.pattern)
         if overrides and len(patterns) > 1:
-            raise AutofuseError("--shape applies to one pattern; drop it with --pattern all")
+            raise AutofuseError("--shape applies to one pattern; drop it with several patterns")
         for pattern in patterns:
             jobs.append((pattern, pattern.resolve_shape(overrides, base="small" if args.small else "default"),
                          pattern.check_dtype(args.dtype or pattern.dtypes[0])))
@@ -302,8 +302,8 @@ def cmd_tune(args) -> int:
     target = parse_target(args.target)
     patterns = resolve_patterns(args.pattern)
     overrides = _shape_overrides(args.shape)
-    if overrides and args.pattern == "all":
-        raise AutofuseError("--shape applies to one pattern; drop it with --pattern all")
+    if overrides and len(patterns) > 1:
+        raise AutofuseError("--shape applies to one pattern; drop it with several patterns")
     jobs = []
     for pattern in patterns:
         dtype = pattern.check_dtype(args.dtype or pattern.dtypes[0])

@@ -41,5 +41,7 @@ def get_pattern(name: str) -> Pattern:
 
 
 def resolve_patterns(name: str) -> list[Pattern]:
-    """``all`` or one pattern name."""
-    return list(all_patterns().values()) if name == "all" else [get_pattern(name)]
+    """``all``, one pattern name, or several separated by commas."""
+    if name == "all":
+        return list(all_patterns().values())
+    return [get_pattern(n.strip()) for n in name.split(",") if n.strip()]
