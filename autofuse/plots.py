@@ -102,10 +102,14 @@ def search_curves(curves: dict[str, dict[str, list]], path: str) -> None:
     rows = (len(patterns) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
     for ax, pattern in zip(axes.flat, patterns):
+        values = []
         for space, curve in curves[pattern].items():
             points = [(i, v) for i, v in enumerate(curve, 1) if v is not None]
             if points:
                 ax.plot(*zip(*points), label=space)
+                values += [v for _, v in points]
+        if values and max(values) / max(min(values), 1e-9) > 20:
+            ax.set_yscale("log")  # a slow first trial must not flatten the rest of the curve
         ax.set_title(pattern, fontsize=9)
         ax.set_xlabel("trial")
         ax.set_ylabel("best ms")
