@@ -150,34 +150,22 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
+def _number(convert, noun: str, accept, rule: str):
+    """An argparse type: ``convert`` the text (else "not {noun}"), then ``accept`` it (else "must be {rule}")."""
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {noun}") from None
+        if not accept(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text, 10)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be zero or more, got {value}")
-    return value
+_positive_int = _number(lambda t: int(t, 10), "an integer", lambda v: v > 0, "positive")
+_non_negative_int = _number(lambda t: int(t, 10), "an integer", lambda v: v >= 0, "zero or more")
+_positive_float = _number(float, "a number", lambda v: v > 0, "positive")
 
 
 def cmd_compare(args) -> int:

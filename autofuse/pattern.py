@@ -20,6 +20,7 @@ from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
 from .errors import AutofuseError
+from .measure import param_buffers
 
 # Written into the trace of every template schedule, so a tuning record tells which space produced it.
 TEMPLATE_ANNOTATION = "autofuse.template"
@@ -214,13 +215,8 @@ class Pattern:
 
     def output_specs(self, func: tirx.PrimFunc) -> list[tuple[tuple[int, ...], str]]:
         """(shape, dtype) of each output buffer, read off the PrimFunc's signature."""
-        params = list(func.params)[-self.num_outputs:]
-        specs = []
-        for p in params:
-            # TVM 0.27 PrimFunc parameters are the buffers themselves; older ones map handles to them.
-            buf = func.buffer_map[p] if hasattr(func, "buffer_map") else p
-            specs.append((tuple(int(d) for d in buf.shape), str(buf.dtype)))
-        return specs
+        return [(tuple(int(d) for d in buf.shape), str(buf.dtype))
+                for buf in param_buffers(func)[-self.num_outputs:]]
 
     def templates_for(self, target: Target) -> list[Template]:
         return [t for t in self.templates if t.applies_to(target)]

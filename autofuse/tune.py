@@ -26,10 +26,9 @@ from tvm.target import Target
 
 from .errors import AutofuseError
 from .pattern import Template
+from .store import FAILED_RUN_SECS
 
 SPACES = ("template", "generic", "union")
-# Failed builds/runs are stored by MetaSchedule with this run time.
-FAILED_RUN_SECS = 1e9
 
 
 @dataclasses.dataclass
