@@ -1,4 +1,4 @@
-"""The ``autofuse`` command: sub-commands ``tune``, ``build``, ``compare``, ``db``, ``run`` and ``list``.
+"""The ``autofuse`` command: sub-commands ``tune``, ``build``, ``compare``, ``db``, ``rpc``, ``run`` and ``list``.
 
 Every known problem with the user's input is an ``AutofuseError``; this module alone prints it, as
 one line on stderr, and exits with code 2.
@@ -71,6 +71,11 @@ def _build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--seed", default=None, type=int, help="random seed of the search")
     tune.add_argument("--timeout", default=30.0, type=_positive_float, metavar="SECS",
                       help="a candidate that runs longer (or crashes) is stored as a failed trial (default 30)")
+    tune.add_argument("--rpc", default=None, metavar="HOST:PORT:KEY",
+                      help="measure on the RPC servers registered under KEY at this TVM tracker (builds stay "
+                           "here; --target must describe the servers' device)")
+    tune.add_argument("--rpc-workers", default=None, type=_positive_int, metavar="N",
+                      help="measurements in flight with --rpc (default: the number of servers of KEY)")
     tune.add_argument("--json", default=None, metavar="PATH", help="also write the result rows as JSON")
     tune.add_argument("--small", action="store_true", help="use each pattern's small test shape")
     tune.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -133,6 +138,29 @@ def _build_parser() -> argparse.ArgumentParser:
         "old ones kept as *.bak. Safe while other autofuse processes use the database."))
     compact.add_argument("--db", default="logs", help="database root (default logs)")
     compact.add_argument("--keep", default=16, type=_positive_int, help="records kept per workload (default 16)")
+
+    rpc = sub.add_parser("rpc", help="start TVM's RPC tracker or a server, or show the tracker's queue",
+                         description=(
+        "Measurement farms with TVM's own RPC pieces. Start a tracker once, one server per device (on this "
+        "or other machines) registered under a key, then `autofuse tune --rpc HOST:PORT:KEY`."))
+    rpc_sub = rpc.add_subparsers(dest="rpc_command", metavar="ACTION", parser_class=_Parser, required=True)
+    tracker = rpc_sub.add_parser("tracker", help="run TVM's RPC tracker (python -m tvm.exec.rpc_tracker)",
+                                 description="Run TVM's RPC tracker in the foreground until interrupted.")
+    tracker.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: all)")
+    tracker.add_argument("--port", default=9190, type=_positive_int, help="port (default 9190)")
+    server = rpc_sub.add_parser("server", help="run a TVM RPC server registered at a tracker",
+                                description=(
+        "Run TVM's RPC server (python -m tvm.exec.rpc_server) in the foreground, registered at --tracker "
+        "under --key. Run one per device; on a GPU host pin each to its GPU with CUDA_VISIBLE_DEVICES."))
+    server.add_argument("--tracker", required=True, metavar="HOST:PORT", help="the tracker to register at")
+    server.add_argument("--key", required=True, help="device key the tuner asks for (e.g. cpu, h200)")
+    server.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0)")
+    server.add_argument("--port", default=9090, type=_positive_int,
+                        help="first port to try (default 9090; the next free one up to +100 is used)")
+    status = rpc_sub.add_parser("status", help="servers and queue of a tracker",
+                                description="Print the servers registered at a tracker and the queue per key.")
+    status.add_argument("--tracker", default="127.0.0.1:9190", metavar="HOST:PORT",
+                        help="tracker address (default 127.0.0.1:9190)")
 
     run = sub.add_parser("run", help="run a library built by autofuse build",
                          description="Run LIB on inputs from an .npz (arrays named as the model's inputs) "
@@ -199,9 +227,11 @@ def cmd_compare(args) -> int:
         patterns = resolve_patterns(args.pattern)
         if overrides and len(patterns) > 1:
             raise AutofuseError("--shape applies to one pattern; drop it with several patterns")
+        from .tune_patterns import Job
         for pattern in patterns:
-            jobs.append((pattern, pattern.resolve_shape(overrides, base="small" if args.small else "default"),
-                         pattern.check_dtype(args.dtype or pattern.dtypes[0])))
+            job = Job(pattern, pattern.resolve_shape(overrides, base="small" if args.small else "default"),
+                      pattern.check_dtype(args.dtype or pattern.dtypes[0]))  # builds: the pattern's shape rules
+            jobs.append((pattern, job.shape, job.dtype))
     _check_writable(folder)
     subjects = [model_subject(args.model)] if args.model is not None else [
         pattern_subject(pattern, shape, dtype, os.path.join(folder, "graphs")) for pattern, shape, dtype in jobs]
@@ -299,11 +329,13 @@ def cmd_tune(args) -> int:
         if not pattern.templates_for(target) and args.space == "template":
             raise AutofuseError(f"pattern {pattern.name!r} has no template for {target.kind.name}; use --space generic")
         jobs.append(Job(pattern, shape, dtype))
+    runner, runner_status = _runner(args)
     db = TuningDatabase(args.db, target)
     print(f"autofuse: tuning {len(jobs)} workload(s) on {target_key(target)}, space {args.space}, "
           f"{args.trials} trials each, database {db.path}", file=sys.stderr)
     rows, stats = tune_jobs(jobs, target, db, trials=args.trials, space=args.space, seed=args.seed,
-                            run_timeout=args.timeout, progress=not args.no_progress)
+                            run_timeout=args.timeout, progress=not args.no_progress,
+                            runner=runner, runner_status=runner_status)
     print(table(rows, TUNE_COLUMNS))
     for row in rows:
         for line in row["rejected"]:
@@ -332,11 +364,13 @@ def _tune_model(args) -> int:
     target = parse_target(args.target)
     prepared = prepare(args.model, args.fusion)
     _print_matches(prepared)
+    runner, runner_status = _runner(args)
     db = TuningDatabase(args.db, target)
     print(f"autofuse: tuning {prepared.name} (fusion {args.fusion}) on {target_key(target)}, {args.trials} trials "
           f"shared by its kernels, database {db.path}", file=sys.stderr)
     tasks, stats = tune_model(prepared, target, db, trials=args.trials, space=args.space, seed=args.seed,
-                              run_timeout=args.timeout, progress=not args.no_progress)
+                              run_timeout=args.timeout, progress=not args.no_progress,
+                              runner=runner, runner_status=runner_status)
     rows = [{"kernel": t.name, "weight": t.weight, "space": t.space, "trials": stats.trials.get(i, 0),
              "best_ms": stats.best_secs[i] * 1e3 if i in stats.best_secs else None,
              "tune_secs": stats.task_secs.get(i, 0.0)} for i, t in enumerate(tasks)]
@@ -344,6 +378,40 @@ def _tune_model(args) -> int:
                        ("best_ms", "best ms (measured in tuning)"), ("tune_secs", "time s")]))
     print(_throughput_line(stats))
     print(f"next: autofuse build {args.model} --fusion {args.fusion} --db {args.db}")
+    return 0
+
+
+def _runner(args):
+    """(runner, status for the progress bar) of ``--rpc``; (None, None) measures here."""
+    if args.rpc is None:
+        if args.rpc_workers is not None:
+            raise AutofuseError("--rpc-workers needs --rpc HOST:PORT:KEY")
+        return None, None
+    from . import rpc
+
+    address = rpc.parse_address(args.rpc)
+    servers = rpc.check_servers(address)
+    workers = args.rpc_workers or servers
+    print(f"autofuse: measuring through the RPC tracker {address.host}:{address.port}, key {address.key} "
+          f"({servers} server(s), {workers} measurement(s) in flight)", file=sys.stderr)
+    return rpc.make_runner(address, workers, args.timeout), rpc.bar_status(address)
+
+
+def cmd_rpc(args) -> int:
+    import os
+    from . import rpc
+
+    if args.rpc_command == "status":
+        print(rpc.status_text(rpc.parse_address(args.tracker, need_key=False)))
+        return 0
+    if args.rpc_command == "tracker":
+        command = rpc.tracker_command(args.host, args.port)
+    else:
+        tracker = rpc.parse_address(args.tracker, need_key=False)
+        rpc.summary(tracker)  # fail now, not after TVM's minute of retries
+        command = rpc.server_command(tracker, args.key, args.host, args.port)
+    print("autofuse: " + " ".join(command[1:]), file=sys.stderr, flush=True)
+    os.execv(command[0], command)  # TVM's own process, signals and all
     return 0
 
 
@@ -468,7 +536,7 @@ def _stored_best(db, pattern, target) -> dict:
     return {"records": total, "best_ms": chosen.run_secs * 1e3, "source": chosen.source}
 
 
-COMMANDS = {"tune": cmd_tune, "build": cmd_build, "compare": cmd_compare, "db": cmd_db, "run": cmd_run,
+COMMANDS = {"tune": cmd_tune, "build": cmd_build, "compare": cmd_compare, "db": cmd_db, "rpc": cmd_rpc, "run": cmd_run,
             "list": cmd_list}
 
 

@@ -129,11 +129,15 @@ class RelaxRule:
     matched expressions by name and ``kernel(shape, dtype, args)``, which adds this pattern's
     PrimFunc to the module and returns the ``call_tir``; it returns the replacement of the root, or
     None to leave this match alone (a shape or dtype the pattern does not cover).
+
+    Rules run in decreasing ``priority``: a rule whose subgraph contains another rule's (attention
+    contains a softmax) must run first, or the smaller match breaks the larger one up.
     """
 
     name: str
     make: Callable[[], tuple[Any, dict[str, Any]]]
     rewrite: Callable[[dict[str, Any], Callable], Any]
+    priority: int = 0
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ import tvm
 from tvm.target import Target
 
 from .database import TuningDatabase
+from .errors import AutofuseError
 from .measure import empty_outputs, time_function, to_device
 from .pattern import Pattern, Shape, shape_label
 from .tune import Task, TuneStats, tune
@@ -22,7 +23,10 @@ class Job:
     dtype: str
 
     def __post_init__(self):
-        self.func = self.pattern.build(self.shape, self.dtype)
+        try:
+            self.func = self.pattern.build(self.shape, self.dtype)
+        except ValueError as err:  # a pattern's own shape rule (kv_heads must divide heads, ...)
+            raise AutofuseError(f"pattern {self.pattern.name!r} cannot be built at {shape_label(self.shape)}: {err}") from None
 
     @property
     def label(self) -> str:
@@ -112,14 +116,17 @@ def summarize(job: Job, db: TuningDatabase, target: Target, *, space: str, stats
 
 
 def tune_jobs(jobs: list[Job], target: Target, db: TuningDatabase, *, trials: int, space: str,
-              seed: int | None, progress: bool = True, run_timeout: float = 30.0) -> tuple[list[dict], TuneStats]:
+              seed: int | None, progress: bool = True, run_timeout: float = 30.0,
+              runner=None, runner_status=None) -> tuple[list[dict], TuneStats]:
+    """``runner``: MetaSchedule's runner (default: local); ``runner_status()``: a short text for
+    the progress bar (the RPC servers in use)."""
     from .progress import tuning_bar
 
     tasks = [Task(job.label, job.func, job.pattern.templates) for job in jobs]
-    with tuning_bar(trials * len(jobs), [job.label for job in jobs], progress) as (on_phase, on_progress):
+    with tuning_bar(trials * len(jobs), [job.label for job in jobs], progress, runner_status) as (on_phase, on_progress):
         stats = tune(tasks, target, db.ms, db.work_dir, trials_per_task=trials, space=space, seed=seed,
-                     cost_model_path=db.cost_model_path, run_timeout=run_timeout, on_progress=on_progress,
-                     on_phase=on_phase)
+                     cost_model_path=db.cost_model_path, run_timeout=run_timeout, runner=runner,
+                     on_progress=on_progress, on_phase=on_phase)
     rows = []
     for index, job in enumerate(jobs):
         rows.append(summarize(job, db, target, space=space, stats=stats, index=index))

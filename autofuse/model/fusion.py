@@ -60,27 +60,27 @@ def match_patterns(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, int]]:
 
     builder = relax.BlockBuilder(mod)
     functions = {gv: f for gv, f in mod.functions_items() if isinstance(f, relax.Function)}
-    for pattern in all_patterns().values():
-        for rule in pattern.relax_rules:
-            root, wildcards = rule.make()
+    rules = [(pattern, rule) for pattern in all_patterns().values() for rule in pattern.relax_rules]
+    for pattern, rule in sorted(rules, key=lambda pr: -pr[1].priority):
+        root, wildcards = rule.make()
 
-            def kernel(shape, dtype, args, _pattern=pattern, _rule=rule):
-                func = _pattern.build(shape, dtype)
-                func = func.without_attr("global_symbol").with_attrs({
-                    "op_pattern": OPAQUE, PATTERN_ATTR: _pattern.name,
-                    SHAPE_ATTR: json.dumps(shape), DTYPE_ATTR: dtype})
-                gv = builder.add_func(func, f"{_pattern.name}")
-                specs = _pattern.output_specs(func)
-                out = [relax.TensorType(shape_, dtype_) for shape_, dtype_ in specs]
-                return relax.call_tir(gv, list(args), out if len(out) > 1 else out[0])
+        def kernel(shape, dtype, args, _pattern=pattern, _rule=rule):
+            func = _pattern.build(shape, dtype)
+            func = func.without_attr("global_symbol").with_attrs({
+                "op_pattern": OPAQUE, PATTERN_ATTR: _pattern.name,
+                SHAPE_ATTR: json.dumps(shape), DTYPE_ATTR: dtype})
+            gv = builder.add_func(func, f"{_pattern.name}")
+            specs = _pattern.output_specs(func)
+            out = [relax.TensorType(shape_, dtype_) for shape_, dtype_ in specs]
+            return relax.call_tir(gv, list(args), out if len(out) > 1 else out[0])
 
-            def rewriter(expr, matchings, _rule=rule, _wildcards=wildcards, _kernel=kernel):
-                matched = {name: matchings[p] for name, p in _wildcards.items() if p in matchings}
-                replacement = _rule.rewrite(matched, _kernel)
-                return expr if replacement is None else replacement
+        def rewriter(expr, matchings, _rule=rule, _wildcards=wildcards, _kernel=kernel):
+            matched = {name: matchings[p] for name, p in _wildcards.items() if p in matchings}
+            replacement = _rule.rewrite(matched, _kernel)
+            return expr if replacement is None else replacement
 
-            for gv in list(functions):
-                functions[gv] = rewrite_call(root, rewriter, functions[gv])
+        for gv in list(functions):
+            functions[gv] = rewrite_call(root, rewriter, functions[gv])
     result = builder.get()
     for gv, func in functions.items():
         result[gv] = func
@@ -117,6 +117,11 @@ def static_shape(expr) -> tuple[int, ...] | None:
         return tuple(int(d) for d in shape)
     except (TypeError, ValueError):
         return None
+
+
+def constant_value(expr):
+    """The numpy value of a matched constant (``is_const()``)."""
+    return expr.value.numpy()
 
 
 def dtype_of(expr) -> str:

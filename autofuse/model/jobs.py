@@ -42,14 +42,15 @@ def prepare(path: str, fusion: str) -> PreparedModel:
 
 
 def tune_model(prepared: PreparedModel, target: Target, db: TuningDatabase, *, trials: int, space: str,
-               seed: int | None, progress: bool = True, run_timeout: float = 30.0) -> tuple[list, TuneStats]:
+               seed: int | None, progress: bool = True, run_timeout: float = 30.0,
+               runner=None, runner_status=None) -> tuple[list, TuneStats]:
     from ..progress import tuning_bar
 
     tasks = model_tasks(prepared.mod, target, space)
-    with tuning_bar(trials, [t.name for t in tasks], progress) as (on_phase, on_progress):
+    with tuning_bar(trials, [t.name for t in tasks], progress, runner_status) as (on_phase, on_progress):
         stats = tune(tasks, target, db.ms, db.work_dir, trials_per_task=trials, trials_total=trials,
                      space=space, seed=seed, cost_model_path=db.cost_model_path, run_timeout=run_timeout,
-                     on_progress=on_progress, on_phase=on_phase)
+                     runner=runner, on_progress=on_progress, on_phase=on_phase)
     return tasks, stats
 
 

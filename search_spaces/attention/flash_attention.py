@@ -1,7 +1,9 @@
 """flash_attention: o = softmax(q k^T * scale [+ causal mask]) v in one kernel, FlashAttention style.
 
 scale = 1/sqrt(head_dim). Causal masking is aligned at the end, as in decoding with a KV cache:
-key j is visible to query i when ``j <= i + (seq_kv - seq_q)``.
+key j is visible to query i when ``j <= i + (seq_kv - seq_q)``. Grouped-query: q and o have
+``heads`` heads, k and v ``kv_heads`` (dividing heads; 1 is multi-query attention), and query head
+h reads K/V head ``h // (heads // kv_heads)``.
 
 Unfused (what the ONNX baselines run), the batch*heads*seq_q*seq_kv score matrix is written by
 the first MatMul, read and written again by the scale/mask/Softmax ops and read once more by the
@@ -18,8 +20,9 @@ with the online-softmax recurrence, per query row:
 
 Blocks, one per stage. First ``k_scaled_t``: k * scale transposed to (head_dim, keys) and
 padded to whole tiles, so that a score tile is a row of a small GEMM, vectorisable along keys
-(a prologue nest reading K once: O(seq_kv * head_dim) per head, not a score-sized buffer). Then,
-all under the loops ``b, h, i, t`` (batch, head, query row, key tile): ``qk`` (the score tile
+(a prologue nest reading K once: O(seq_kv * head_dim) per K/V head, not a score-sized buffer,
+shared by the query heads of its group). Then, all under the loops ``b, h, i, t`` (batch, head,
+query row, key tile): ``qk`` (the score tile
 s), ``tile_max_lanes`` + ``tile_max`` (the tile's row max in two steps, one partial per lane:
 an rfactor written out, as rfactor itself wants the reduction to be first in its loop nest),
 ``run_max`` (m, and alpha = exp(m - m') from the old m), ``prob`` (p, 0 where masked),
@@ -40,16 +43,28 @@ of the score matrix that ever lives in memory.
 The key tile is fixed at build time (``KV_TILE`` = 64, or seq_kv when smaller): the tile index
 is a loop of the TIR, not a split a template can choose. seq_kv need not be a multiple of it:
 the last tile is padded, its key index clamped to seq_kv - 1 for the loads and its scores masked
-out, so there is no divisibility rule. The one shape rule (a ValueError in ``build``): with
-``causal=1``, seq_q <= seq_kv, so that every query row sees at least one key (otherwise its
-softmax is over an empty set). With ``causal=1``, the two products skip a key tile wholly
-above a row's diagonal (an ``if`` in their body; their inits still zero s and pv).
+out, so there is no divisibility rule. The shape rules (a ValueError in ``build``): kv_heads
+divides heads, and with ``causal=1``, seq_q <= seq_kv, so that every query row sees at least one
+key (otherwise its softmax is over an empty set). With ``causal=1``, the two products skip a key
+tile wholly above a row's diagonal (an ``if`` in their body; their inits still zero s and pv).
+
+Dynamic lengths (continuous batching): seq_q and/or seq_kv may be int64 ``tirx.Var``s, giving one
+function for every run-time length (``autofuse.dynamic`` builds and checks such kernels). A
+symbolic seq_kv always gets KV_TILE-key tiles, the last padded and masked, and a tile count
+``ceildiv(seq_kv, KV_TILE)``; every other extent turns int64 with it, so no index mixes widths.
+The causal rule is then the caller's to keep at run time. A ``flash_tiles`` trace tuned at a
+static shape replays on it with the same decisions when that shape had seq_kv >= KV_TILE (a
+shorter seq_kv is one shorter key tile: TVM swaps a sampled split of it for one that fits, and a
+fixed one does not replay). Measured once on 2 cores (shared), default shape, causal, template
+defaults: static 2.6 ms, symbolic 2.3 ms; at seq_q=1 (decode) 0.15 ms and 0.17 ms.
 
 Template ``flash_tiles``: query rows split into tiles (knob), the loops reordered to (batch,
 head, query tile, key tile, row in tile) with the first three fused and parallel. Each thread
 keeps the running state of its query tile (m, l: a row each; acc: rows x head_dim) while it
 streams K/V tiles, so a K/V tile (2 x 16 KiB at head_dim 64) is fetched once per query tile and
-then reused from L1/L2 by every row of it, instead of once per row. The score tile is
+then reused from L1/L2 by every row of it, instead of once per row. The query tile is a choice
+of 8/16/32/64 rows with the last tile predicated, not a perfect tiling of seq_q, so that a
+schedule tuned at one static length replays on the symbolic function. The score tile is
 vectorised along keys and P.V along head_dim (a split of each is a knob: the inner part is the
 vector, its accumulators stay in registers across the reduction); the lane partials of the tile
 max and sum are vectorised; the running-state inits are hoisted out of the key-tile loop. The
@@ -64,17 +79,25 @@ defaults reach ~54 GFLOP/s at causal=0, about half of a core's FMA peak: the two
 import math
 
 import numpy as np
+from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
+from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
 from search_spaces.reduction.softmax_dropout import _exp
 
 KV_TILE = 64
 
 
+def _symbolic(n):
+    """Whether a shape value is a TIR expression (a length only known at run time), not a number."""
+    return not isinstance(n, (int, np.integer))
+
+
 def kv_tile(seq_kv):
-    """The key tile ``build`` uses for this seq_kv."""
-    return min(KV_TILE, seq_kv)
+    """The key tile ``build`` uses for this seq_kv (KV_TILE for a symbolic one: a symbolic seq_kv
+    gets whole KV_TILE tiles, the last one padded, so that the tile stays a constant loop extent
+    that templates split and vectorise; only the tile count is symbolic)."""
+    return KV_TILE if _symbolic(seq_kv) else min(KV_TILE, seq_kv)
 
 
 def _lanes(kt):
@@ -83,30 +106,52 @@ def _lanes(kt):
 
 
 def build(shape, dtype):
-    b_, h_, sq, skv, d_ = (shape[k] for k in ("batch", "heads", "seq_q", "seq_kv", "head_dim"))
+    b_, h_, kvh, sq, skv, d_ = (shape[k] for k in
+                                ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim"))
     causal = int(shape.get("causal", 0))
     if causal not in (0, 1):
         raise ValueError(f"causal must be 0 or 1, not {causal}")
-    if causal and sq > skv:
+    if h_ % kvh:
+        raise ValueError(f"kv_heads={kvh} must divide heads={h_}")
+    for name, n in (("seq_q", sq), ("seq_kv", skv)):
+        if _symbolic(n) and str(n.ty) != "int64":
+            raise ValueError(f"a symbolic {name} must be an int64 variable, not {n.ty}")
+    dyn_kv = _symbolic(skv)
+    dynamic = dyn_kv or _symbolic(sq)
+    if causal and not dynamic and sq > skv:
         raise ValueError(f"causal attention needs seq_q <= seq_kv (got seq_q={sq}, seq_kv={skv}): "
                          "with the mask aligned at the end, the first seq_q - seq_kv query rows "
                          "would see no key at all")
+    group = h_ // kvh
     kt = kv_tile(skv)
     nt = (skv + kt - 1) // kt
     padded = nt * kt
+    pad = dyn_kv or padded != skv
     lanes = _lanes(kt)
     off = skv - sq
     scale = 1.0 / math.sqrt(d_)
     f32 = "float32"
     neg = T.min_value(f32)
 
+    # With a symbolic length every extent is int64, like the length itself: loop variables of one
+    # width throughout, so no index mixes int32 and int64.
+    def ext(n):
+        return tirx.IntImm("int64", n) if dynamic and isinstance(n, int) else n
+
+    B, H, KVH, SQ, SKV, D = (ext(n) for n in (b_, h_, kvh, sq, skv, d_))
+    NT, PADDED, KT, LANES, CHUNK = (ext(n) for n in (nt, padded, kt, lanes, kt // lanes))
+
+    def kv(h):
+        # Query head h reads K/V head h // group.
+        return h // group if group > 1 else h
+
     def key(j):
         # The padded tail reads the last key again (and masks its score): no out-of-bounds load.
-        return T.min(j, skv - 1) if padded != skv else j
+        return T.min(j, skv - 1) if pad else j
 
     def visible(i, j):
         cond = None
-        if padded != skv:
+        if pad:
             cond = j < skv
         if causal:
             c2 = j <= i + off
@@ -125,45 +170,45 @@ def build(shape, dtype):
         return value if cond is None else T.Select(cond, value, fill)
 
     @T.prim_func(s_tir=True)
-    def flash_attention(q: T.Buffer((b_, h_, sq, d_), dtype), k: T.Buffer((b_, h_, skv, d_), dtype),
-                        v: T.Buffer((b_, h_, skv, d_), dtype), o: T.Buffer((b_, h_, sq, d_), dtype)):
+    def flash_attention(q: T.Buffer((B, H, SQ, D), dtype), k: T.Buffer((B, KVH, SKV, D), dtype),
+                        v: T.Buffer((B, KVH, SKV, D), dtype), o: T.Buffer((B, H, SQ, D), dtype)):
         T.func_attr({"global_symbol": "flash_attention", "tirx.noalias": True})
-        k_t = T.sblock_alloc_buffer((b_, h_, d_, padded), f32)
-        s = T.sblock_alloc_buffer((b_, h_, sq, kt), f32)
-        max_l = T.sblock_alloc_buffer((b_, h_, sq, lanes), f32)
-        tile_max = T.sblock_alloc_buffer((b_, h_, sq), f32)
-        alpha = T.sblock_alloc_buffer((b_, h_, sq), f32)
-        m = T.sblock_alloc_buffer((b_, h_, sq), f32)
-        p = T.sblock_alloc_buffer((b_, h_, sq, kt), f32)
-        sum_l = T.sblock_alloc_buffer((b_, h_, sq, lanes), f32)
-        tile_sum = T.sblock_alloc_buffer((b_, h_, sq), f32)
-        l = T.sblock_alloc_buffer((b_, h_, sq), f32)
-        pv = T.sblock_alloc_buffer((b_, h_, sq, d_), f32)
-        acc = T.sblock_alloc_buffer((b_, h_, sq, d_), f32)
-        for b, h, dd, j in T.grid(b_, h_, d_, padded):
+        k_t = T.sblock_alloc_buffer((B, KVH, D, PADDED), f32)
+        s = T.sblock_alloc_buffer((B, H, SQ, KT), f32)
+        max_l = T.sblock_alloc_buffer((B, H, SQ, LANES), f32)
+        tile_max = T.sblock_alloc_buffer((B, H, SQ), f32)
+        alpha = T.sblock_alloc_buffer((B, H, SQ), f32)
+        m = T.sblock_alloc_buffer((B, H, SQ), f32)
+        p = T.sblock_alloc_buffer((B, H, SQ, KT), f32)
+        sum_l = T.sblock_alloc_buffer((B, H, SQ, LANES), f32)
+        tile_sum = T.sblock_alloc_buffer((B, H, SQ), f32)
+        l = T.sblock_alloc_buffer((B, H, SQ), f32)
+        pv = T.sblock_alloc_buffer((B, H, SQ, D), f32)
+        acc = T.sblock_alloc_buffer((B, H, SQ, D), f32)
+        for b, h, dd, j in T.grid(B, KVH, D, PADDED):
             with T.sblock("k_scaled_t"):
                 vb, vh, vd, vj = T.axis.remap("SSSS", [b, h, dd, j])
                 k_t[vb, vh, vd, vj] = T.Cast(f32, k[vb, vh, key(vj), vd]) * T.float32(scale)
-        for b, h, i, t in T.grid(b_, h_, sq, nt):
-            for c, dd in T.grid(kt, d_):
+        for b, h, i, t in T.grid(B, H, SQ, NT):
+            for c, dd in T.grid(KT, D):
                 with T.sblock("qk"):
                     vb, vh, vi, vt, vc, vd = T.axis.remap("SSSSSR", [b, h, i, t, c, dd])
                     with T.init():
                         s[vb, vh, vi, vc] = T.float32(0)
                     if live(vi, vt):
                         s[vb, vh, vi, vc] = (s[vb, vh, vi, vc]
-                                             + T.Cast(f32, q[vb, vh, vi, vd]) * k_t[vb, vh, vd, vt * kt + vc])
+                                             + T.Cast(f32, q[vb, vh, vi, vd]) * k_t[vb, kv(vh), vd, vt * kt + vc])
             # Row max of the tile in two steps, one partial per lane then over the lanes (an
             # rfactor written out: rfactor itself needs the reduction to be the first block
             # of its loop nest, and these blocks share theirs).
-            for lane, c in T.grid(lanes, kt // lanes):
+            for lane, c in T.grid(LANES, CHUNK):
                 with T.sblock("tile_max_lanes"):
                     vb, vh, vi, vt, vl, vc = T.axis.remap("SSSSSR", [b, h, i, t, lane, c])
                     with T.init():
                         max_l[vb, vh, vi, vl] = neg
                     max_l[vb, vh, vi, vl] = T.max(max_l[vb, vh, vi, vl], masked(
                         vi, vt * kt + vc * lanes + vl, s[vb, vh, vi, vc * lanes + vl], neg))
-            for lane in T.serial(lanes):
+            for lane in T.serial(LANES):
                 with T.sblock("tile_max"):
                     vb, vh, vi, vt, vl = T.axis.remap("SSSSR", [b, h, i, t, lane])
                     with T.init():
@@ -179,18 +224,18 @@ def build(shape, dtype):
                     alpha[vb, vh, vi] = T.float32(0)
                 alpha[vb, vh, vi] = _exp(m[vb, vh, vi] - T.max(m[vb, vh, vi], tile_max[vb, vh, vi]))
                 m[vb, vh, vi] = T.max(m[vb, vh, vi], tile_max[vb, vh, vi])
-            for c in T.serial(kt):
+            for c in T.serial(KT):
                 with T.sblock("prob"):
                     vb, vh, vi, vt, vc = T.axis.remap("SSSSS", [b, h, i, t, c])
                     p[vb, vh, vi, vc] = masked(vi, vt * kt + vc, _exp(s[vb, vh, vi, vc] - m[vb, vh, vi]),
                                                T.float32(0))
-            for lane, c in T.grid(lanes, kt // lanes):
+            for lane, c in T.grid(LANES, CHUNK):
                 with T.sblock("tile_sum_lanes"):
                     vb, vh, vi, vt, vl, vc = T.axis.remap("SSSSSR", [b, h, i, t, lane, c])
                     with T.init():
                         sum_l[vb, vh, vi, vl] = T.float32(0)
                     sum_l[vb, vh, vi, vl] = sum_l[vb, vh, vi, vl] + p[vb, vh, vi, vc * lanes + vl]
-            for lane in T.serial(lanes):
+            for lane in T.serial(LANES):
                 with T.sblock("tile_sum"):
                     vb, vh, vi, vt, vl = T.axis.remap("SSSSR", [b, h, i, t, lane])
                     with T.init():
@@ -201,21 +246,21 @@ def build(shape, dtype):
                 with T.init():
                     l[vb, vh, vi] = T.float32(0)
                 l[vb, vh, vi] = l[vb, vh, vi] * alpha[vb, vh, vi] + tile_sum[vb, vh, vi]
-            for dd, c in T.grid(d_, kt):
+            for dd, c in T.grid(D, KT):
                 with T.sblock("pv"):
                     vb, vh, vi, vt, vd, vc = T.axis.remap("SSSSSR", [b, h, i, t, dd, c])
                     with T.init():
                         pv[vb, vh, vi, vd] = T.float32(0)
                     if live(vi, vt):
-                        pv[vb, vh, vi, vd] = (pv[vb, vh, vi, vd]
-                                              + p[vb, vh, vi, vc] * T.Cast(f32, v[vb, vh, key(vt * kt + vc), vd]))
-            for dd in T.serial(d_):
+                        pv[vb, vh, vi, vd] = (pv[vb, vh, vi, vd] + p[vb, vh, vi, vc]
+                                              * T.Cast(f32, v[vb, kv(vh), key(vt * kt + vc), vd]))
+            for dd in T.serial(D):
                 with T.sblock("run_acc"):
                     vb, vh, vi, vt, vd = T.axis.remap("SSSRS", [b, h, i, t, dd])
                     with T.init():
                         acc[vb, vh, vi, vd] = T.float32(0)
                     acc[vb, vh, vi, vd] = acc[vb, vh, vi, vd] * alpha[vb, vh, vi] + pv[vb, vh, vi, vd]
-            for dd in T.serial(d_):
+            for dd in T.serial(D):
                 with T.sblock("out"):
                     vb, vh, vi, vd = T.axis.remap("SSSS", [b, h, i, dd])
                     T.where(t >= nt - 1)
@@ -227,6 +272,9 @@ def build(shape, dtype):
 def reference(q, k, v, shape=None):
     causal = int((shape or {}).get("causal", 0))
     qf, kf, vf = (x.astype(np.float64) for x in (q, k, v))
+    # Grouped-query: K/V head g serves query heads g * group .. (g + 1) * group - 1.
+    group = q.shape[1] // k.shape[1]
+    kf, vf = (np.repeat(x, group, axis=1) for x in (kf, vf))
     sq, skv, d = q.shape[2], k.shape[2], q.shape[3]
     s = qf @ np.swapaxes(kf, -1, -2) / math.sqrt(d)
     if causal:
@@ -240,11 +288,11 @@ def reference(q, k, v, shape=None):
 
 def make_inputs(shape, dtype, seed):
     rng = np.random.default_rng(seed)
-    b, h, sq, skv, d = (shape[k] for k in ("batch", "heads", "seq_q", "seq_kv", "head_dim"))
+    b, h, kvh, sq, skv, d = (shape[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim"))
     # Unit-normal q and k: scores q.k/sqrt(d) are about unit-normal, a realistic softmax spread.
     return [rng.standard_normal((b, h, sq, d)).astype(dtype),
-            rng.standard_normal((b, h, skv, d)).astype(dtype),
-            rng.standard_normal((b, h, skv, d)).astype(dtype)]
+            rng.standard_normal((b, kvh, skv, d)).astype(dtype),
+            rng.standard_normal((b, kvh, skv, d)).astype(dtype)]
 
 
 def visible_pairs(shape):
@@ -264,8 +312,9 @@ def flops(shape):
 
 
 def nbytes(shape, dtype):
-    b, h, sq, skv, d = (shape[k] for k in ("batch", "heads", "seq_q", "seq_kv", "head_dim"))
-    return np.dtype(dtype).itemsize * b * h * d * (2 * sq + 2 * skv)
+    b, h, kvh, sq, skv, d = (shape[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim"))
+    # q and o per query head, K and V per K/V head.
+    return np.dtype(dtype).itemsize * b * d * (2 * h * sq + 2 * kvh * skv)
 
 
 @template("flash_tiles")
@@ -276,7 +325,10 @@ def flash_tiles(sch, target, knobs):
     b, h, i, t, c, dd = sch.get_loops(qk)
     # Default 32 rows: acc is 32 x head_dim floats (8 KiB at 64) per thread and each K/V tile
     # serves 32 rows. 8 to 64 measured within the noise of a shared machine at the default shape.
-    i0, i1 = sch.split(i, knobs.tile(i, 2, [32], max_innermost_factor=64))
+    # A categorical knob and an imperfect split (the last query tile predicated) rather than a
+    # perfect tile: a decision of sample_perfect_tile only replays on the extent it was drawn for,
+    # this one also on a symbolic seq_q, so a schedule tuned at one length serves all of them.
+    i0, i1 = sch.split(i, [None, knobs.choice([8, 16, 32, 64], 32)])
     # Key tile outside the query rows: one K/V tile serves every row of the query tile while it
     # is in L1, and the rows' running state (m, l, acc) stays live across the key tiles.
     sch.reorder(t, i1)
@@ -326,14 +378,27 @@ def flash_tiles(sch, target, knobs):
 
 def onnx_graph(shape, dtype):
     """MatMul(q, Transpose(k)) * scale [+ constant 0/-1e9 causal mask], Softmax, MatMul with v: the
-    score matrix is materialised, as the baselines compute it."""
+    score matrix is materialised, as the baselines compute it. With kv_heads < heads, K and V are
+    first repeated to every query head of their group (Unsqueeze, Expand, Reshape), as exporters
+    write grouped-query attention in standard ops."""
     from onnx import helper
-    b, h, sq, skv, d = (shape[k] for k in ("batch", "heads", "seq_q", "seq_kv", "head_dim"))
+    b, h, kvh, sq, skv, d = (shape[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim"))
     causal = int(shape.get("causal", 0))
-    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
-             helper.make_node("MatMul", ["q", "kt"], ["qk"]),
-             helper.make_node("Mul", ["qk", "scale"], ["scores"])]
     consts = {"scale": np.array(1.0 / math.sqrt(d), dtype=dtype)}
+    nodes = []
+    k_in, v_in = "k", "v"
+    if kvh != h:
+        consts["axis2"] = np.array([2], dtype=np.int64)
+        consts["group_shape"] = np.array([b, kvh, h // kvh, skv, d], dtype=np.int64)
+        consts["heads_shape"] = np.array([b, h, skv, d], dtype=np.int64)
+        for x in ("k", "v"):
+            nodes += [helper.make_node("Unsqueeze", [x, "axis2"], [f"{x}_1"]),
+                      helper.make_node("Expand", [f"{x}_1", "group_shape"], [f"{x}_group"]),
+                      helper.make_node("Reshape", [f"{x}_group", "heads_shape"], [f"{x}_heads"])]
+        k_in, v_in = "k_heads", "v_heads"
+    nodes += [helper.make_node("Transpose", [k_in], ["kt"], perm=[0, 1, 3, 2]),
+              helper.make_node("MatMul", ["q", "kt"], ["qk"]),
+              helper.make_node("Mul", ["qk", "scale"], ["scores"])]
     logits = "scores"
     if causal:
         i = np.arange(sq)[:, None]
@@ -344,10 +409,97 @@ def onnx_graph(shape, dtype):
         nodes.append(helper.make_node("Add", ["scores", "mask"], ["masked"]))
         logits = "masked"
     nodes += [helper.make_node("Softmax", [logits], ["probs"], axis=-1),
-              helper.make_node("MatMul", ["probs", "v"], ["o"])]
+              helper.make_node("MatMul", ["probs", v_in], ["o"])]
     return onnx_model("flash_attention", nodes,
-                      [("q", (b, h, sq, d)), ("k", (b, h, skv, d)), ("v", (b, h, skv, d))],
+                      [("q", (b, h, sq, d)), ("k", (b, kvh, skv, d)), ("v", (b, kvh, skv, d))],
                       [("o", (b, h, sq, d))], dtype, consts)
+
+
+def _relax_pattern():
+    from tvm.relax.dpl import is_const, is_op, wildcard
+
+    named = {}
+
+    def maybe_repeated(name):
+        # K/V heads repeated for grouped-query attention, as exporters write it (Unsqueeze,
+        # Expand, Reshape): matched so that the kernel gets the unrepeated heads.
+        named[f"{name}0"], named[f"{name}_plain"] = wildcard(), wildcard()
+        named[f"{name}_expand"] = is_op("relax.expand_dims")(named[f"{name}0"])
+        named[f"{name}_broadcast"] = is_op("relax.broadcast_to")(named[f"{name}_expand"], wildcard())
+        return is_op("relax.reshape")(named[f"{name}_broadcast"], wildcard()) | named[f"{name}_plain"]
+
+    named.update(q=wildcard(), scale=is_const(), mask=is_const())
+    named["kt"] = is_op("relax.permute_dims")(maybe_repeated("k"))
+    scores = is_op("relax.multiply")(is_op("relax.matmul")(named["q"], named["kt"]), named["scale"])
+    named["probs"] = is_op("relax.nn.softmax")(is_op("relax.add")(scores, named["mask"]) | scores)
+    root = is_op("relax.matmul")(named["probs"], maybe_repeated("v"))
+    return root, named
+
+
+def _kv_heads(matched, name, batch, heads, seq, head_dim):
+    """K/V heads behind a matched K or V: its own heads, or those a GQA repeat started from."""
+    from autofuse.model.fusion import static_shape
+    plain = matched.get(f"{name}_plain")
+    if plain is not None:
+        return static_shape(plain) == (batch, heads, seq, head_dim) and heads
+    source = matched[f"{name}0"]
+    shape = static_shape(source)
+    if shape is None or len(shape) != 4:
+        return None
+    b, kv_heads, s, d = shape
+    if (b, s, d) != (batch, seq, head_dim) or heads % kv_heads:
+        return None
+    # The repeat must put copy g of kv head j at head j*group + g (what h // group undoes):
+    # expand_dims at axis 2, then broadcast to (b, kv_heads, group, seq, d).
+    axes = [int(a) for a in matched[f"{name}_expand"].attrs.axis]
+    if axes != [2] or static_shape(matched[f"{name}_broadcast"]) != (b, kv_heads, heads // kv_heads, s, d):
+        return None
+    return kv_heads
+
+
+def _relax_rewrite(matched, kernel):
+    """softmax(q @ k^T * 1/sqrt(d) [+ causal mask]) @ v over (batch, heads, seq, head_dim)
+    float32 tensors; k and v may be GQA-repeated from fewer heads (then the kernel gets the
+    unrepeated ones). The mask must be the end-aligned causal one (0 visible, <= -1e4 hidden);
+    any other mask, scale or softmax axis leaves the graph alone."""
+    from autofuse.model.fusion import constant_value, dtype_of, static_shape
+    q, scale = matched["q"], matched["scale"]
+    qs = static_shape(q)
+    if qs is None or len(qs) != 4 or dtype_of(q) != "float32":
+        return None
+    batch, heads, seq_q, head_dim = qs
+    probs_shape = static_shape(matched["probs"])
+    if probs_shape is None or probs_shape[:3] != (batch, heads, seq_q):
+        return None
+    seq_kv = probs_shape[3]
+    if [int(a) for a in matched["kt"].attrs.axes] != [0, 1, 3, 2]:
+        return None
+    if int(matched["probs"].attrs.axis) not in (-1, 3):
+        return None
+    factor = constant_value(scale)
+    if factor.size != 1 or not math.isclose(float(factor.reshape(())), 1.0 / math.sqrt(head_dim), rel_tol=1e-6):
+        return None
+    causal = 0
+    if "mask" in matched:
+        mask = constant_value(matched["mask"])
+        if mask.shape[-2:] != (seq_q, seq_kv) or mask.size != seq_q * seq_kv:
+            return None
+        mask = mask.reshape(seq_q, seq_kv)
+        i, j = np.arange(seq_q)[:, None], np.arange(seq_kv)[None, :]
+        visible = j <= i + (seq_kv - seq_q)
+        if not (np.all(mask[visible] == 0) and np.all(mask[~visible] <= -1e4)) or seq_q > seq_kv:
+            return None
+        causal = 1
+    kv = [_kv_heads(matched, n, batch, heads, seq_kv, head_dim) for n in ("k", "v")]
+    if not kv[0] or kv[0] != kv[1]:
+        return None
+    k = matched.get("k_plain", matched.get("k0"))
+    v = matched.get("v_plain", matched.get("v0"))
+    if dtype_of(k) != "float32" or dtype_of(v) != "float32":
+        return None
+    shape = {"batch": batch, "heads": heads, "kv_heads": kv[0], "seq_q": seq_q, "seq_kv": seq_kv,
+             "head_dim": head_dim, "causal": causal}
+    return kernel(shape, "float32", [q, k, v])
 
 
 PATTERN = Pattern(
@@ -356,6 +508,7 @@ PATTERN = Pattern(
     description="softmax(q k^T / sqrt(d) [+ causal mask]) v in one kernel, online softmax over key tiles",
     shape_params=[ShapeParam("batch", 1, 1, "batch size"),
                   ShapeParam("heads", 8, 2, "attention heads"),
+                  ShapeParam("kv_heads", 8, 2, "key/value heads (divides heads; 1 is MQA)"),
                   ShapeParam("seq_q", 256, 16, "query positions"),
                   ShapeParam("seq_kv", 256, 16, "key/value positions (any length; tiles of KV_TILE)"),
                   ShapeParam("head_dim", 64, 8, "per-head feature size"),
@@ -368,4 +521,6 @@ PATTERN = Pattern(
     flops=flops,
     bytes=nbytes,
     templates=[flash_tiles],
+    # Before softmax_dropout's rule, which would otherwise take the softmax out of the attention.
+    relax_rules=[RelaxRule("attention", _relax_pattern, _relax_rewrite, priority=10)],
 )

@@ -21,7 +21,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
+from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
 from search_spaces.reduction.softmax_dropout import SEED, _exp, _seed_mix, _threshold, dropout_mask, hash_keep
 
 
@@ -166,6 +166,62 @@ def two_gemms(sch, target, knobs):
     sch.annotate(outer2, "pragma_unroll_explicit", 1)
 
 
+def _relax_pattern():
+    from tvm.relax.dpl import is_const, is_op, wildcard
+    x, w1, w3, w2, r = (wildcard() for _ in range(5))
+    keep_scale = is_const()
+    gate = is_op("relax.matmul")(x, w1)
+    act = is_op("relax.multiply")(gate, is_op("relax.sigmoid")(gate))
+    hidden = is_op("relax.multiply")(act, is_op("relax.matmul")(x, w3))
+    down = is_op("relax.matmul")(hidden, w2)
+    root = is_op("relax.add")(is_op("relax.multiply")(down, keep_scale) | down, r)
+    return root, {"x": x, "w1": w1, "w3": w3, "w2": w2, "r": r, "keep_scale": keep_scale}
+
+
+def _dropout_permille(scale, tokens, hidden):
+    """p_permille of a constant keep/(1-p) mask that is exactly this pattern's hashed mask, or None.
+
+    Inference graphs have no dropout; a training-style graph exported with our mask as a constant
+    (as ``onnx_graph`` writes it) is matched too, since the kernel computes exactly that."""
+    values = np.asarray(scale)
+    if values.shape != (tokens, hidden) or values.max() <= 1.0:
+        return None
+    permille = int(round(1000 * (1.0 - 1.0 / float(values.max()))))
+    p = permille / 1000.0
+    expected = np.where(dropout_mask(tokens, hidden, p, SEED), 1.0 / (1.0 - p), 0.0).astype(values.dtype)
+    return permille if np.array_equal(values, expected) else None
+
+
+def _relax_rewrite(matched, kernel):
+    """r + (silu(x @ w1) * (x @ w3)) @ w2, float32, x and r of the same shape, any rank >= 2
+    (leading axes are tokens); no dropout (inference) or exactly this pattern's mask."""
+    from tvm import relax
+    from autofuse.model.fusion import constant_value, dtype_of, static_shape
+    x, w1, w3, w2, r = (matched[k] for k in ("x", "w1", "w3", "w2", "r"))
+    xs = static_shape(x)
+    if xs is None or len(xs) < 2 or static_shape(r) != xs:
+        return None
+    hidden = xs[-1]
+    w1s = static_shape(w1)
+    if w1s is None or len(w1s) != 2 or w1s[0] != hidden:
+        return None
+    inter = w1s[1]
+    if static_shape(w3) != (hidden, inter) or static_shape(w2) != (inter, hidden):
+        return None
+    if any(dtype_of(t) != "float32" for t in (x, w1, w3, w2, r)):
+        return None
+    tokens = int(np.prod(xs[:-1]))
+    permille = 0
+    if "keep_scale" in matched:
+        permille = _dropout_permille(constant_value(matched["keep_scale"]), tokens, hidden)
+        if permille is None or len(xs) != 2:
+            return None
+    flat = (lambda t: t) if len(xs) == 2 else (lambda t: relax.op.reshape(t, (tokens, hidden)))
+    out = kernel({"tokens": tokens, "hidden": hidden, "inter": inter, "p_permille": permille}, "float32",
+                 [flat(x), w1, w3, w2, flat(r)])
+    return out if len(xs) == 2 else relax.op.reshape(out, xs)
+
+
 def onnx_graph(shape, dtype):
     """MatMul/Sigmoid/Mul (SiLU), MatMul, Mul, MatMul, Mul by a constant keep/(1-p) mask (as
     softmax_dropout's graph: p and the seed are compile-time constants), Add the residual."""
@@ -202,4 +258,5 @@ PATTERN = Pattern(
     flops=flops,
     bytes=nbytes,
     templates=[two_gemms],
+    relax_rules=[RelaxRule("swiglu_residual", _relax_pattern, _relax_rewrite)],
 )

@@ -19,7 +19,9 @@ EXPECTED = {
     "mlp": {"linear_bias_relu": 2},
     "conv_block": {"conv2d_bn_relu": 2},
     # The first LayerNorm reads the block input (no add before it): only the second matches.
-    "transformer_block": {"layernorm_residual": 1, "softmax_dropout": 1},
+    "transformer_block": {"layernorm_residual": 1, "flash_attention": 1},
+    # RoPE stays an auto-fused elementwise kernel before the attention (see README).
+    "decoder_block": {"layernorm_residual": 1, "flash_attention": 1, "swiglu_ffn": 1},
 }
 
 
@@ -93,3 +95,66 @@ def test_a_graph_the_rules_do_not_cover_is_left_alone(case):
     assert not [gv for gv, f in rewritten.functions_items() if isinstance(f, tvm.tirx.PrimFunc)]
     _, matches = fuse(uncovered, "patterns")  # and the rest of the pipeline still lowers it
     assert matches == {}
+
+
+def _attention(scale=None, mask="causal", kv_heads=2, repeat_axis=2, heads=4, seq=8, head_dim=16):
+    """softmax(q k^T * scale + mask) v in Relax, K/V repeated from kv_heads as exporters write it."""
+    import numpy as np
+    from tvm import relax
+
+    scale = 1.0 / np.sqrt(head_dim) if scale is None else scale
+    group = heads // kv_heads
+    bb = relax.BlockBuilder()
+    q = relax.Var("q", relax.TensorType((1, heads, seq, head_dim), "float32"))
+    k = relax.Var("k", relax.TensorType((1, kv_heads, seq, head_dim), "float32"))
+    v = relax.Var("v", relax.TensorType((1, kv_heads, seq, head_dim), "float32"))
+    i, j = np.arange(seq)[:, None], np.arange(seq)[None, :]
+    masks = {"causal": np.where(j <= i, 0.0, -1e9), "shifted": np.where(j <= i + 1, 0.0, -1e9),
+             "soft": np.where(j <= i, 0.0, -1.0)}
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            def repeat(t):
+                if kv_heads == heads:
+                    return t
+                t = bb.emit(relax.op.expand_dims(t, [repeat_axis]))
+                target = [1, kv_heads, seq, head_dim]
+                target.insert(repeat_axis, group)
+                t = bb.emit(relax.op.broadcast_to(t, target))
+                return bb.emit(relax.op.reshape(t, (1, heads, seq, head_dim)))
+            kt = bb.emit(relax.op.permute_dims(repeat(k), [0, 1, 3, 2]))
+            scores = bb.emit(relax.op.multiply(relax.op.matmul(q, kt), relax.const(np.float32(scale))))
+            if mask is not None:
+                scores = bb.emit(relax.op.add(scores, relax.const(masks[mask].astype("float32"))))
+            probs = bb.emit(relax.op.nn.softmax(scores, axis=-1))
+            out = bb.emit_output(relax.op.matmul(probs, repeat(v)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("variant", ["gqa_causal", "mha_no_mask", "mqa"])
+def test_attention_becomes_one_flash_kernel_and_computes_the_same(variant):
+    import numpy as np
+    from tvm import relax
+
+    kwargs = {"gqa_causal": {}, "mha_no_mask": {"mask": None, "kv_heads": 4}, "mqa": {"kv_heads": 1}}[variant]
+    mod = _attention(**kwargs)
+    fused, matches = fuse(mod, "patterns")
+    assert matches == {"flash_attention": 1}
+    rng = np.random.default_rng(0)
+    kv_heads = kwargs.get("kv_heads", 2)
+    q = rng.standard_normal((1, 4, 8, 16)).astype("float32")
+    k, v = (rng.standard_normal((1, kv_heads, 8, 16)).astype("float32") for _ in range(2))
+    results = []
+    for module in (fused, fuse(mod, "none")[0]):
+        vm = relax.VirtualMachine(relax.build(module, TARGET), tvm.cpu())
+        results.append(vm["main"](*[tvm.runtime.tensor(a) for a in (q, k, v)]).numpy())
+    np.testing.assert_allclose(results[0], results[1], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["scale", "shifted_mask", "soft_mask", "repeat_axis"])
+def test_attention_the_kernel_does_not_compute_is_left_to_smaller_rules(variant):
+    kwargs = {"scale": {"scale": 0.5}, "shifted_mask": {"mask": "shifted"}, "soft_mask": {"mask": "soft"},
+              "repeat_axis": {"repeat_axis": 1}}[variant]
+    _, matches = match_patterns(_attention(**kwargs))
+    assert "flash_attention" not in matches
+    assert matches == {"softmax_dropout": 1}  # the softmax alone is still ours

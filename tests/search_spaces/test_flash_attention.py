@@ -3,8 +3,10 @@ seq_kv, seq_kv not a multiple of the key tile (a padded, masked last tile), caus
 skipped, the shape rule build enforces, and the ONNX graph on the same shapes.
 
 The tiling needs no divisibility: a key tile is KV_TILE (64) keys, or seq_kv when smaller; when
-seq_kv is not a multiple of it the last tile is padded and masked. The one rule is causal=1 ->
-seq_q <= seq_kv (every query row must see a key)."""
+seq_kv is not a multiple of it the last tile is padded and masked. The rules are causal=1 ->
+seq_q <= seq_kv (every query row must see a key) and kv_heads dividing heads (grouped-query
+attention). seq_q and seq_kv may also be symbolic (int64 variables): one function for any
+length."""
 
 import numpy as np
 import pytest
@@ -17,9 +19,9 @@ TARGET = parse_target("llvm")
 DEV = tvm.cpu()
 
 
-def _shape(seq_q, seq_kv, causal, heads=2, head_dim=8, batch=1):
-    return {"batch": batch, "heads": heads, "seq_q": seq_q, "seq_kv": seq_kv, "head_dim": head_dim,
-            "causal": causal}
+def _shape(seq_q, seq_kv, causal, heads=2, head_dim=8, batch=1, kv_heads=None):
+    return {"batch": batch, "heads": heads, "kv_heads": heads if kv_heads is None else kv_heads,
+            "seq_q": seq_q, "seq_kv": seq_kv, "head_dim": head_dim, "causal": causal}
 
 
 def _run(shape, schedule, inputs=None):
@@ -36,16 +38,19 @@ def _run(shape, schedule, inputs=None):
 
 
 def _naive(q, k, v, causal):
-    """Attention row by row, straight from the definition (float64)."""
+    """Attention row by row, straight from the definition (float64); query head h reads K/V head
+    h // (heads / kv_heads)."""
     sq, skv, d = q.shape[2], k.shape[2], q.shape[3]
+    group = q.shape[1] // k.shape[1]
     out = np.zeros(q.shape)
     for b in range(q.shape[0]):
         for h in range(q.shape[1]):
+            g = h // group
             for i in range(sq):
                 keys = range(skv) if not causal else range(min(skv, i + skv - sq + 1))
-                s = np.array([q[b, h, i] @ k[b, h, j] for j in keys], dtype=np.float64) / np.sqrt(d)
+                s = np.array([q[b, h, i] @ k[b, g, j] for j in keys], dtype=np.float64) / np.sqrt(d)
                 p = np.exp(s - s.max())
-                out[b, h, i] = (p / p.sum()) @ v[b, h, list(keys)].astype(np.float64)
+                out[b, h, i] = (p / p.sum()) @ v[b, g, list(keys)].astype(np.float64)
     return out
 
 
@@ -63,6 +68,36 @@ def test_kernel_matches_definition(seq_q, seq_kv, causal, schedule):
     (q, k, v), out = _run(shape, schedule)
     np.testing.assert_allclose(out, _naive(q, k, v, causal), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(out, fa.reference(q, k, v, shape=shape), rtol=1e-4, atol=1e-5)
+
+
+# Grouped-query attention: 4 query heads on 2 K/V heads (groups of 2) and on 1 (multi-query).
+@pytest.mark.parametrize("schedule", [False, True], ids=["unscheduled", "flash_tiles"])
+@pytest.mark.parametrize("causal", [0, 1], ids=["full", "causal"])
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("seq_q,seq_kv", [(12, 70), (16, 16)])
+def test_grouped_query_heads_match_definition(seq_q, seq_kv, kv_heads, causal, schedule):
+    shape = _shape(seq_q, seq_kv, causal, heads=4, kv_heads=kv_heads)
+    (q, k, v), out = _run(shape, schedule)
+    assert k.shape == v.shape == (1, kv_heads, seq_kv, 8)
+    np.testing.assert_allclose(out, _naive(q, k, v, causal), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(out, fa.reference(q, k, v, shape=shape), rtol=1e-4, atol=1e-5)
+
+
+def test_grouped_query_heads_read_their_own_kv_head():
+    # heads=4 on kv_heads=2: query heads 0-1 read K/V head 0, 2-3 head 1. Changing V head 1 moves
+    # query heads 2-3 only.
+    shape = _shape(12, 70, 1, heads=4, kv_heads=2)
+    (q, k, v), out = _run(shape, True)
+    v2 = v.copy()
+    v2[:, 1] += 1.0
+    _, out2 = _run(shape, True, [q, k, v2])
+    np.testing.assert_array_equal(out2[:, :2], out[:, :2])
+    np.testing.assert_allclose(out2[:, 2:], out[:, 2:] + 1.0, rtol=1e-4, atol=1e-4)
+
+
+def test_kv_bytes_counted_per_kv_head():
+    mha, mqa = _shape(16, 64, 0, heads=4), _shape(16, 64, 0, heads=4, kv_heads=1)
+    assert fa.nbytes(mha, "float32") - fa.nbytes(mqa, "float32") == 4 * 8 * 2 * 64 * 3
 
 
 def test_causal_mask_is_aligned_at_the_end():
@@ -91,12 +126,39 @@ def test_shape_rule():
     with pytest.raises(ValueError, match="causal must be 0 or 1"):
         fa.build(_shape(16, 16, 2), "float32")
     fa.build(_shape(20, 16, 0), "float32")    # without the mask any seq_q is fine
+    with pytest.raises(ValueError, match="kv_heads=3 must divide heads=4"):
+        fa.build(_shape(16, 16, 0, heads=4, kv_heads=3), "float32")
+    with pytest.raises(ValueError, match="int64"):
+        fa.build(_shape(tvm.tirx.Var("seq_q", "int32"), 16, 0), "float32")
 
 
+# Symbolic lengths: one function for every run-time seq_q and/or seq_kv, the key tile fixed at
+# KV_TILE. (autofuse.dynamic builds such kernels from the tuning database; tests/test_dynamic.py.)
+@pytest.mark.parametrize("symbolic", ["seq_q", "seq_kv", "both"])
+@pytest.mark.parametrize("causal", [0, 1], ids=["full", "causal"])
+def test_symbolic_lengths(symbolic, causal):
+    names = ["seq_q", "seq_kv"] if symbolic == "both" else [symbolic]
+    static_q, static_kv = 12, 70
+    shape = _shape(static_q, static_kv, causal, heads=4, kv_heads=2)
+    sym = {**shape, **{n: tvm.tirx.Var(n, "int64") for n in names}}
+    func = fa.build(sym, "float32")
+    rt = tvm.tirx.build(fa.flash_tiles.apply(func, TARGET, tunable=False).mod, target=TARGET)
+    for seq_q, seq_kv in [(1, 1), (5, 40), (12, 70), (70, 130), (64, 64), (3, 200)]:
+        concrete = {**shape, "seq_q": seq_q if "seq_q" in names else static_q,
+                    "seq_kv": seq_kv if "seq_kv" in names else static_kv}
+        if causal and concrete["seq_q"] > concrete["seq_kv"]:
+            continue  # the caller's guarantee with causal=1
+        q, k, v = fa.make_inputs(concrete, "float32", 3)
+        out = tvm.runtime.tensor(np.zeros_like(q), DEV)
+        rt(*[tvm.runtime.tensor(x, DEV) for x in (q, k, v)], out)
+        np.testing.assert_allclose(out.numpy(), fa.reference(q, k, v, shape=concrete), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["mha", "mqa"])
 @pytest.mark.parametrize("causal", [0, 1])
-def test_onnx_graph_on_uneven_shapes(causal):
+def test_onnx_graph_on_uneven_shapes(causal, kv_heads):
     import onnxruntime as ort
-    shape = _shape(12, 70, causal)
+    shape = _shape(12, 70, causal, kv_heads=kv_heads)
     model = fa.onnx_graph(shape, "float32")
     inputs = fa.make_inputs(shape, "float32", 4)
     names = [i.name for i in model.graph.input]
