@@ -209,11 +209,7 @@ def tune(tasks: Sequence[Task], target: Target, database: ms.database.Database, 
         contexts = []
         phase("generating design spaces")
         for task, logger, rand_state in zip(tasks, loggers, seeds):
-            contexts.append(ms.TuneContext(
-                mod=task.func, target=target,
-                space_generator=make_space(task.templates, task.space or space, target),
-                search_strategy="evolutionary", task_name=task.name, rand_state=rand_state,
-                num_threads="physical", logger=logger).clone())
+            contexts.append(_context(task, task.space or space, target, logger, rand_state))
         phase("measuring")
         ms.tune.tune_tasks(
             tasks=contexts, task_weights=[t.weight for t in tasks], work_dir=work_dir,
@@ -229,6 +225,31 @@ def tune(tasks: Sequence[Task], target: Target, database: ms.database.Database, 
         _save_cost_model(cost_model, cost_model_path)
     stats.total_secs = time.perf_counter() - stats.start_secs
     return stats
+
+
+def _context(task: Task, space: str, target: Target, logger, rand_state: int) -> ms.TuneContext:
+    """The task's TuneContext; when MetaSchedule's generic rules fail on the task's TensorIR (a
+    ScheduleError inside a default rule, e.g. on the running-state blocks of an online softmax),
+    its templates alone, rather than a session that dies before its first trial."""
+    def make(space_name):
+        return ms.TuneContext(mod=task.func, target=target, space_generator=make_space(task.templates, space_name, target),
+                              search_strategy="evolutionary", task_name=task.name, rand_state=rand_state,
+                              num_threads="physical", logger=logger).clone()
+
+    context = make(space)
+    if space == "template":
+        return context
+    try:
+        context.generate_design_space()
+    except Exception as err:  # TVM raises its own error types from C++
+        if space == "generic" or not [t for t in task.templates if t.applies_to(target)]:
+            raise AutofuseError(f"MetaSchedule's generic space fails on {task.name}: "
+                                f"{str(err).strip().splitlines()[0]}") from None
+        logging.getLogger("autofuse").warning(
+            "%s: MetaSchedule's generic rules fail on this TensorIR (%s); tuning its templates only",
+            task.name, str(err).strip().splitlines()[0][:200])
+        return make("template")
+    return context
 
 
 def _trials_per_round(preferred: int, per_task: int, total: int | None, n_tasks: int) -> int:

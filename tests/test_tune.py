@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from tvm.s_tir import meta_schedule as ms
 
 from autofuse.database import RECORDS, WORKLOADS, TuningDatabase
@@ -181,3 +183,29 @@ def test_a_template_that_computes_wrong_is_tuned_but_never_chosen(tmp_path):
     assert any("failed the numerical check" in line for line in rows[0]["rejected"])
     choice, rejected = choose(job, db, target, tvm.cpu())
     assert choice is None and any("template default failed" in line for line in rejected)
+
+
+def test_a_generic_space_that_fails_on_the_tensorir_leaves_the_templates_tuning(caplog):
+    """MetaSchedule's default rules raise a ScheduleError on flash_attention's running-state
+    blocks; the session must tune its templates instead of dying before its first trial."""
+    import logging
+
+    from tvm.s_tir import meta_schedule as ms
+
+    from autofuse.errors import AutofuseError
+    from autofuse.registry import get_pattern
+    from autofuse.target import parse_target
+    from autofuse.tune import Task, _context, register_tensor_intrinsics
+
+    target = parse_target("llvm")
+    register_tensor_intrinsics(target)
+    pattern = get_pattern("flash_attention")
+    func = pattern.build(pattern.default_shape(), "float32")
+    logger = ms.logging.get_logger("autofuse-test")
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
+        context = _context(Task("flash", func, pattern.templates), "union", target, logger, 1)
+    assert "generic rules fail" in caplog.text
+    assert isinstance(context.space_generator, ms.space_generator.ScheduleFn)
+    assert len(context.generate_design_space()) == 1
+    with pytest.raises(AutofuseError, match="generic space fails"):
+        _context(Task("flash", func, pattern.templates), "generic", target, logger, 1)
