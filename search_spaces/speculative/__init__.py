@@ -1,0 +1,1 @@
+"""Speculative-decoding patterns: verifying draft tokens in one target-model pass."""

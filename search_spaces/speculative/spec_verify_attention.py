@@ -1,0 +1,474 @@
+"""spec_verify_attention: the target model's attention over k drafted tokens (a chain or a token
+tree) in one pass, as speculative decoding verifies them.
+
+Inputs, in order: q (batch, heads, k_draft, head_dim), the queries of the draft tokens; the KV
+cache k_cache, v_cache (batch, kv_heads, max_seq, head_dim), of which the first ``cache_len``
+positions are valid; the drafts' own keys and values k_new, v_new (batch, kv_heads, k_draft,
+head_dim); and the tree mask ``tree`` (k_draft, k_draft) int32 of 0/1, tree[i, j] = 1 when draft j
+is an ancestor of draft i or i itself (a chain of drafts is the lower triangle; a tree has branches
+that do not see each other; ``tree_mask`` builds one from parent indices). Draft i attends to every
+cache position < cache_len and to the drafts j with tree[i, j] = 1 (the kernel takes any non-zero
+as 1, the ONNX graph exactly 1); scale = 1/sqrt(head_dim). GQA: query head h reads K/V head
+h // (heads / kv_heads) (kv_heads = 1 is multi-query). Output o (batch, heads, k_draft, head_dim).
+The cache is only read: the caller appends the accepted prefix afterwards, once it knows it.
+
+``cache_len`` is a shape parameter: every sequence of the batch has the same cached length (per
+sequence lengths would be a run-time input with masked tails; a batch of verifications of one
+prompt, or a bucketed batch, has one length). cache_len = 0 is allowed (a first step with nothing
+cached: drafts only). The tree is a run-time input, shared by the batch; every row must see at
+least one key, so with cache_len = 0 tree[i, i] must be set (a tree mask always has it).
+
+Unfused (what the ONNX baselines run): the cache prefix is sliced and concatenated with the drafts'
+K/V (a copy of cache_len rows of K and of V per K/V head), K/V repeated to every query head of the
+group (another copy, ``group`` times larger), then the (heads, k_draft, cache_len + k_draft) score
+matrix written by a MatMul, read and written by the scale, mask-add and Softmax, and read by the
+second MatMul. Fused, no copy of the cache is made and no score matrix exists: keys go by in tiles
+of ``KV_TILE`` with the online-softmax recurrence of ``flash_attention`` (running max m, rescale
+alpha, running sum l, unnormalised output acc), and after the last cache tile the draft block
+(k_draft keys, masked by the tree) is folded into the same state:
+
+    md  = max(m, max_j visible s_draft);  beta = exp(m - md)
+    o_i = (acc * beta + sum_j p_ij v_new_j) / (l * beta + sum_j p_ij),  p_ij = exp(s_ij - md) if visible
+
+Layout: every (batch, K/V head) owns ``rows = group * k_draft`` query rows (query head
+hk * group + g, draft i is row g * k_draft + i). Blocks, all under the loops (batch, K/V head):
+``q_scaled_t`` (q * scale transposed to (head_dim, rows): the scale is folded into q, which is
+k_draft rows, instead of into K, which is cache_len rows) and ``draft_keep`` (the tree as a 0/1
+float per (draft key, row), so the draft mask is contiguous along rows); then, under the key-tile
+loop ``t``, ``qk`` (s[c, r] = sum_d k[c, d] * qt[d, r]: a (key tile x head_dim) . (head_dim x rows)
+product whose vector axis is the rows), ``tile_max``, ``run_max`` (m and alpha), ``prob``,
+``tile_sum``, ``run_sum`` (l), ``pv`` (p . v_tile) and ``run_acc`` (acc); then the draft block
+``draft_qk``, ``draft_max`` (starting from m), ``rescale`` (beta), ``draft_prob``, ``draft_sum``
+(starting from l * beta), ``draft_pv`` (starting from acc * beta) and ``out``. As in
+``flash_attention`` the running state is written only by reduction blocks over ``t`` (``T.init``
+is the state before the first tile), and the per-tile blocks bind ``t`` as a spatial axis that
+indexes no buffer: the KV_TILE-wide scratch is overwritten per tile, right only because ``t``
+stays a serial loop. The key tile is fixed at build time (KV_TILE = 64, or cache_len when
+shorter); a cache_len that is not a multiple of it gets a padded last tile, its key index clamped
+to the last cached row and its scores masked. With cache_len = 0 there is one tile, fully masked
+(m stays at the float32 minimum, l = acc = 0, and the cache is never read).
+
+Template ``kv_head_tiles``: (batch, K/V head) fused and parallel, the key-tile loop serial inside
+it; each K/V tile is loaded once per K/V head and serves the whole query group x drafts (rows) from
+L1, and the draft K/V likewise. The row axis is the vector axis of the score products, the softmax
+statistics and the exponentials (one knob: its vector width, reused by every row loop); the
+score product is register-blocked over a few keys of the tile (knob: the key split, each k[c, d]
+broadcast against one row vector load of qt); P.V is
+vectorised along head_dim (knob: the head_dim vector) and register-blocked over a few rows (knob:
+the row block, each V row vector serving several rows); unroll depth is the last knob. Measured
+once on 2 cores (znver4, shared machine, load average ~5 from other jobs), default shape,
+time_evaluator median: unscheduled 0.49 ms, ``kv_head_tiles`` defaults 0.11 ms (0.19-0.20 ms in
+other runs of the same build: the load makes wall-clock figures rough); one thread, CPU time:
+0.48 ms and 0.107 ms (~65 GFLOP/s). The score loop compiles to a 2-key x 2-zmm FMA block with qt
+rows from L1 and broadcast K elements. Knob variants (key split 1-4, row block 4-8, head_dim vector
+16-32, row vector 16-32) measured within 5% of the defaults in CPU time, except a key split of 1
+(+13%).
+"""
+
+import math
+
+import numpy as np
+from tvm.script import tirx as T
+
+from autofuse.pattern import Pattern, ShapeParam, template
+from search_spaces.reduction.softmax_dropout import _exp
+
+KV_TILE = 64
+
+
+def _dims(shape):
+    nb, hq, hkv = shape["batch"], shape["heads"], shape["kv_heads"]
+    hd, smax, length, kd = shape["head_dim"], shape["max_seq"], shape["cache_len"], shape["k_draft"]
+    if hq % hkv:
+        raise ValueError(f"kv_heads={hkv} must divide heads={hq}")
+    if not 0 <= length <= smax:
+        raise ValueError(f"cache_len={length} must be in [0, max_seq={smax}]")
+    return nb, hq, hkv, hq // hkv, hd, smax, length, kd
+
+
+def key_tiles(cache_len):
+    """(key tile, tile count) over the cache: KV_TILE-key tiles (one shorter tile when the cache is
+    shorter), at least one tile, which with cache_len = 0 is wholly masked."""
+    kt = min(KV_TILE, max(cache_len, 1))
+    return kt, max(1, -(-cache_len // kt))
+
+
+def build(shape, dtype):
+    nb, hq, hkv, grp, hd, smax, length, kd = _dims(shape)
+    rows = grp * kd
+    kt, nt = key_tiles(length)
+    pad = nt * kt != length
+    # A Python bool, resolved when the script is parsed: with an empty cache the two cache products
+    # vanish, so nothing reads k_cache/v_cache (a stale row might hold NaN, and 0 * NaN is NaN).
+    has_cache = length > 0
+    last = max(length - 1, 0)
+    scale = 1.0 / math.sqrt(hd)
+    f32 = "float32"
+    neg = T.min_value(f32)
+
+    def key(j):
+        # The padded tail of the last tile reads the last cached row again; its scores are masked.
+        return T.min(j, last) if pad else j
+
+    def masked(j, value, fill):
+        return T.Select(j < length, value, fill) if pad else value
+
+    @T.prim_func(s_tir=True)
+    def spec_verify_attention(q: T.Buffer((nb, hq, kd, hd), dtype),
+                              k_cache: T.Buffer((nb, hkv, smax, hd), dtype),
+                              v_cache: T.Buffer((nb, hkv, smax, hd), dtype),
+                              k_new: T.Buffer((nb, hkv, kd, hd), dtype),
+                              v_new: T.Buffer((nb, hkv, kd, hd), dtype),
+                              tree: T.Buffer((kd, kd), "int32"),
+                              o: T.Buffer((nb, hq, kd, hd), dtype)):
+        T.func_attr({"global_symbol": "spec_verify_attention", "tirx.noalias": True})
+        qt = T.sblock_alloc_buffer((nb, hkv, hd, rows), f32)
+        keep = T.sblock_alloc_buffer((nb, hkv, kd, rows), f32)
+        s = T.sblock_alloc_buffer((nb, hkv, kt, rows), f32)
+        tile_max = T.sblock_alloc_buffer((nb, hkv, rows), f32)
+        alpha = T.sblock_alloc_buffer((nb, hkv, rows), f32)
+        m = T.sblock_alloc_buffer((nb, hkv, rows), f32)
+        p = T.sblock_alloc_buffer((nb, hkv, kt, rows), f32)
+        tile_sum = T.sblock_alloc_buffer((nb, hkv, rows), f32)
+        l = T.sblock_alloc_buffer((nb, hkv, rows), f32)
+        pv = T.sblock_alloc_buffer((nb, hkv, rows, hd), f32)
+        acc = T.sblock_alloc_buffer((nb, hkv, rows, hd), f32)
+        sd = T.sblock_alloc_buffer((nb, hkv, kd, rows), f32)
+        md = T.sblock_alloc_buffer((nb, hkv, rows), f32)
+        beta = T.sblock_alloc_buffer((nb, hkv, rows), f32)
+        pd = T.sblock_alloc_buffer((nb, hkv, kd, rows), f32)
+        ld = T.sblock_alloc_buffer((nb, hkv, rows), f32)
+        pvd = T.sblock_alloc_buffer((nb, hkv, rows, hd), f32)
+        for b, hk in T.grid(nb, hkv):
+            for dd, r in T.grid(hd, rows):
+                with T.sblock("q_scaled_t"):
+                    vb, vh, vd, vr = T.axis.remap("SSSS", [b, hk, dd, r])
+                    qt[vb, vh, vd, vr] = T.Cast(f32, q[vb, vh * grp + vr // kd, vr % kd, vd]) * T.float32(scale)
+            for j, r in T.grid(kd, rows):
+                with T.sblock("draft_keep"):
+                    vb, vh, vj, vr = T.axis.remap("SSSS", [b, hk, j, r])
+                    keep[vb, vh, vj, vr] = T.Select(tree[vr % kd, vj] != 0, T.float32(1), T.float32(0))
+            for t in T.serial(nt):
+                for c, dd, r in T.grid(kt, hd, rows):
+                    with T.sblock("qk"):
+                        vb, vh, vt, vc, vd, vr = T.axis.remap("SSSSRS", [b, hk, t, c, dd, r])
+                        with T.init():
+                            s[vb, vh, vc, vr] = T.float32(0)
+                        if has_cache:
+                            s[vb, vh, vc, vr] = s[vb, vh, vc, vr] + T.Cast(
+                                f32, k_cache[vb, vh, key(vt * kt + vc), vd]) * qt[vb, vh, vd, vr]
+                for c, r in T.grid(kt, rows):
+                    with T.sblock("tile_max"):
+                        vb, vh, vt, vc, vr = T.axis.remap("SSSRS", [b, hk, t, c, r])
+                        with T.init():
+                            tile_max[vb, vh, vr] = neg
+                        tile_max[vb, vh, vr] = T.max(tile_max[vb, vh, vr],
+                                                     masked(vt * kt + vc, s[vb, vh, vc, vr], neg))
+                for r in T.serial(rows):
+                    with T.sblock("run_max"):
+                        vb, vh, vt, vr = T.axis.remap("SSRS", [b, hk, t, r])
+                        # alpha = exp(m - m') from the old m, written here so that nothing reads m
+                        # before its update. First tile: m is the float32 minimum, l = acc = 0.
+                        with T.init():
+                            m[vb, vh, vr] = neg
+                            alpha[vb, vh, vr] = T.float32(0)
+                        alpha[vb, vh, vr] = _exp(m[vb, vh, vr] - T.max(m[vb, vh, vr], tile_max[vb, vh, vr]))
+                        m[vb, vh, vr] = T.max(m[vb, vh, vr], tile_max[vb, vh, vr])
+                for c, r in T.grid(kt, rows):
+                    with T.sblock("prob"):
+                        vb, vh, vt, vc, vr = T.axis.remap("SSSSS", [b, hk, t, c, r])
+                        p[vb, vh, vc, vr] = masked(vt * kt + vc, _exp(s[vb, vh, vc, vr] - m[vb, vh, vr]),
+                                                   T.float32(0))
+                for c, r in T.grid(kt, rows):
+                    with T.sblock("tile_sum"):
+                        vb, vh, vt, vc, vr = T.axis.remap("SSSRS", [b, hk, t, c, r])
+                        with T.init():
+                            tile_sum[vb, vh, vr] = T.float32(0)
+                        tile_sum[vb, vh, vr] = tile_sum[vb, vh, vr] + p[vb, vh, vc, vr]
+                for r in T.serial(rows):
+                    with T.sblock("run_sum"):
+                        vb, vh, vt, vr = T.axis.remap("SSRS", [b, hk, t, r])
+                        with T.init():
+                            l[vb, vh, vr] = T.float32(0)
+                        l[vb, vh, vr] = l[vb, vh, vr] * alpha[vb, vh, vr] + tile_sum[vb, vh, vr]
+                for r, c, dd in T.grid(rows, kt, hd):
+                    with T.sblock("pv"):
+                        vb, vh, vt, vr, vc, vd = T.axis.remap("SSSSRS", [b, hk, t, r, c, dd])
+                        with T.init():
+                            pv[vb, vh, vr, vd] = T.float32(0)
+                        if has_cache:
+                            pv[vb, vh, vr, vd] = pv[vb, vh, vr, vd] + p[vb, vh, vc, vr] * T.Cast(
+                                f32, v_cache[vb, vh, key(vt * kt + vc), vd])
+                for r, dd in T.grid(rows, hd):
+                    with T.sblock("run_acc"):
+                        vb, vh, vt, vr, vd = T.axis.remap("SSRSS", [b, hk, t, r, dd])
+                        with T.init():
+                            acc[vb, vh, vr, vd] = T.float32(0)
+                        acc[vb, vh, vr, vd] = acc[vb, vh, vr, vd] * alpha[vb, vh, vr] + pv[vb, vh, vr, vd]
+            # The draft block, folded into the state the cache tiles left.
+            for j, dd, r in T.grid(kd, hd, rows):
+                with T.sblock("draft_qk"):
+                    vb, vh, vj, vd, vr = T.axis.remap("SSSRS", [b, hk, j, dd, r])
+                    with T.init():
+                        sd[vb, vh, vj, vr] = T.float32(0)
+                    sd[vb, vh, vj, vr] = sd[vb, vh, vj, vr] + T.Cast(
+                        f32, k_new[vb, vh, vj, vd]) * qt[vb, vh, vd, vr]
+            for j, r in T.grid(kd, rows):
+                with T.sblock("draft_max"):
+                    vb, vh, vj, vr = T.axis.remap("SSRS", [b, hk, j, r])
+                    with T.init():
+                        md[vb, vh, vr] = m[vb, vh, vr]
+                    md[vb, vh, vr] = T.max(md[vb, vh, vr], T.Select(
+                        keep[vb, vh, vj, vr] > T.float32(0.5), sd[vb, vh, vj, vr], neg))
+            for r in T.serial(rows):
+                with T.sblock("rescale"):
+                    vb, vh, vr = T.axis.remap("SSS", [b, hk, r])
+                    beta[vb, vh, vr] = _exp(m[vb, vh, vr] - md[vb, vh, vr])
+            for j, r in T.grid(kd, rows):
+                with T.sblock("draft_prob"):
+                    vb, vh, vj, vr = T.axis.remap("SSSS", [b, hk, j, r])
+                    pd[vb, vh, vj, vr] = T.Select(keep[vb, vh, vj, vr] > T.float32(0.5),
+                                                  _exp(sd[vb, vh, vj, vr] - md[vb, vh, vr]), T.float32(0))
+            for j, r in T.grid(kd, rows):
+                with T.sblock("draft_sum"):
+                    vb, vh, vj, vr = T.axis.remap("SSRS", [b, hk, j, r])
+                    with T.init():
+                        ld[vb, vh, vr] = l[vb, vh, vr] * beta[vb, vh, vr]
+                    ld[vb, vh, vr] = ld[vb, vh, vr] + pd[vb, vh, vj, vr]
+            for r, j, dd in T.grid(rows, kd, hd):
+                with T.sblock("draft_pv"):
+                    vb, vh, vr, vj, vd = T.axis.remap("SSSRS", [b, hk, r, j, dd])
+                    with T.init():
+                        pvd[vb, vh, vr, vd] = acc[vb, vh, vr, vd] * beta[vb, vh, vr]
+                    pvd[vb, vh, vr, vd] = pvd[vb, vh, vr, vd] + pd[vb, vh, vj, vr] * T.Cast(
+                        f32, v_new[vb, vh, vj, vd])
+            for r, dd in T.grid(rows, hd):
+                with T.sblock("out"):
+                    vb, vh, vr, vd = T.axis.remap("SSSS", [b, hk, r, dd])
+                    o[vb, vh * grp + vr // kd, vr % kd, vd] = T.Cast(dtype, pvd[vb, vh, vr, vd] / ld[vb, vh, vr])
+
+    return spec_verify_attention
+
+
+def tree_mask(parents):
+    """The (k, k) int32 mask of a draft tree given each draft's parent (-1: child of the accepted
+    prefix): mask[i, j] = 1 when j is i or one of its ancestors. Parents precede their children."""
+    k = len(parents)
+    mask = np.zeros((k, k), dtype=np.int32)
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"draft {i}'s parent {parent} must be -1 or an earlier draft")
+        mask[i, i] = 1
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
+
+
+def chain_mask(k):
+    """A chain of k drafts, each continuing the previous one: the causal lower triangle."""
+    return tree_mask([i - 1 for i in range(k)])
+
+
+def two_branch_mask(k):
+    """Draft 0 continues the prefix; drafts 1..k//2 and k//2+1..k-1 are two chains under it that do
+    not see each other (for k=8: 0 <- 1 <- 2 <- 3 <- 4 and 0 <- 5 <- 6 <- 7)."""
+    split = k // 2
+    return tree_mask([-1] + [0 if j in (1, split + 1) else j - 1 for j in range(1, k)])
+
+
+def reference(q, k_cache, v_cache, k_new, v_new, tree, shape=None):
+    if shape is None:
+        raise ValueError("spec_verify_attention's reference needs the shape (for cache_len)")
+    nb, hq, hkv, grp, hd, _, length, kd = _dims(shape)
+    k = np.concatenate([k_cache[:, :, :length], k_new], axis=2).astype(np.float64)
+    v = np.concatenate([v_cache[:, :, :length], v_new], axis=2).astype(np.float64)
+    k, v = (np.repeat(x, grp, axis=1) for x in (k, v))
+    s = q.astype(np.float64) @ np.swapaxes(k, -1, -2) / math.sqrt(hd)
+    visible = np.concatenate([np.ones((kd, length), bool), tree != 0], axis=1)
+    s = np.where(visible, s, -np.inf)
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    return (e / e.sum(axis=-1, keepdims=True) @ v).astype(q.dtype)
+
+
+def make_inputs(shape, dtype, seed):
+    """Unit-normal q, K and V (scores of unit variance); cache rows past cache_len hold values too,
+    so reading them would show. The tree has two branches under a root draft (``two_branch_mask``)."""
+    nb, hq, hkv, _, hd, smax, _, kd = _dims(shape)
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal((nb, hq, kd, hd)).astype(dtype),
+            rng.standard_normal((nb, hkv, smax, hd)).astype(dtype),
+            rng.standard_normal((nb, hkv, smax, hd)).astype(dtype),
+            rng.standard_normal((nb, hkv, kd, hd)).astype(dtype),
+            rng.standard_normal((nb, hkv, kd, hd)).astype(dtype),
+            two_branch_mask(kd)]
+
+
+def flops(shape):
+    # Per query row and key (cache_len + k_draft of them, as the kernel computes every draft's
+    # score and masks it): q.k and p.v, 2 flops per multiply-add each, and ~5 for scale, max,
+    # exp, sum.
+    nb, hq, _, _, hd, _, length, kd = _dims(shape)
+    return nb * hq * kd * (length + kd) * (4.0 * hd + 5.0)
+
+
+def nbytes(shape, dtype):
+    # q and o; the cache_len valid rows of K and V (the rest of the cache is never read); the
+    # drafts' K and V; the tree.
+    nb, hq, hkv, _, hd, _, length, kd = _dims(shape)
+    item = np.dtype(dtype).itemsize
+    return item * nb * hd * (2 * hq * kd + 2 * hkv * length + 2 * hkv * kd) + 4 * kd * kd
+
+
+@template("kv_head_tiles")
+def kv_head_tiles(sch, target, knobs):
+    """(batch, K/V head) in parallel, key tiles streamed through the running state of its
+    group x drafts rows; scores, softmax statistics and exponentials vectorised along the rows,
+    P.V along head_dim; the two products register-blocked."""
+    qk = sch.get_sblock("qk")
+    b, hk, t, c, dd, r = sch.get_loops(qk)
+    outer = sch.fuse(b, hk)
+    sch.parallel(outer)
+
+    # The row vector: one sampled width for every row loop (they all have extent group*k_draft).
+    row_vec = knobs.tile(r, 2, [32], max_innermost_factor=32)
+
+    def row_split(loop):
+        return sch.split(loop, row_vec)
+
+    # Scores: c1 keys x a row vector of accumulators, each qt[d, rows] vector loaded once per
+    # head_dim step and used for the c1 keys, each k[c, d] a broadcast scalar.
+    c0, c1 = sch.split(c, knobs.tile(c, 2, [2], max_innermost_factor=8))
+    r0, r1 = row_split(r)
+    sch.reorder(c0, r0, dd, c1, r1)
+    sch.vectorize(r1)
+
+    # Statistics per row: the key loop outside, a row vector inside (one vector accumulator).
+    reductions = []
+    for name in ("tile_max", "tile_sum", "draft_max", "draft_sum"):
+        blk = sch.get_sblock(name)
+        kc, rr = sch.get_loops(blk)[-2:]
+        rr0, rr1 = row_split(rr)
+        sch.reorder(rr0, kc, rr1)
+        sch.vectorize(rr1)
+        reductions.append((blk, kc))
+    for name in ("run_max", "run_sum", "rescale", "prob", "draft_prob"):
+        rr = sch.get_loops(sch.get_sblock(name))[-1]
+        sch.vectorize(row_split(rr)[1])
+
+    dq = sch.get_sblock("draft_qk")
+    j, jd, jr = sch.get_loops(dq)[-3:]
+    jr0, jr1 = row_split(jr)
+    sch.reorder(jr0, jd, jr1)
+    sch.vectorize(jr1)
+
+    # P.V: rb rows x a head_dim vector of accumulators; each V row vector loaded once for the rb
+    # rows, each p[c, r] a broadcast scalar.
+    pvb = sch.get_sblock("pv")
+    pr, pc, pd = sch.get_loops(pvb)[-3:]
+    d_vec = knobs.tile(pd, 2, [16], max_innermost_factor=64)
+    pr0, pr1 = sch.split(pr, knobs.tile(pr, 2, [4], max_innermost_factor=8))
+    pd0, pd1 = sch.split(pd, d_vec)
+    sch.reorder(pr0, pd0, pc, pr1, pd1)
+    sch.vectorize(pd1)
+    dpv = sch.get_sblock("draft_pv")
+    qr, qj, qd = sch.get_loops(dpv)[-3:]
+    qd0, qd1 = sch.split(qd, d_vec)
+    sch.reorder(qd0, qj, qd1)
+    sch.vectorize(qd1)
+    for name in ("run_acc", "out"):
+        sch.vectorize(sch.get_loops(sch.get_sblock(name))[-1])
+
+    # Inits after vectorising (a block without its init is no longer a reduction, and vectorize
+    # refuses the loop around it); the running state is initialised once, before the tile loop.
+    sch.decompose_reduction(qk, dd)
+    sch.decompose_reduction(dq, jd)
+    for blk, loop in reductions:
+        sch.decompose_reduction(blk, loop)
+    sch.decompose_reduction(pvb, pc)
+    sch.decompose_reduction(dpv, qj)
+    for name in ("run_max", "run_sum", "run_acc"):
+        sch.decompose_reduction(sch.get_sblock(name), t)
+    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
+    sch.annotate(outer, "pragma_unroll_explicit", 1)
+
+
+def onnx_graph(shape, dtype):
+    """As exporters write tree verification: Slice the cache to cache_len and Concat the drafts'
+    K/V, repeat K/V heads over their group (Unsqueeze, Expand, Reshape), MatMul, Mul by the scale,
+    Add the mask (zeros for the cache, Where(Equal(tree, 1), 0, -1e9) for the drafts, built from the
+    tree input), Softmax, MatMul."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    nb, hq, hkv, grp, hd, smax, length, kd = _dims(shape)
+    n = length + kd
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    consts = {
+        "zero_i64": np.array([0], np.int64),
+        "len_i64": np.array([length], np.int64),
+        "axis2": np.array([2], np.int64),
+        "group_shape": np.array([nb, hkv, grp, n, hd], np.int64),
+        "heads_shape": np.array([nb, hq, n, hd], np.int64),
+        "scale": np.array(1.0 / math.sqrt(hd), dtype),
+        "one_i32": np.array(1, np.int32),
+        "visible": np.array(0.0, dtype),
+        # -1e9 rather than -inf: exp underflows to exactly 0 either way, as exporters write it.
+        "hidden": np.array(-1e9, dtype),
+        "cache_bias": np.zeros((kd, length), dtype),
+    }
+    nodes = []
+    for x in ("k", "v"):
+        nodes += [helper.make_node("Slice", [f"{x}_cache", "zero_i64", "len_i64", "axis2"], [f"{x}_prefix"]),
+                  helper.make_node("Concat", [f"{x}_prefix", f"{x}_new"], [f"{x}_all"], axis=2)]
+        if grp > 1:
+            nodes += [helper.make_node("Unsqueeze", [f"{x}_all", "axis2"], [f"{x}_1"]),
+                      helper.make_node("Expand", [f"{x}_1", "group_shape"], [f"{x}_group"]),
+                      helper.make_node("Reshape", [f"{x}_group", "heads_shape"], [f"{x}_heads"])]
+        else:
+            nodes.append(helper.make_node("Identity", [f"{x}_all"], [f"{x}_heads"]))
+    nodes += [helper.make_node("Equal", ["tree", "one_i32"], ["in_tree"]),
+              helper.make_node("Where", ["in_tree", "visible", "hidden"], ["tree_bias"]),
+              helper.make_node("Concat", ["cache_bias", "tree_bias"], ["mask"], axis=1),
+              helper.make_node("Transpose", ["k_heads"], ["kt"], perm=[0, 1, 3, 2]),
+              helper.make_node("MatMul", ["q", "kt"], ["qk"]),
+              helper.make_node("Mul", ["qk", "scale"], ["scores"]),
+              helper.make_node("Add", ["scores", "mask"], ["masked"]),
+              helper.make_node("Softmax", ["masked"], ["probs"], axis=-1),
+              helper.make_node("MatMul", ["probs", "v_heads"], ["o"])]
+    cache, new = [nb, hkv, smax, hd], [nb, hkv, kd, hd]
+    graph = helper.make_graph(
+        nodes, "spec_verify_attention",
+        [helper.make_tensor_value_info("q", elem, [nb, hq, kd, hd]),
+         helper.make_tensor_value_info("k_cache", elem, cache),
+         helper.make_tensor_value_info("v_cache", elem, cache),
+         helper.make_tensor_value_info("k_new", elem, new),
+         helper.make_tensor_value_info("v_new", elem, new),
+         helper.make_tensor_value_info("tree", onnx.TensorProto.INT32, [kd, kd])],
+        [helper.make_tensor_value_info("o", elem, [nb, hq, kd, hd])],
+        initializer=[numpy_helper.from_array(v, k) for k, v in consts.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="autofuse")
+    onnx.checker.check_model(model)
+    return model
+
+
+PATTERN = Pattern(
+    name="spec_verify_attention",
+    family="speculative",
+    description="speculative-decoding verification: k draft queries over the KV cache and the drafts "
+                "(tree mask), online softmax, GQA",
+    shape_params=[ShapeParam("batch", 2, 1, "sequences being verified"),
+                  ShapeParam("heads", 8, 4, "query heads"),
+                  ShapeParam("kv_heads", 2, 2, "K/V heads (divides heads; 1 is MQA)"),
+                  ShapeParam("head_dim", 64, 16, "per-head feature size"),
+                  ShapeParam("max_seq", 512, 32, "cache capacity (positions)"),
+                  ShapeParam("cache_len", 200, 13, "valid cache positions, the same for every sequence",
+                             minimum=0),
+                  ShapeParam("k_draft", 8, 5, "draft tokens (tree nodes) verified in this pass")],
+    build=build,
+    reference=reference,
+    make_inputs=make_inputs,
+    onnx_graph=onnx_graph,
+    flops=flops,
+    bytes=nbytes,
+    templates=[kv_head_tiles],
+)
