@@ -165,3 +165,30 @@ def test_onnx_graph_on_uneven_shapes(causal, kv_heads):
     (got,) = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
         None, dict(zip(names, inputs)))
     np.testing.assert_allclose(got, fa.reference(*inputs, shape=shape), rtol=1e-4, atol=1e-5)
+
+
+def test_tuned_samples_stay_right_over_several_key_tiles():
+    """What MetaSchedule measures is a sample after its postprocessors; RewriteReductionBlock once
+    hoisted the per-tile max/sum inits above the key-tile loop, which only shows with 2+ tiles."""
+    import tvm
+    from tvm import s_tir
+    from tvm.s_tir import meta_schedule as ms
+    from tvm.s_tir.schedule import Trace
+
+    from autofuse.verify import check_module
+
+    shape = {**fa.PATTERN.small_shape(), "seq_q": 32, "seq_kv": 130}
+    func = fa.build(shape, "float32")
+    design = s_tir.Schedule(func, seed=1)
+    fa.flash_tiles.schedule(design, TARGET, tunable=True)
+    space = Trace(design.trace.insts, {})
+    context = ms.TuneContext(mod=tvm.IRModule({"main": func}), target=TARGET)
+    postprocs = ms.postproc.Postproc.create("llvm")
+    for post in postprocs:
+        post._initialize_with_tune_context(context)
+    for seed in (2, 3, 4):
+        sch = s_tir.Schedule(func, seed=seed)
+        space.apply_to_schedule(sch, remove_postproc=True)
+        assert all(post.apply(sch) for post in postprocs)
+        result = check_module(fa.PATTERN, tvm.tirx.build(sch.mod, target=TARGET), func, shape, "float32", tvm.cpu())
+        assert result.ok, result.message
