@@ -120,6 +120,36 @@ def template(name: str, target_kinds: Sequence[str] = ("llvm",)):
     return wrap
 
 
+def _dlight_rules():
+    from tvm.s_tir.dlight import gpu
+    return (gpu.Matmul(), gpu.GEMV(), gpu.Reduction(), gpu.GeneralReduction(), gpu.Fallback())
+
+
+def _dlight(sch: s_tir.Schedule, target: Target, knobs: Knobs) -> None:
+    """TVM's dlight GPU rules, the first that applies: the default for patterns without a GPU template."""
+    func = sch.mod["main"]
+    refused = []
+    for rule in _dlight_rules():
+        try:
+            scheduled = rule.apply(func, target, False)
+        except Exception as err:  # a rule that raises on this TensorIR does not apply; try the next
+            refused.append(f"{type(rule).__name__}: {(str(err).strip().splitlines() or [type(err).__name__])[0]}")
+            continue
+        if scheduled is None:
+            continue
+        if isinstance(scheduled, (list, tuple)):
+            scheduled = scheduled[0]
+        # A ScheduleFn must schedule the Schedule MetaSchedule handed it, so the rule's schedule of
+        # a copy is replayed onto it; dlight draws no random decisions, so the replay is exact.
+        scheduled.trace.apply_to_schedule(sch, remove_postproc=False)
+        return
+    raise ValueError("no dlight GPU rule applies" + (f" ({'; '.join(refused)})" if refused else ""))
+
+
+# Patterns get this on a GPU until they have a GPU template of their own; it has no knobs.
+DLIGHT = Template("dlight", _dlight, target_kinds=("cuda",))
+
+
 @dataclasses.dataclass(frozen=True)
 class RelaxRule:
     """How a pattern is found in a Relax model (``--fusion patterns``).
@@ -222,8 +252,19 @@ class Pattern:
         return [(tuple(int(d) for d in buf.shape), str(buf.dtype))
                 for buf in param_buffers(func)[-self.num_outputs:]]
 
-    def templates_for(self, target: Target) -> list[Template]:
-        return [t for t in self.templates if t.applies_to(target)]
+    def templates_for(self, target: Target, func: tirx.PrimFunc | None = None) -> list[Template]:
+        """The pattern's own templates for ``target``; on a GPU without one, ``DLIGHT``, and given
+        ``func``, only when one of dlight's rules schedules it (a tuning space that raises on its
+        first sample would end the session)."""
+        own = [t for t in self.templates if t.applies_to(target)]
+        if own or not DLIGHT.applies_to(target):
+            return own
+        if func is not None:
+            try:
+                DLIGHT.apply(func, target, tunable=False)
+            except ValueError:
+                return []
+        return [DLIGHT]
 
     def default_schedule(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule:
         """The first applicable template with fixed knobs, or the unscheduled function."""

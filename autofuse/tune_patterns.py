@@ -49,6 +49,19 @@ def checker(job: Job, target: Target, dev):
     return check
 
 
+def untuned_kernel(job: Job, target: Target):
+    """What runs without tuning: on a CPU the TensorIR as written; on a GPU TVM's dlight default,
+    since a kernel without thread bindings builds there but crashes the process when run. None
+    when no dlight rule schedules it."""
+    if target.kind.name == "llvm":
+        return build_kernel(job.func, target)
+    from .pattern import DLIGHT
+    try:
+        return build_kernel(DLIGHT.apply(job.func, target, tunable=False).mod, target)
+    except ValueError:
+        return None
+
+
 def time_kernel(job: Job, rt, dev, repeat: int) -> float:
     inputs = to_device(job.pattern.make_inputs(job.shape, job.dtype, 0), dev)
     outputs = empty_outputs(job.pattern.output_specs(job.func), dev)
@@ -76,7 +89,7 @@ def choose(job: Job, db: TuningDatabase | None, target: Target, dev, repeat: int
     candidates = []
     if chosen is not None:
         candidates.append((chosen.schedule.mod, chosen.source))
-    if with_default and job.pattern.templates_for(target):
+    if with_default and job.pattern.templates_for(target, job.func):
         default = job.pattern.default_schedule(job.func, target)
         ok, message = check(default)  # a template's defaults are checked like any record
         if ok:
@@ -97,18 +110,19 @@ def summarize(job: Job, db: TuningDatabase, target: Target, *, space: str, stats
     dev = tvm.device("cpu" if target.kind.name == "llvm" else target.kind.name, 0)
     # The generic space is measured on its own: a template default would not be its result.
     choice, rejected = choose(job, db, target, dev, repeat, with_default=space != "generic")
-    untuned = time_kernel(job, build_kernel(job.func, target), dev, repeat)
+    untuned_rt = untuned_kernel(job, target)
+    untuned = time_kernel(job, untuned_rt, dev, repeat) if untuned_rt is not None else None
     valid, total = db.count(job.func)
     row = {
         "pattern": job.pattern.name, "shape": shape_label(job.shape), "dtype": job.dtype, "space": space,
         "trials": stats.trials.get(index, 0) if stats else 0, "records": total, "valid_records": valid,
-        "untuned_ms": untuned * 1e3, "best_ms": None, "gflops": None, "gbps": None, "speedup": None,
+        "untuned_ms": untuned * 1e3 if untuned is not None else None, "best_ms": None, "gflops": None, "gbps": None, "speedup": None,
         "source": None, "record_ms": None, "tune_secs": stats.task_secs.get(index, 0.0) if stats else 0.0,
         "rejected": rejected,
     }
     if choice is not None:
         best = choice.secs
-        row.update(best_ms=best * 1e3, speedup=untuned / best, source=choice.source,
+        row.update(best_ms=best * 1e3, speedup=untuned / best if untuned is not None else None, source=choice.source,
                    record_ms=choice.record_secs * 1e3 if choice.record_secs else None,
                    gflops=job.pattern.flops(job.shape) / best / 1e9,
                    gbps=job.pattern.bytes(job.shape, job.dtype) / best / 1e9)
@@ -122,7 +136,7 @@ def tune_jobs(jobs: list[Job], target: Target, db: TuningDatabase, *, trials: in
     the progress bar (the RPC servers in use)."""
     from .progress import tuning_bar
 
-    tasks = [Task(job.label, job.func, job.pattern.templates) for job in jobs]
+    tasks = [Task(job.label, job.func, job.pattern.templates_for(target, job.func)) for job in jobs]
     with tuning_bar(trials * len(jobs), [job.label for job in jobs], progress, runner_status) as (on_phase, on_progress):
         stats = tune(tasks, target, db.ms, db.work_dir, trials_per_task=trials, space=space, seed=seed,
                      cost_model_path=db.cost_model_path, run_timeout=run_timeout, runner=runner,

@@ -8,6 +8,10 @@ Constant nodes and whatever is computed from them alone are evaluated eagerly as
 Reshape's shape, Slice's starts and the like are static Python values when jax traces the graph.
 An op outside the table is an ``AutofuseError`` naming it.
 
+The graph walk (``parse_graph``: constants folded once, when the function is made; ``node_args``,
+``folds``, ``store_results``) is shared with ``onnx_to_torch``, whose constants fold through this
+module's numpy path too.
+
 jax is an optional extra: it is imported inside the functions that run, never at module import.
 """
 
@@ -39,68 +43,112 @@ class Node:
         return self.attrs[name]
 
 
-def jax_function(model) -> Callable[..., list]:
-    """A function of the graph's (non-initializer) inputs, in graph input order, returning the
-    list of graph outputs as jax arrays. Pure jax.numpy/jax.lax, so jax.jit can trace it.
-    Initializers become constants (jnp arrays)."""
+@dataclasses.dataclass
+class Graph:
+    """An ONNX graph ready to walk, shared by the JAX and torch translations: the constants
+    (initializers, Constant nodes and what is computed from them alone, folded with numpy) and
+    the nodes left to run on the graph inputs, in order, each with its ``Node``."""
+    input_names: list[str]
+    output_names: list[str]
+    constants: dict[str, np.ndarray]
+    nodes: list[tuple]
+
+
+def parse_graph(model, ops: dict, missing_message: str) -> Graph:
+    """The model's ``Graph`` with its constants folded; ``AutofuseError(missing_message + ops)``
+    when ``ops`` lacks one of its op types."""
     from onnx import numpy_helper
 
-    missing = unsupported_ops(model)
+    missing = unsupported_ops(model, ops)
     if missing:
-        raise AutofuseError(f"the XLA baseline has no JAX translation for ONNX op(s) {', '.join(missing)}")
+        raise AutofuseError(f"{missing_message} {', '.join(missing)}")
     graph = model.graph
     opset = _opset(model)
     constants = {init.name: numpy_helper.to_array(init) for init in graph.initializer}
     # Old IR versions list initializers among the inputs too; those are not the caller's to give.
     input_names = [value.name for value in graph.input if value.name not in constants]
-    nodes = [(node, Node(node.op_type, _attrs(node), opset)) for node in graph.node]
-    output_names = [value.name for value in graph.output]
+    nodes = []
+    for node in graph.node:
+        info = Node(node.op_type, _attrs(node), opset)
+        args = node_args(node, constants)
+        if args is not None and folds(node.op_type, args):
+            store_results(node, OPS[node.op_type](np, info, *args), constants, folded=True)
+        else:
+            nodes.append((node, info))
+    return Graph(input_names, [value.name for value in graph.output], constants, nodes)
+
+
+def jax_function(model) -> Callable[..., list]:
+    """A function of the graph's (non-initializer) inputs, in graph input order, returning the
+    list of graph outputs as jax arrays. Pure jax.numpy/jax.lax, so jax.jit can trace it.
+    Initializers become constants (jnp arrays)."""
+    graph = parse_graph(model, OPS, "the XLA baseline has no JAX translation for ONNX op(s)")
 
     def run(*inputs):
         import jax.numpy as jnp
 
-        if len(inputs) != len(input_names):
-            raise TypeError(f"the graph takes {len(input_names)} input(s) {input_names}, got {len(inputs)}")
-        values = dict(constants)
+        if len(inputs) != len(graph.input_names):
+            raise TypeError(f"the graph takes {len(graph.input_names)} input(s) {graph.input_names}, got {len(inputs)}")
+        values = dict(graph.constants)
         # As jax arrays, so a graph input never takes the numpy (constant) path.
-        values.update((name, jnp.asarray(x)) for name, x in zip(input_names, inputs))
-        for node, info in nodes:
+        values.update((name, jnp.asarray(x)) for name, x in zip(graph.input_names, inputs))
+        for node, info in graph.nodes:
             _evaluate(node, info, values)
-        return [jnp.asarray(values[name]) for name in output_names]
+        return [jnp.asarray(values[name]) for name in graph.output_names]
 
     return run
 
 
-def unsupported_ops(model) -> list[str]:
-    """Op types in the graph that ``OPS`` lacks (sorted, unique); ops of other domains are
-    named ``domain.Op``."""
+def unsupported_ops(model, ops: dict | None = None) -> list[str]:
+    """Op types in the graph that ``ops`` (default: ``OPS``) lacks (sorted, unique); ops of other
+    domains are named ``domain.Op``."""
+    ops = OPS if ops is None else ops
     missing = set()
     for node in model.graph.node:
         if node.domain not in _DEFAULT_DOMAINS:
             missing.add(f"{node.domain}.{node.op_type}")
-        elif node.op_type not in OPS:
+        elif node.op_type not in ops:
             missing.add(node.op_type)
     return sorted(missing)
 
 
-def _evaluate(node, info: Node, values: dict) -> None:
-    import jax.numpy as jnp
-
+def node_args(node, values: dict) -> list | None:
+    """The node's operands from ``values`` (None for inputs left out), or None when one is not
+    there yet (computed from the graph inputs)."""
+    if any(name and name not in values for name in node.input):
+        return None
     args = [values[name] if name else None for name in node.input]
     while args and args[-1] is None:  # trailing optional inputs that were left out
         args.pop()
-    folded = node.op_type not in _JAX_ONLY and all(a is None or isinstance(a, np.ndarray) for a in args)
-    results = OPS[node.op_type](np if folded else jnp, info, *args)
+    return args
+
+
+def folds(op_type: str, args) -> bool:
+    """Whether a node is evaluated eagerly with numpy: all its operands are constants and its
+    translation runs on numpy."""
+    return op_type in OPS and op_type not in _JAX_ONLY and all(a is None or isinstance(a, np.ndarray) for a in args)
+
+
+def store_results(node, results, values: dict, folded: bool) -> None:
+    """Put an op's result(s) under the node's output names."""
     if not isinstance(results, tuple):
         results = (results,)
     wanted = [name for name in node.output[len(results):] if name]
     if wanted:
-        raise AutofuseError(f"the XLA baseline computes only the first {len(results)} output(s) of "
+        raise AutofuseError(f"the baseline computes only the first {len(results)} output(s) of "
                             f"ONNX op {node.op_type}, the graph uses {', '.join(wanted)}")
     for name, value in zip(node.output, results):
         if name:
             # numpy turns 0-d results into scalars; keep constants ndarrays so they stay recognisable.
             values[name] = np.asarray(value) if folded else value
+
+
+def _evaluate(node, info: Node, values: dict) -> None:
+    import jax.numpy as jnp
+
+    args = node_args(node, values)
+    folded = folds(node.op_type, args)
+    store_results(node, OPS[node.op_type](np if folded else jnp, info, *args), values, folded)
 
 
 def _opset(model) -> int:
