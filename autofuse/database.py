@@ -165,19 +165,7 @@ class TuningDatabase:
         return sch
 
     def _load_verdicts(self) -> dict:
-        verdicts = {}
-        if not os.path.exists(self._verdicts_path):
-            return verdicts
-        with open(self._verdicts_path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    entry = json.loads(line)
-                    verdicts[(entry["workload"], entry["trace"])] = {"ok": entry["ok"], "message": entry["message"]}
-                except (ValueError, KeyError, TypeError):
-                    log.warning("%s:%d: skipping a line that is not a verdict", self._verdicts_path, number)
-        return verdicts
+        return load_verdicts(self._verdicts_path)
 
     def _store_verdict(self, wkey: str, tkey: str, verdict: dict) -> None:
         self._verdicts[(wkey, tkey)] = verdict
@@ -185,6 +173,23 @@ class TuningDatabase:
             f.write(json.dumps({"workload": wkey, "trace": tkey, **verdict}) + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def load_verdicts(path: str) -> dict:
+    """{(workload key, trace key): {"ok", "message"}} from a verdicts file (empty when absent)."""
+    verdicts = {}
+    if not os.path.exists(path):
+        return verdicts
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                entry = json.loads(line)
+                verdicts[(entry["workload"], entry["trace"])] = {"ok": entry["ok"], "message": entry["message"]}
+            except (ValueError, KeyError, TypeError):
+                log.warning("%s:%d: skipping a line that is not a verdict", path, number)
+    return verdicts
 
 
 # --- check and compact (``autofuse db``) -------------------------------------------------------
@@ -243,7 +248,15 @@ def check_folder(folder: str) -> dict:
 
 def compact_folder(folder: str, keep: int) -> tuple[int, int]:
     """Rewrite one folder's database keeping the ``keep`` best records per workload whose trace
-    still applies; (records before, after)."""
+    still applies and that did not fail their numerical check; (records before, after)."""
     from .store import compact
     db = SafeJSONDatabase(os.path.join(folder, WORKLOADS), os.path.join(folder, RECORDS))
-    return compact(db, keep, usable=trace_applies)
+    verdicts = load_verdicts(os.path.join(folder, VERDICTS))
+
+    def usable(record) -> bool:
+        # A record that failed its numerical check can never be chosen; left in, it would keep
+        # taking a place among the fastest that best() looks at.
+        verdict = verdicts.get((workload_key(record.workload.mod), trace_key(record)))
+        return (verdict is None or verdict["ok"]) and trace_applies(record)
+
+    return compact(db, keep, usable=usable)

@@ -157,3 +157,23 @@ def test_a_record_whose_trace_no_longer_applies_is_named_skipped_reported_and_co
     compact = run_cli("db", "compact", "--db", str(tmp_path))
     assert compact.returncode == 0 and "-> 0" in compact.stdout
     assert run_cli("db", "check", "--db", str(tmp_path)).returncode == 0
+
+
+def test_compaction_drops_records_that_failed_their_numerical_check(tuned_db, tmp_path):
+    from autofuse.database import compact_folder
+
+    root, _ = tuned_db
+    db = _copy_without_verdicts(root, tmp_path)
+    func = _func()
+    fastest = db.records(func)[0]
+    calls = []
+
+    def reject_fastest(sch):
+        calls.append(sch)
+        return (len(calls) > 1, "injected mismatch")
+
+    db.best(func, reject_fastest)  # stores the fastest record's failed verdict
+    before, after = compact_folder(db.path, keep=100)
+    assert after == before - 1
+    kept = TuningDatabase(str(tmp_path), parse_target("llvm")).records(func)
+    assert all(str(r.trace) != str(fastest.trace) or list(r.run_secs) != list(fastest.run_secs) for r in kept)
