@@ -19,6 +19,19 @@ the down GEMM applies dropout and adds the residual to its accumulator tile as i
 Precision: float32, float16 or bfloat16 inputs and outputs; the three GEMM accumulators, the SiLU
 product and the epilogue are float32 in every dtype, and each output is rounded to the dtype once.
 (The half-precision tolerance is stated at ``PATTERN``.)
+
+On CUDA, ``cuda_two_gemms`` makes two kernels of the one PrimFunc (TVM launches each grid-bound
+nest as its own kernel, in order): the down projection needs all of an h row, a grid-wide
+dependency no block of one launch can wait for. Kernel 1 tiles (tokens x inter), default 32x64 on
+8x16 threads: each thread keeps a gate and an up accumulator tile (4 tokens x a run of 4 adjacent
+features) in registers, the two k loops merged into one so that each x k-tile, staged once in
+shared memory (rows padded against bank conflicts), feeds both GEMMs, and the w1/w3 tiles are read
+as one 4-wide vector per thread and k; silu(g) * u is computed on the registers and h stored once
+(float32). Kernel 2 tiles (tokens x hidden), default 32x32 on 8x8 threads, over h and w2 staged the
+same way, and applies dropout and the residual to its accumulator tile before y is stored. Both k
+loops are software-pipelined through registers (the next tiles' global loads overlap this tile's
+FMAs). h is the one intermediate that reaches global memory: tokens*inter*4 bytes written and
+read back, beyond ``bytes`` (g, u and the down accumulator never leave registers).
 """
 
 import numpy as np
@@ -26,6 +39,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
+from search_spaces.gemm.linear_bias_relu import (cuda_fetch_shared, cuda_pipeline, cuda_split_k, cuda_tile_output,
+                                                  cuda_unroll, cuda_vector_lanes)
 from search_spaces.reduction.softmax_dropout import SEED, _exp, _seed_mix, _threshold, dropout_mask, hash_keep
 
 
@@ -172,6 +187,61 @@ def two_gemms(sch, target, knobs):
     sch.annotate(outer2, "pragma_unroll_explicit", 1)
 
 
+@template("cuda_two_gemms", target_kinds=("cuda",))
+def cuda_two_gemms(sch, target, knobs):
+    """Two shared-memory tiled GEMM kernels (a grid-wide dependency sits between them: every h
+    row feeds every down-projection output). The first tiles (tokens x inter): per thread a
+    register tile of gate and of up accumulators, filled in one k loop from the same staged x
+    tile (and the w1, w3 tiles), then h = silu(g) * u stored once, in float32. The second tiles
+    (tokens x hidden) over h and w2, dropout and the residual applied to its accumulator tile on
+    the way out. Both k loops are software-pipelined through registers."""
+    gate, up, prod = sch.get_sblock("gate"), sch.get_sblock("up"), sch.get_sblock("swiglu")
+    down, epi = sch.get_sblock("down"), sch.get_sblock("epilogue")
+    x, w1 = (r.source for r in sch.get(gate).reads[-2:])
+    dtype, hidden, inter = str(x.dtype), int(x.shape[1]), int(w1.shape[1])
+
+    # Kernel 1. W1 and W3 are contiguous along inter: each thread owns runs of `wide` adjacent
+    # features, read from shared as one vector per k; x is contiguous along hidden (k).
+    wide, narrow = cuda_vector_lanes(dtype, inter, max_bytes=16), cuda_vector_lanes(dtype, hidden)
+    for blk in (gate, up):
+        sch.set_scope(blk, 0, "local")
+    t, n = sch.get_loops(prod)
+    bx, _, tx, nty, ntx, _ = cuda_tile_output(sch, knobs, t, n, rows=(8, 4), cols=(16, 1), j_lanes=wide)
+    for blk in (up, gate):
+        sch.compute_at(blk, tx, preserve_unit_loops=False)
+    k0s = cuda_split_k(sch, knobs, [sch.get_loops(blk)[-1] for blk in (gate, up)], narrow)
+    if wide > 1:  # the feature run innermost, under the whole k loop
+        for blk in (gate, up):
+            sch.reorder(*sch.get_loops(blk)[-3:], sch.get_loops(blk)[-4])
+    # One k loop for both GEMMs: each x tile is staged once and feeds both accumulator tiles.
+    k0 = sch.merge(*k0s)
+    fetches = [cuda_fetch_shared(sch, gate, 0, k0, (nty, ntx), narrow, k_major=True, consumers=[gate, up])]
+    fetches += [cuda_fetch_shared(sch, blk, 1, k0, (nty, ntx), wide, k_major=False) for blk in (gate, up)]
+    for blk in (gate, up):
+        if wide > 1:
+            sch.vectorize(sch.get_loops(blk)[-1])
+        sch.decompose_reduction(blk, k0)
+    cuda_unroll(sch, knobs, bx)
+    cuda_pipeline(sch, k0, fetches)
+
+    # Kernel 2: the down projection, with dropout and the residual at its register tile.
+    wide, narrow = cuda_vector_lanes(dtype, hidden, max_bytes=16), cuda_vector_lanes("float32", inter)
+    sch.set_scope(down, 0, "local")
+    t, m, k = sch.get_loops(down)
+    bx, _, tx, nty, ntx, lane = cuda_tile_output(sch, knobs, t, m, rows=(8, 4), cols=(8, 1), j_lanes=wide)
+    (k0,) = cuda_split_k(sch, knobs, [k], narrow)
+    if wide > 1:
+        sch.reorder(*sch.get_loops(down)[-3:], lane)
+    sch.reverse_compute_at(epi, tx, preserve_unit_loops=True)
+    fetches = [cuda_fetch_shared(sch, down, 0, k0, (nty, ntx), narrow, k_major=True),
+               cuda_fetch_shared(sch, down, 1, k0, (nty, ntx), wide, k_major=False)]
+    if wide > 1:
+        sch.vectorize(lane)
+    sch.decompose_reduction(down, k0)
+    cuda_unroll(sch, knobs, bx)
+    cuda_pipeline(sch, k0, fetches)
+
+
 def _relax_pattern():
     from tvm.relax.dpl import is_const, is_op, wildcard
     x, w1, w3, w2, r = (wildcard() for _ in range(5))
@@ -269,6 +339,6 @@ PATTERN = Pattern(
     # rtol = 4u. Near zero, where cancellation leaves no relative bound, the float32
     # accumulation error remains: ~n * 2^-24 of the terms' size, 4.2e-5 at inter = 704: atol 1e-4.
     tolerance={"float32": (1e-4, 1e-4), "float16": (2e-3, 1e-4), "bfloat16": (1.6e-2, 1e-4)},
-    templates=[two_gemms],
+    templates=[two_gemms, cuda_two_gemms],
     relax_rules=[RelaxRule("swiglu_residual", _relax_pattern, _relax_rewrite)],
 )

@@ -41,16 +41,26 @@ this shape is bound by the FMAs (m*n*k = 4.2 M multiply-adds) plus the unpacking
 default shape, median of time_evaluator: int4 0.29 ms with the template default against 10.2 ms
 unscheduled; int8 0.31 ms against 14.8 ms. (An earlier run at load 2.5: int4 0.16 against 5.4 ms.)
 
+On CUDA, ``cuda_warp_per_row``: decoding reads each weight once and does 2m FLOPs with it, so
+the kernel is a GEMV bound by the weight bytes. A warp per output feature (default 4 a block), its
+32 lanes taking consecutive 4-byte chunks of the packed row (a coalesced 128-byte load per warp
+and step; the x values a chunk meets come as float4 loads, from L1/L2: x is m*k*4 bytes, read by
+every block); each chunk is dequantised in registers once and feeds m per-lane partial sums, one
+per token, which shuffles sum across the warp at the end (an rfactor), bias added by lane 0.
+Knobs: rows per block, lanes per row, unrolling of the steps.
+
 No RelaxRule: TVM 0.27's ONNX importer rejects blocked DequantizeLinear and has no MatMulNBits, so
 group-wise weights reach Relax only as elementary ops like ``onnx_graph``'s. A rule for int8
 per-channel DequantizeLinear -> MatMul (-> Add) would be feasible (group = k).
 """
 
 import numpy as np
+from tvm import tirx
 from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
 from autofuse.pattern import Pattern, ShapeParam, template
+from search_spaces.gemm.linear_bias_relu import cuda_vector_lanes
 
 
 class ShapeError(AutofuseError, ValueError):
@@ -200,6 +210,80 @@ def dequant_on_load(sch, target, knobs):
     sch.annotate(j0, "pragma_unroll_explicit", 1)
 
 
+def _compute_at(sch, block, loop):
+    """``compute_at`` keeping unit loops; returns {name of an iteration variable of ``block``: the
+    loop made for it}. compute_at names the loop of the k-th iteration variable ``ax{k}`` and
+    orders the loops its own way; unit loops (group = k, bits = 8, a sampled factor of 1) stay."""
+    sch.compute_at(block, loop, preserve_unit_loops=True)
+    names = [iv.var.name for iv in sch.get(block).iter_vars]
+    made = {}
+    for rv in sch.get_loops(block):
+        loop_name = sch.get(rv).loop_var.name
+        if loop_name.startswith("ax") and loop_name[2:].isdigit():
+            made[names[int(loop_name[2:])]] = rv
+    assert len(made) == len(names), "compute_at made one loop per iteration variable"
+    return made
+
+
+@template("cuda_warp_per_row", target_kinds=("cuda",))
+def cuda_warp_per_row(sch, target, knobs):
+    """Decode GEMV: a warp per output feature (a row of W; default 4 rows a block), its lanes
+    taking consecutive 4-byte chunks of the packed row (one coalesced 128-byte load per warp and
+    step), each chunk dequantised in registers and multiplied into m per-lane partial sums, one
+    per token; the partials summed across the warp by shuffles, bias added by lane 0."""
+    mm, deq, bias = sch.get_sblock("matmul"), sch.get_sblock("dequant"), sch.get_sblock("bias")
+    w = sch.get(deq).reads[0].source
+    per = int(sch.get(mm).reads[0].source.shape[2])  # values per byte
+    bytes_per_row = int(w.shape[1])
+    # Dequantised weights and regrouped x are computed where they are used, in registers.
+    sch.compute_inline(deq)
+    sch.compute_inline(sch.get_sblock("x_split"))
+    i, j, g, h, p = sch.get_loops(mm)
+    sch.reorder(g, p, h)
+    chunk = cuda_vector_lanes("uint8", bytes_per_row, max_bytes=4)
+    rest, byte = sch.split(sch.fuse(g, p), [None, chunk])
+    step, lane = sch.split(rest, knobs.tile(rest, 2, [32], max_innermost_factor=32))
+    # The rfactor block's iteration variables are named after these loops.
+    role = {key: "v" + sch.get(loop).loop_var.name
+            for key, loop in (("lane", lane), ("i", i), ("step", step), ("byte", byte), ("nibble", h))}
+    # Per-lane partial sums (registers), then one cross-lane sum per token.
+    rf = sch.rfactor(lane, factor_axis=0)
+    sch.set_scope(rf, 0, "local")
+    sch.set_scope(mm, 0, "local")
+    i, j, lane = sch.get_loops(mm)
+    sch.reorder(j, i, lane)
+    block, row = sch.split(j, knobs.tile(j, 2, [4], max_innermost_factor=16))
+    sch.bind(block, "blockIdx.x")
+    sch.bind(row, "threadIdx.y")
+    sch.bind(lane, "threadIdx.x")
+    loops = _compute_at(sch, rf, row)
+    rf_lane, rf_i, step, byte, nibble = (loops.pop(role[key]) for key in ("lane", "i", "step", "byte", "nibble"))
+    # Each lane walks its row in steps; per step a chunk of bytes, per byte its nibbles, per
+    # nibble all m tokens. Left: unit loops (the row; the group where group = k, a reduction,
+    # which must sit under the step loop the accumulator is initialised above).
+    reducing = {iv.var.name for iv in sch.get(rf).iter_vars if iv.iter_type == tirx.IterVar.CommReduce}
+    sch.reorder(rf_lane, *(loop for name, loop in loops.items() if name not in reducing), step,
+                *(loop for name, loop in loops.items() if name in reducing), byte, nibble, rf_i)
+    sch.bind(rf_lane, "threadIdx.x")
+    # The chunk of packed bytes as one vector load, the x values it meets as float4s.
+    wl = sch.cache_read(rf, 1, "local")
+    sch.compute_at(wl, step, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(wl)[-1])
+    xl = sch.cache_read(rf, 0, "local")
+    sch.compute_at(xl, step, preserve_unit_loops=True)
+    xvec = cuda_vector_lanes("float32", chunk * per, max_bytes=16)
+    _, xv = sch.split(sch.get_loops(xl)[-1], [None, xvec])
+    sch.vectorize(xv)
+    sch.decompose_reduction(rf, step)
+    for loop in (byte, nibble, rf_i):
+        sch.unroll(loop)
+    # Unrolled steps put more loads in flight; the cross-lane sum must stay out of any unrolled
+    # loop (TVM 0.27 fails lowering two shuffle reductions into one buffer).
+    sch.annotate(step, "pragma_auto_unroll_max_step", knobs.choice([0, 4, 16], 4))
+    sch.annotate(step, "pragma_unroll_explicit", 1)
+    sch.reverse_compute_at(bias, row, preserve_unit_loops=True)
+
+
 def onnx_graph(shape, dtype):
     """Opset 17 has no blocked DequantizeLinear (opset 21) and no int4 type, so the dequantisation
     is spelled out on the graph inputs, the packed bytes themselves: for int4 the nibbles are split
@@ -269,5 +353,5 @@ PATTERN = Pattern(
     onnx_graph=onnx_graph,
     flops=flops,
     bytes=nbytes,
-    templates=[dequant_on_load],
+    templates=[dequant_on_load, cuda_warp_per_row],
 )

@@ -1,0 +1,187 @@
+"""The CUDA templates of the GEMM-like patterns (linear_bias_relu, swiglu_ffn, woq_matmul) compile for the H200
+through nvcc, with their fixed defaults and with random knob samples replayed the way MetaSchedule
+replays them, into kernels that stage tiles through shared memory and bind threads. Nothing runs
+here (no GPU): benchmarks/gpu_check_templates.py runs and checks them on one. Small shapes only."""
+
+import re
+import shutil
+
+import pytest
+import tvm
+from tvm import s_tir
+from tvm.s_tir.schedule import Trace
+
+from autofuse.pattern import TEMPLATE_ANNOTATION
+from autofuse.registry import get_pattern
+from autofuse.target import parse_target
+from search_spaces.gemm.linear_bias_relu import cuda_vector_lanes
+
+if shutil.which("nvcc") is None:
+    pytest.skip("nvcc not found: CUDA kernels cannot be compiled here", allow_module_level=True)
+
+H200 = parse_target("h200")
+SAMPLES = 4
+SIMT = [("linear_bias_relu", "cuda_tiled_epilogue"), ("swiglu_ffn", "cuda_two_gemms")]
+GEMV = ("woq_matmul", "cuda_warp_per_row")
+SCALAR_BYTES = {"nv_bfloat16": 2, "float": 4, "half": 2, "uint": 4, "int": 4}
+
+
+def _bytes(ctype):
+    """Size of a CUDA element type as TVM names them: float, half4, nv_bfloat164, ..."""
+    base, lanes = re.fullmatch(r"(nv_bfloat16|float|half|uint|int)(\d*)", ctype).groups()
+    return SCALAR_BYTES[base] * int(lanes or 1)
+
+
+def _template(pattern, name):
+    return next(t for t in pattern.templates if t.name == name)
+
+
+def _cuda_source(mod) -> str:
+    """The generated CUDA source, after nvcc compiled it for sm_90 (what loading it on the device does)."""
+    from tvm.support import nvcc
+
+    source = tvm.tirx.build(mod, target=H200).imports[0].inspect_source("")
+    with H200:
+        nvcc.compile_cuda(source, target_format="fatbin", arch="sm_90", compiler="nvcc")
+    return source
+
+
+def _definitions(source):
+    """The kernel definitions of the source (not their forward declarations), in order."""
+    chunks = source.split('extern "C" __global__')[1:]
+    return [chunk for chunk in chunks if chunk.split("\n", 1)[0].rstrip().endswith("{")]
+
+
+def _kernels(source):
+    """(threads per block, static shared bytes) of each kernel of the source."""
+    found = []
+    for body in _definitions(source):
+        threads = int(re.search(r"__launch_bounds__\((\d+)\)", body).group(1))
+        shared = sum(_bytes(ty) * int(n) for ty, n in
+                     re.findall(r"__shared__ (?:alignas\(\d+\) )?(\w+) \w+\[(\d+)\]", body))
+        found.append((threads, shared))
+    return found
+
+
+def _replayed(pattern, template, func, seeds):
+    """Schedules drawn from the template's design space with its decisions removed (as MetaSchedule's
+    search draws them)."""
+    design = s_tir.Schedule(func, seed=1)
+    template.schedule(design, H200, tunable=True)
+    space = Trace(design.trace.insts, {})
+    for seed in seeds:
+        sch = s_tir.Schedule(func, seed=seed)
+        space.apply_to_schedule(sch, remove_postproc=True)
+        yield sch
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_compiles():
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def scale(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
+        for i in T.thread_binding(64, thread="threadIdx.x"):
+            with T.sblock("b"):
+                vi = T.axis.spatial(64, i)
+                b[vi] = a[vi] * T.float32(2)
+
+    try:
+        _cuda_source(tvm.IRModule({"main": scale}))
+    except Exception as err:  # no CUDA codegen in this TVM, or an nvcc that cannot target sm_90
+        pytest.skip(f"TVM cannot compile CUDA here: {str(err).strip().splitlines()[-1]}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("name,tname", SIMT)
+def test_default_compiles_to_a_shared_memory_kernel(name, tname, dtype):
+    pattern = get_pattern(name)
+    func = pattern.build(pattern.small_shape(), dtype)
+    sch = _template(pattern, tname).apply(func, H200, tunable=False)
+    assert TEMPLATE_ANNOTATION in str(sch.trace)
+    source = _cuda_source(sch.mod)
+    assert "__shared__" in source and "threadIdx.x" in source
+    kernels = _kernels(source)
+    # swiglu: the gate/up/product kernel and the down/dropout/residual kernel, in one PrimFunc.
+    assert len(kernels) == (2 if name == "swiglu_ffn" else 1)
+    for threads, shared in kernels:
+        assert threads <= 1024 and 0 < shared <= 48 * 1024
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("name,tname", SIMT)
+def test_samples_replay_and_compile(name, tname, dtype):
+    pattern = get_pattern(name)
+    func = pattern.build(pattern.small_shape(), dtype)
+    decisions = set()
+    for sch in _replayed(pattern, _template(pattern, tname), func, range(2, SAMPLES + 2)):
+        decisions.add(str(sch.trace.decisions))
+        source = _cuda_source(sch.mod)
+        assert "__shared__" in source and "threadIdx" in source
+    assert len(decisions) > 1, "the template's knobs should vary across samples"
+
+
+def test_default_pipelines_the_k_loop_through_registers():
+    pattern = get_pattern("linear_bias_relu")
+    sch = _template(pattern, "cuda_tiled_epilogue").apply(pattern.build(pattern.default_shape(), "float32"),
+                                                          H200, tunable=False)
+    script = sch.mod.script()
+    assert '"software_pipeline_stage": [0, 0, 0, 0, 1]' in script
+    assert '"software_pipeline_order": [0, 3, 1, 4, 2]' in script
+    source = _cuda_source(sch.mod)
+    # 64x64 tile of 16x16 threads, 4x4 float32 accumulators each, 8-byte vector loads of the
+    # 16-wide k tiles into rows padded to 18 floats.
+    assert _kernels(source) == [(256, 2 * 64 * 18 * 4)]
+    assert "float acc_reindex_local_ptr[16]" in source
+    assert "*(float2*)(x_ptr" in source
+
+
+def test_swiglu_computes_gate_and_up_in_one_k_loop():
+    pattern = get_pattern("swiglu_ffn")
+    sch = _template(pattern, "cuda_two_gemms").apply(pattern.build(pattern.small_shape(), "float32"),
+                                                     H200, tunable=False)
+    source = _cuda_source(sch.mod)
+    first = _definitions(source)[0]
+    assert "g_local" in first and "u_local" in first and "h_ptr[" in first
+    assert first.count("__shared__") == 3  # x, w1 and w3 tiles; x staged once for both GEMMs
+
+
+def test_wmma_uses_tensor_cores_for_float16_only():
+    pattern = get_pattern("linear_bias_relu")
+    wmma = _template(pattern, "cuda_wmma")
+    shape = pattern.small_shape()
+    source = _cuda_source(wmma.apply(pattern.build(shape, "float16"), H200, tunable=False).mod)
+    assert "wmma::mma_sync" in source and "__shared__" in source
+    for sch in _replayed(pattern, wmma, pattern.build(shape, "float16"), range(2, 4)):
+        assert "wmma::mma_sync" in _cuda_source(sch.mod)
+    # float32 (tf32 would miss the tolerance) and bfloat16 (no TVM intrinsic) fall back to SIMT.
+    for dtype in ("float32", "bfloat16"):
+        func = pattern.build(shape, dtype)
+        ours = wmma.apply(func, H200, tunable=False)
+        assert "mma_sync" not in _cuda_source(ours.mod)
+        simt = _template(pattern, "cuda_tiled_epilogue").apply(func, H200, tunable=False)
+        assert ours.mod["main"].script().replace("cuda_wmma", "cuda_tiled_epilogue") == simt.mod["main"].script()
+
+
+def test_vector_lanes_keep_rows_aligned():
+    assert cuda_vector_lanes("float32", 256) == 2
+    assert cuda_vector_lanes("float32", 256, max_bytes=16) == 4
+    assert cuda_vector_lanes("float16", 256, max_bytes=16) == 4  # 8 lanes do not compile in TVM 0.27
+    assert cuda_vector_lanes("float16", 6) == 2
+    assert cuda_vector_lanes("float32", 7) == 1
+
+
+@pytest.mark.parametrize("bits,group,m", [(4, 32, 2), (8, 32, 2), (4, 64, 1)])
+def test_gemv_reduces_across_the_warp(bits, group, m):
+    """group = k (64 at the small k) and bits = 8 leave unit loops the template must place."""
+    pattern = get_pattern(GEMV[0])
+    template = _template(pattern, GEMV[1])
+    func = pattern.build(dict(pattern.small_shape(), bits=bits, group=group, m=m), "float32")
+    source = _cuda_source(template.apply(func, H200, tunable=False).mod)
+    assert "__shfl_down_sync" in source and "threadIdx.x" in source
+    assert len(_kernels(source)) == 1
+    decisions = set()
+    for sch in _replayed(pattern, template, func, range(2, SAMPLES + 2)):
+        decisions.add(str(sch.trace.decisions))
+        assert "threadIdx" in _cuda_source(sch.mod)
+    assert len(decisions) > 1
