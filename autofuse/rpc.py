@@ -210,7 +210,9 @@ class LocalFarm:
 
     def __enter__(self) -> "LocalFarm":
         import tempfile
+        import os
         self.log_dir = self.log_dir or tempfile.mkdtemp(prefix="autofuse-rpc-")
+        os.makedirs(self.log_dir, exist_ok=True)
         self.port = free_port()
         self.tracker = self._spawn(tracker_command(self.host, self.port), "tracker.log", None)
         try:
