@@ -75,6 +75,19 @@ unscheduled 32 ms, ``flash_tiles`` defaults 2.2 ms (causal=0: 63 ms and 3.0 ms).
 defaults reach ~54 GFLOP/s at causal=0, about half of a core's FMA peak: the two products are
 4-register FMA chains with the K/V operand loaded from cache.
 
+Template ``cuda_flash`` (CUDA, SIMT FMAs, no tensor cores): the FlashAttention-2 scheme. A thread
+block per (batch, head, query tile), a query row per threadIdx.y (query tile a knob: 1..64 rows,
+the last tile predicated, so that it also schedules a symbolic seq_q), LANES threads per row
+(the tile max/sum lane count: 16 at KT = 64). Per key tile, serial: the block stages K (scaled,
+transposed, float32) and V (the dtype) in shared memory with vector loads; each thread computes
+the scores of keys c = thread + LANES * j of its row from the query row held in registers, the
+tile max and sum are shuffles across the row's threads, P goes through shared memory (a row's
+threads exchange it), and each thread accumulates P.V for its head_dim / LANES output columns;
+m, l and acc stay in registers across the key tiles. Where K and V do not both fit in 48 KiB of
+shared memory, V is read through L1 instead (head_dim 128), and past that K too, scaled and
+transposed into memory by a kernel of its own (head_dim 256). Builds and compiles here
+(nvcc, sm_90) for static and symbolic lengths; not yet run on a GPU.
+
 Precision: float32, float16 or bfloat16 inputs and outputs; the scores, running max/sum and output
 accumulator are float32 in every dtype, and each output is rounded to the dtype once. (The
 half-precision tolerance is stated at ``PATTERN``.)
@@ -87,7 +100,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
-from search_spaces.reduction.softmax_dropout import _exp
+from search_spaces.reduction.softmax_dropout import _exp, dtype_bytes
 
 KV_TILE = 64
 
@@ -387,6 +400,172 @@ def flash_tiles(sch, target, knobs):
     sch.annotate(outer, "pragma_unroll_explicit", 1)
 
 
+# ---- CUDA ---------------------------------------------------------------------------------------
+
+_CUDA_QUERY_TILES = (1, 2, 4, 8, 16, 32, 64)   # query rows per thread block (threadIdx.y)
+_CUDA_LOAD_LANES = 4                  # elements per thread and instruction in the K/V tile loads
+
+
+def _cuda_plan(kt, d, lanes, itemsize, limit, seq_q):
+    """What the CUDA template stages in shared memory at this key tile, head_dim and dtype, and
+    the query tiles that then fit: (stage K, stage V, query tiles). The probabilities p (query
+    tile x key tile, float32) are always there; K scaled and transposed (float32, rows padded by
+    one against bank conflicts) and V (the dtype) while they fit, otherwise read through L1.
+    Tiles beyond the next power of two of a static seq_q would only add idle rows; a symbolic
+    seq_q gets tiles of 8 rows and more."""
+    tall = [r for r in _CUDA_QUERY_TILES if (r >= 8 if _symbolic(seq_q) else r < 2 * seq_q)]
+    k_bytes = kt * (d + 1) * 4
+    v_bytes = kt * d * itemsize
+    for stage_k, stage_v in ((True, True), (True, False), (False, False)):
+        fixed = stage_k * k_bytes + stage_v * v_bytes
+        tiles = [rows for rows in tall if rows * lanes <= 1024 and fixed + rows * kt * 4 <= limit]
+        if tiles:
+            return stage_k, stage_v, tiles
+    raise ValueError(f"no query tile fits {limit} bytes of shared memory at key tile {kt}")
+
+
+def _vector_split(sch, loop, width):
+    """``loop`` (a per-thread run of consecutive elements) as unrolled vectors of ``width``."""
+    extent = int(sch.get(loop).extent)
+    vec = 4 if extent % 4 == 0 else 2 if extent % 2 == 0 else 1
+    outer, inner = sch.split(loop, [None, min(vec, width)])
+    sch.unroll(outer)
+    sch.vectorize(inner)
+
+
+@template("cuda_flash", target_kinds=("cuda",))
+def cuda_flash(sch, target, knobs):
+    """FlashAttention-2 on SIMT cores: a thread block per (batch, head, query tile), a query row
+    per threadIdx.y, LANES threads per row; K/V tiles staged in shared memory; scores, running
+    max/sum and the output accumulator per thread, P in shared memory; the key-tile loop serial."""
+    qk, pv, prob = (sch.get_sblock(n) for n in ("qk", "pv", "prob"))
+    b, h, i, t, c, dd = sch.get_loops(qk)
+    lanes = int(sch.get(sch.get_loops(sch.get_sblock("tile_max"))[-1]).extent)
+    kt, d = int(sch.get(c).extent), int(sch.get(dd).extent)
+    itemsize = dtype_bytes(sch.get(pv).reads[-1].source.dtype)
+    limit = int(target.attrs.get("max_shared_memory_per_block", 48 * 1024))
+    seq_q = sch.get(i).extent
+    seq_q = seq_q.value if isinstance(seq_q, tirx.IntImm) else seq_q
+    stage_k, stage_v, tiles = _cuda_plan(kt, d, lanes, itemsize, limit, seq_q)
+    # Query rows per block: a categorical knob and an imperfect split (the last tile predicated),
+    # so that a trace tuned at one seq_q replays on a symbolic one (as flash_tiles).
+    rows = knobs.choice(tiles, max(r for r in tiles if r <= 16) if min(tiles) <= 16 else min(tiles))
+    i0, i1 = sch.split(i, [None, rows])
+    bx = sch.fuse(b, h, i0)
+    sch.bind(bx, "blockIdx.x")
+    # The row loop stays above the key-tile loop: a row's running state (m, l, acc) then belongs
+    # to its threads across the key tiles (registers), and t stays serial inside every thread.
+    sch.bind(i1, "threadIdx.y")
+
+    # Threads of a row: LANES (the lane count of the tile max/sum, fixed by build). Key c of the
+    # score tile goes to thread c % LANES, the lane that reduces it in tile_max_lanes, so the
+    # scores never leave that thread's registers; the tile max and sum are cross-thread
+    # reductions over the lanes (warp shuffles within the row's LANES threads).
+    ck, ctx = sch.split(c, [None, lanes])
+    sch.reorder(ctx, ck, dd)
+    sch.bind(ctx, "threadIdx.x")
+    for name in ("tile_max_lanes", "tile_sum_lanes"):
+        lane, r = sch.get_loops(sch.get_sblock(name))[-2:]
+        sch.bind(lane, "threadIdx.x")
+    for name in ("tile_max", "tile_sum"):
+        sch.bind(sch.get_loops(sch.get_sblock(name))[-1], "threadIdx.x")
+    pck, ptx = sch.split(sch.get_loops(prob)[-1], [None, lanes])
+    sch.bind(ptx, "threadIdx.x")
+    sch.unroll(pck)
+    # P.V, the accumulator and the output: head_dim split over the row's threads, each owning a
+    # run of d / LANES consecutive columns (vector loads of V from shared memory).
+    pd, pc = sch.get_loops(pv)[-2:]
+    ptx, pdj = sch.split(pd, [lanes, None])
+    sch.reorder(ptx, pc, pdj)
+    sch.bind(ptx, "threadIdx.x")
+    even = d % lanes == 0
+    if even:
+        _vector_split(sch, pdj, 4)
+    djs = []
+    for name in ("run_acc", "out"):
+        dtx, dj = sch.split(sch.get_loops(sch.get_sblock(name))[-1], [lanes, None])
+        sch.bind(dtx, "threadIdx.x")
+        djs.append(dj)
+
+    # Per-thread values in registers ("local"); what the row's threads exchange in shared memory.
+    for name in ("qk", "tile_max_lanes", "tile_sum_lanes", "tile_max", "tile_sum", "run_sum", "pv", "run_acc"):
+        sch.set_scope(sch.get_sblock(name), 0, "local")
+    run_max = sch.get_sblock("run_max")
+    sch.set_scope(run_max, 0, "local")
+    sch.set_scope(run_max, 1, "local")
+    sch.set_scope(prob, 0, "shared")
+    # p is indexed by the query row, which is symbolic with seq_q: shared memory needs a constant
+    # size, and TVM cannot prove the block's rows (the tile) fit a symbolic one. Rows taken modulo
+    # the largest tile are distinct within a block, and the block is all the buffer serves.
+    big = max(tiles)
+    sch.transform_layout(prob, ("write", 0), lambda b_, h_, i_, c_: (i_ % big, c_),
+                         assume_injective_transform=True)
+
+    kts = sch.get_sblock("k_scaled_t")
+    if stage_k:
+        # K of this key tile, scaled and transposed to (head_dim, keys), by the whole block: read
+        # along head_dim (coalesced, vectorised), written transposed into rows padded by one.
+        sch.set_scope(kts, 0, "shared")
+        sch.compute_at(kts, t)
+        sch.storage_align(kts, 0, axis=-2, factor=32, offset=1)
+        kd, kj = sch.get_loops(kts)[-2:]
+        sch.reorder(kj, kd)
+        _, fy, fx, fv = sch.split(sch.fuse(kj, kd), [None, rows, lanes, _CUDA_LOAD_LANES])
+        sch.bind(fy, "threadIdx.y")
+        sch.bind(fx, "threadIdx.x")
+        sch.vectorize(fv)
+    else:
+        # Its own kernel, before the attention one: K scaled and transposed once into memory.
+        f0, f1 = sch.split(sch.fuse(*sch.get_loops(kts)), [None, 256])
+        sch.bind(f0, "blockIdx.x")
+        sch.bind(f1, "threadIdx.x")
+    if stage_v:
+        vs = sch.cache_read(pv, "v", "shared")
+        sch.compute_at(vs, t)
+        # As p: keys modulo KV_TILE, distinct within a tile (the padded tail clamps to the last
+        # key, in range). KV_TILE and not this build's tile, which is shorter when seq_kv is: a
+        # trace tuned there and replayed on a symbolic seq_kv (64-key tiles) must not alias keys.
+        sch.transform_layout(vs, ("write", 0), lambda b_, h_, j_, d_: (j_ % KV_TILE, d_),
+                             assume_injective_transform=True)
+        _, fy, fx, fv = sch.split(sch.fuse(*sch.get_loops(vs)[-2:]), [None, rows, lanes, _CUDA_LOAD_LANES])
+        sch.bind(fy, "threadIdx.y")
+        sch.bind(fx, "threadIdx.x")
+        sch.vectorize(fv)
+    if d <= 128:
+        # The query row in registers for the whole kernel (every thread of the row reads all of it).
+        qc = sch.cache_read(qk, "q", "local")
+        sch.compute_at(qc, i1)
+        _vector_split(sch, sch.get_loops(qc)[-1], 4)
+
+    # Inits split out of every reduction that is not across threads (after the bindings: an
+    # update block without its init is neither complete nor a reduction, and bind refuses it).
+    sch.decompose_reduction(qk, ck)
+    for loop in sch.get_loops(qk)[-2:]:
+        sch.unroll(loop)
+    for name in ("tile_max_lanes", "tile_sum_lanes"):
+        blk = sch.get_sblock(name)
+        r = sch.get_loops(blk)[-1]
+        sch.decompose_reduction(blk, r)
+        sch.unroll(sch.get_loops(blk)[-1])
+    sch.decompose_reduction(pv, pc)
+    if not even:
+        sch.unroll(sch.get_loops(pv)[-1])
+    for dj in djs:
+        if even:
+            _vector_split(sch, dj, 4)
+        else:
+            sch.unroll(dj)
+    # The running state initialised once per query row, before the key-tile loop (as
+    # MetaSchedule's RewriteReductionBlock would do to a tuned record anyway). The init of acc
+    # carries the head_dim loop bound to threadIdx.x out of the key-tile loop, and with it TVM
+    # lifts threadIdx.x above that loop, so that acc compacts to the thread's own columns
+    # (registers) instead of a whole row per thread.
+    for name in ("run_max", "run_sum", "run_acc"):
+        sch.decompose_reduction(sch.get_sblock(name), t)
+    sch.annotate(pc, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
+    sch.annotate(pc, "pragma_unroll_explicit", 0)
+
+
 def onnx_graph(shape, dtype):
     """MatMul(q, Transpose(k)) * scale [+ constant 0/-1e9 causal mask], Softmax, MatMul with v: the
     score matrix is materialised, as the baselines compute it. With kv_heads < heads, K and V are
@@ -537,7 +716,7 @@ PATTERN = Pattern(
     # rtol = 4u. Near zero, where cancellation in P.V leaves no relative bound, the
     # float32 accumulation error remains: ~seq_kv * 2^-24 of |v|, 1.5e-5 at seq_kv = 256: atol 1e-4.
     tolerance={"float32": (1e-4, 1e-4), "float16": (2e-3, 1e-4), "bfloat16": (1.6e-2, 1e-4)},
-    templates=[flash_tiles],
+    templates=[flash_tiles, cuda_flash],
     # Before softmax_dropout's rule, which would otherwise take the softmax out of the attention.
     relax_rules=[RelaxRule("attention", _relax_pattern, _relax_rewrite, priority=10)],
 )

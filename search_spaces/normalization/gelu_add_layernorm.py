@@ -13,6 +13,13 @@ kernel spells erf out as ``erf_f32``, the clamped rational approximation of ``to
 (max abs error 4.4e-7 against ``math.erf``), which vectorises: 0.21 ms. ``build_with(...,
 "libm")`` keeps the ``T.erf`` form for comparison. The numpy reference uses exact ``math.erf``.
 
+CUDA templates (softmax_dropout's ``CudaRows`` layout): a warp (or less) per row up to 1024
+float32 / 2048 half values, a block per longer row; x, r, gamma and beta loaded with 16-byte
+vector loads, y stored with 16-byte stores; mean and sum of squares as cross-thread reductions.
+``cuda_rows`` keeps the float32 row of h in registers, ``cuda_rows_smem`` in shared memory,
+``cuda_rows_recompute`` inlines GELU+add into its three readers. Compiled here (nvcc, sm_90), not
+yet run on a GPU.
+
 Precision: float32, float16 or bfloat16 inputs and outputs; GELU + add (h), the mean and variance
 and the normalisation are float32 in every dtype, and each output is rounded to the dtype once.
 (The half-precision tolerance is stated at ``PATTERN``.)
@@ -25,6 +32,8 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
+from search_spaces.reduction.softmax_dropout import (MAX_ROWS_PER_BLOCK, CudaRows, dtype_bytes, rows_in_shared_memory,
+                                                     unroll_chunks, vector_load, vector_store)
 
 EPS = 1e-5
 ERF = "rational"
@@ -210,6 +219,59 @@ def row_recompute(sch, target, knobs):
     _row_fused(sch, knobs, recompute=True)
 
 
+def _gelu_layernorm_cuda(sch, target, knobs, keep):
+    """``keep``: where the float32 row of h = GELU(x) + r lives between the three passes:
+    "local" (registers), "shared", or None (GELU+add recomputed in each pass from x and r)."""
+    gelu = sch.get_sblock("gelu_add")
+    mean, sq, norm = (sch.get_sblock(n) for n in ("mean", "sumsq", "norm"))
+    itemsize = dtype_bytes(sch.get(norm).writes[0].source.dtype)
+    max_rows = MAX_ROWS_PER_BLOCK
+    if keep == "shared":
+        max_rows = rows_in_shared_memory(target, int(sch.get(sch.get_loops(norm)[-1]).extent) * 4)
+        keep = keep if max_rows else None
+    rows = CudaRows(sch, knobs, norm, itemsize, keep == "local", max(1, max_rows))
+    loops = {norm: rows.loops}
+    vector_store(sch, norm, rows.loops[2])
+    for blk in (sq, mean):
+        loops[blk] = rows.reduction(sch, blk)
+    if keep is None:
+        sch.compute_inline(gelu)
+        readers = [mean, sq, norm]
+    else:
+        sch.set_scope(gelu, 0, keep)
+        loops[gelu] = rows.attach(sch, gelu)
+        readers = [gelu]
+    for blk in readers:
+        for name in ("x", "r"):
+            vector_load(sch, blk, name, loops[blk][2])
+    for name in ("gamma", "beta"):
+        vector_load(sch, norm, name, rows.loops[2])
+    unroll_chunks(sch, loops.values())
+
+
+@template("cuda_rows", target_kinds=("cuda",))
+def cuda_rows(sch, target, knobs):
+    """A warp (short rows) or a block (long rows) per row; x and r loaded with vector loads,
+    GELU+add computed once into a float32 row held in registers; mean and sum of squares as
+    cross-thread reductions (warp shuffles, shared memory across warps); the normalise pass writes
+    y from the registers with vector stores. (The CudaRows layout of softmax_dropout.)"""
+    _gelu_layernorm_cuda(sch, target, knobs, "local")
+
+
+@template("cuda_rows_smem", target_kinds=("cuda",))
+def cuda_rows_smem(sch, target, knobs):
+    """As cuda_rows, with the float32 row of GELU+add in shared memory instead of registers
+    (computed coalesced across threads)."""
+    _gelu_layernorm_cuda(sch, target, knobs, "shared")
+
+
+@template("cuda_rows_recompute", target_kinds=("cuda",))
+def cuda_rows_recompute(sch, target, knobs):
+    """As cuda_rows, but GELU+add is inlined into its three readers: x and r are loaded (from L1
+    after the first pass) and the erf computed three times, nothing of the row kept."""
+    _gelu_layernorm_cuda(sch, target, knobs, None)
+
+
 def onnx_graph(shape, dtype):
     """Exact GELU spelled out in Div/Erf/Add/Mul (opset 17 has no Gelu), Add, LayerNormalization."""
     from onnx import helper
@@ -241,5 +303,5 @@ PATTERN = Pattern(
     # rtol = 4u. Near zero the float32 statistics' error remains: ~hidden * 2^-24
     # relative in mean and variance, 4.6e-5 at hidden = 768: atol 1e-4.
     tolerance={"float32": (1e-4, 1e-4), "float16": (2e-3, 1e-4), "bfloat16": (1.6e-2, 1e-4)},
-    templates=[row_fused, row_recompute],
+    templates=[row_fused, row_recompute, cuda_rows, cuda_rows_smem, cuda_rows_recompute],
 )

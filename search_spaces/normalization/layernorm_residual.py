@@ -6,6 +6,13 @@ the next sublayer. eps = 1e-5, biased (1/hidden) variance. Four sblocks: ``add``
 var = sumsq/hidden - mean^2). Unfused, h is written and then read back three times from memory;
 fused per row, the three passes over h hit the row just written, still in L1.
 
+CUDA templates (softmax_dropout's ``CudaRows`` layout): a warp (or less) per row up to 1024
+float32 / 2048 half values, a block per longer row; 16-byte vector loads and stores; mean and
+sum of squares as cross-thread reductions. The add writes the row of h into registers
+(``cuda_rows``) or shared memory (``cuda_rows_smem``), from where it is stored to h and read by
+the three passes; ``cuda_rows_reread`` stores h and reads it back (each thread its own elements,
+from L1). Compiled here (nvcc, sm_90), not yet run on a GPU.
+
 Parameter order: x, r, gamma, beta, h, y (two outputs, last).
 
 Precision: float32, float16 or bfloat16 inputs and outputs. h = x + r is an output, so it is
@@ -21,6 +28,8 @@ from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
 from search_spaces.normalization.gelu_add_layernorm import EPS, layernorm, make_inputs, rfactor_lanes, vectorize_rf
+from search_spaces.reduction.softmax_dropout import (MAX_ROWS_PER_BLOCK, CudaRows, dtype_bytes, rows_in_shared_memory,
+                                                     unroll_chunks, vector_load, vector_store)
 
 
 def build(shape, dtype):
@@ -105,6 +114,67 @@ def row_fused(sch, target, knobs):
     sch.annotate(i0, "pragma_unroll_explicit", 1)
 
 
+def _layernorm_residual_cuda(sch, target, knobs, keep):
+    """``keep``: where the row of h lives for the three passes after the add: "local"
+    (registers), "shared", or None (the passes read back the h just stored, each thread its own
+    elements, through L1). In the first two, the add writes the row there and a copy of it stores
+    h with vector stores."""
+    add = sch.get_sblock("add")
+    mean, sq, norm = (sch.get_sblock(n) for n in ("mean", "sumsq", "norm"))
+    itemsize = dtype_bytes(sch.get(add).writes[0].source.dtype)
+    max_rows = MAX_ROWS_PER_BLOCK
+    if keep == "shared":
+        max_rows = rows_in_shared_memory(target, int(sch.get(sch.get_loops(add)[-1]).extent) * itemsize)
+        keep = keep if max_rows else None
+    if keep is not None:
+        store_h = sch.cache_write(add, 0, keep, consumer_blocks=[mean, sq, norm])
+    # Laid out on the add: h is an output, and compute_at refuses output blocks.
+    rows = CudaRows(sch, knobs, add, itemsize, keep == "local", max(1, max_rows))
+    loops = {add: rows.loops}
+    for name in ("x", "r"):
+        vector_load(sch, add, name, rows.loops[2])
+    if keep == "local":
+        sch.reverse_compute_at(store_h, rows.loops[2], preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(store_h)[-1])
+    elif keep == "shared":
+        # Once the whole row is in shared memory (one barrier), not per chunk.
+        _, _, kc, kv = rows.attach(sch, store_h, reverse=True)
+        sch.unroll(kc)
+        sch.vectorize(kv)
+    for blk in (mean, sq):
+        loops[blk] = rows.reduction(sch, blk, reverse=True)
+    loops[norm] = rows.attach(sch, norm, reverse=True)
+    vector_store(sch, norm, loops[norm][2])
+    for name in ("gamma", "beta"):
+        vector_load(sch, norm, name, loops[norm][2])
+    if keep is None:
+        for blk in (mean, sq, norm):
+            vector_load(sch, blk, "h", loops[blk][2])
+    unroll_chunks(sch, loops.values())
+
+
+@template("cuda_rows", target_kinds=("cuda",))
+def cuda_rows(sch, target, knobs):
+    """A warp (short rows) or a block (long rows) per row; x and r loaded with vector loads, the
+    row of h = x + r kept in registers and stored with vector stores; mean and sum of squares as
+    cross-thread reductions (warp shuffles, shared memory across warps); y written from the
+    registers with vector stores. (The CudaRows layout of softmax_dropout.)"""
+    _layernorm_residual_cuda(sch, target, knobs, "local")
+
+
+@template("cuda_rows_smem", target_kinds=("cuda",))
+def cuda_rows_smem(sch, target, knobs):
+    """As cuda_rows, with the row of h in shared memory (coalesced across threads)."""
+    _layernorm_residual_cuda(sch, target, knobs, "shared")
+
+
+@template("cuda_rows_reread", target_kinds=("cuda",))
+def cuda_rows_reread(sch, target, knobs):
+    """As cuda_rows, but the passes after the add read h back from global memory (each thread
+    the elements it stored, so no barrier; L1 hits)."""
+    _layernorm_residual_cuda(sch, target, knobs, None)
+
+
 def _relax_pattern():
     from tvm.relax.dpl import is_op, wildcard
     a, b, gamma, beta = wildcard(), wildcard(), wildcard(), wildcard()
@@ -173,7 +243,7 @@ PATTERN = Pattern(
     # relative in mean and variance, 4.6e-5 at hidden = 768: atol 1e-4. (Statistics accumulated in
     # float16 fail this tolerance at hidden = 4096: tests/test_precision.py.)
     tolerance={"float32": (1e-4, 1e-4), "float16": (2e-3, 1e-4), "bfloat16": (1.6e-2, 1e-4)},
-    templates=[row_fused],
+    templates=[row_fused, cuda_rows, cuda_rows_smem, cuda_rows_reread],
     num_outputs=2,
     relax_rules=[RelaxRule("add_layer_norm", _relax_pattern, _relax_rewrite)],
 )

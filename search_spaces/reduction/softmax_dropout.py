@@ -14,6 +14,15 @@ fourth buffer; fused, one row at a time stays in L1 across the three passes. The
 written out as a polynomial (``_exp``): ``T.exp`` becomes a scalar ``expf`` call per vector lane on
 x86, which made the whole kernel ~10x slower (3.3 ms against 0.34 ms at 512x1024, 2 cores).
 
+CUDA templates (``CudaRows``, shared with the normalization patterns): a row per warp or less
+(rows up to 32 x 8 vectors of 16 bytes: 1024 float32 or 2048 half values; several rows per block
+on threadIdx.y) or per block (longer rows); max and sum are cross-thread reductions (warp
+shuffles, through shared memory across warps) and every thread keeps the row statistics in a
+register (short rows) or reads them from shared memory (long rows). ``cuda_rows`` loads the row
+of x once into registers with 16-byte loads and writes y with 16-byte stores; ``cuda_rows_smem``
+keeps the row in shared memory instead, ``cuda_rows_reread`` loads it again in each pass (L1).
+Knobs: threads per row, rows per block. Compiled here (nvcc, sm_90), not yet run on a GPU.
+
 The dropout probability is the shape parameter ``p_permille`` (p = p_permille / 1000, default
 100; 0 is inference, plain softmax, which is what models match); the mask seed is ``SEED``.
 ``build_with`` takes any p and seed.
@@ -27,7 +36,7 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
+from autofuse.pattern import Pattern, RelaxRule, ShapeParam, fit_tiles, onnx_model, template
 
 P = 0.1
 SEED = 42
@@ -220,6 +229,194 @@ def row_parallel(sch, target, knobs):
     sch.annotate(i0, "pragma_unroll_explicit", 1)
 
 
+# ---- CUDA: a row per group of threads, its reductions across those threads -------------------
+#
+# Shared by the row-reduction patterns (softmax_dropout here, layernorm_residual and
+# gelu_add_layernorm): each pass over a row (the reductions, the elementwise prologue and epilogue)
+# is split the same way, so that element (row, col) belongs to the same thread in every pass.
+
+VECTOR_BYTES = 16       # one 128-bit load or store per thread: the widest a CUDA thread issues
+WARP = 32
+MAX_CHUNKS = 8          # most vectors per thread among the sampled thread counts
+ROW_THREADS = 256       # default threads of a row longer than a warp can hold
+BLOCK_THREADS = 128     # default threads per block when a warp (or less) holds a row
+MAX_ROWS_PER_BLOCK = 16
+SHARED_SLACK = 2048     # shared bytes left to the cross-warp reductions next to a cached row
+
+
+def dtype_bytes(dtype) -> int:
+    from tvm import DataType
+    return DataType(str(dtype)).bits // 8
+
+
+def rows_in_shared_memory(target, row_bytes: int) -> int:
+    """How many rows of ``row_bytes`` a block's shared memory holds (0: not even one), leaving
+    SHARED_SLACK bytes for the reductions' staging buffers."""
+    limit = int(target.attrs.get("max_shared_memory_per_block", 48 * 1024)) - SHARED_SLACK
+    return max(0, min(MAX_ROWS_PER_BLOCK, limit // row_bytes))
+
+
+class CudaRows:
+    """The thread layout of a row-reduction kernel, set up on ``block`` (a (row, col) pass; its
+    loops become blockIdx.x, threadIdx.y | threadIdx.x, chunk, lane) and repeated on every other
+    pass with ``attach``.
+
+    A row is split into (threads, chunks, lanes): lanes a 16-byte vector (or the widest divisor of
+    the row below it), threads per row a knob, chunks what is left per thread. ``contiguous`` puts
+    the thread outermost, so that a thread owns one contiguous slice of each row (chunks x lanes
+    values), which lets a per-thread ("local") buffer of the row compact to a register array;
+    otherwise the chunk is outermost and consecutive threads read consecutive vectors (coalesced).
+
+    Two modes, by the row's length (a shape fact, so no knob steers Python): a row of at most
+    32 x MAX_CHUNKS vectors is held by a warp or less (up to 32 threads; rows per block a knob, on
+    threadIdx.y), and its reductions are warp shuffles whose result stays in a register. A longer
+    row gets a block of its own (up to 1024 threads): its reductions go across warps through shared
+    memory, and their results are "shared" buffers. Why not a local result there too: TVM 0.27 maps
+    a local result of a multi-warp reduction onto its volatile shared staging word, and every read
+    of it (the polynomial exp reads the max ~20 times per element) becomes a volatile load; a
+    register copy of it is merged back by storage rewriting. And why not several long rows per block
+    with shared results: the barrier between threadIdx.x == 0 writing the result and the row's other
+    threads reading it is left out when the buffer is indexed by threadIdx.y (the sync planner
+    takes equal indices for a thread-private access).
+
+    ``max_rows`` caps the rows per block (what a shared-memory copy of the rows allows).
+    """
+
+    def __init__(self, sch, knobs, block, itemsize, contiguous, max_rows=MAX_ROWS_PER_BLOCK):
+        i, j = sch.get_loops(block)[-2:]
+        cols = int(sch.get(j).extent)
+        lanes = fit_tiles(cols, [max(1, VECTOR_BYTES // itemsize)])[-1]
+        vectors = cols // lanes
+        self.warp = vectors <= WARP * MAX_CHUNKS
+        # Threads per row: a divisor of the row's vectors (a perfect split, no predicate), a
+        # categorical knob over those leaving at most MAX_CHUNKS vectors per thread, so that the
+        # unrolled per-thread code stays small. Default: the fewest chunks within the mode's
+        # thread budget.
+        cap = WARP if self.warp else ROW_THREADS
+        fits = [d for d in range(1, min(WARP if self.warp else 1024, vectors) + 1) if vectors % d == 0]
+        few = [d for d in fits if vectors // d <= MAX_CHUNKS and (self.warp or d > WARP)]
+        # Powers of two where there are any: TVM reduces other group sizes through shared memory.
+        choices = [d for d in few if d & (d - 1) == 0] or few
+        default = max([d for d in choices if d <= cap] or [d for d in fits if d <= cap])
+        threads = knobs.choice(sorted(set(choices) | {default}), default)
+        if self.warp:
+            per_block = max(1, min(max_rows, BLOCK_THREADS // default))
+            self.row_factors = knobs.tile(i, 2, [per_block], max_innermost_factor=max(1, max_rows))
+        else:
+            self.row_factors = [None, 1]
+        self.stat_scope = "local" if self.warp else "shared"
+        self.contiguous = contiguous
+        jo, jv = sch.split(j, [None, lanes])
+        self.col_factors = (threads, lanes)
+        if contiguous:
+            tx, jc = sch.split(jo, [threads, None])
+        else:
+            jc, tx = sch.split(jo, [None, threads])
+        bx, ty = sch.split(i, self.row_factors)
+        sch.reorder(bx, ty, tx, jc, jv)
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(ty, "threadIdx.y")
+        sch.bind(tx, "threadIdx.x")
+        self.block_loop = bx
+        self.loops = (ty, tx, jc, jv)
+
+    def attach(self, sch, block, reverse=False):
+        """Move ``block`` (another pass over the same rows) under the thread block's loop and split
+        it like the first. On a reduction, threadIdx.x binds a reduction loop: TVM lowers that to a
+        cross-thread reduction (each thread's chunks first, then shuffles). Returns its (row,
+        thread, chunk, lane) loops."""
+        (sch.reverse_compute_at if reverse else sch.compute_at)(block, self.block_loop, preserve_unit_loops=True)
+        r, k = sch.get_loops(block)[-2:]
+        threads, lanes = self.col_factors
+        ko, kv = sch.split(k, [None, lanes])
+        if self.contiguous:
+            tx, kc = sch.split(ko, [threads, None])
+        else:
+            kc, tx = sch.split(ko, [None, threads])
+            sch.reorder(tx, kc)
+        sch.bind(r, "threadIdx.y")
+        sch.bind(tx, "threadIdx.x")
+        return r, tx, kc, kv
+
+    def reduction(self, sch, block, reverse=False):
+        """``attach`` for a row reduction, its result kept where this mode's readers want it."""
+        sch.set_scope(block, 0, self.stat_scope)
+        return self.attach(sch, block, reverse)
+
+
+def vector_load(sch, block, buffer, chunk_loop):
+    """What ``block`` reads of ``buffer`` in one chunk, through a register vector: one wide load."""
+    cache = sch.cache_read(block, buffer, "local", consumer_blocks=[block])
+    sch.compute_at(cache, chunk_loop, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(cache)[-1])
+    return cache
+
+
+def vector_store(sch, block, chunk_loop):
+    """``block``'s output of one chunk through a register vector: one wide store."""
+    cache = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(cache, chunk_loop, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(cache)[-1])
+    return cache
+
+
+def unroll_chunks(sch, loops):
+    """Every pass's chunk and lane loops unrolled: a per-thread array is only registers when each
+    index into it is a constant (and the lane loops compute one element at a time between a vector
+    load and a vector store)."""
+    for _, _, kc, kv in loops:
+        sch.unroll(kc)
+        sch.unroll(kv)
+
+
+def _softmax_cuda(sch, target, knobs, keep):
+    """``keep``: where the row of x lives across the three passes: "local" (registers), "shared"
+    or None (each pass loads it again, through L1). A row too long for shared memory is re-read."""
+    norm = sch.get_sblock("norm_dropout")
+    row_max, exp_sum = sch.get_sblock("row_max"), sch.get_sblock("exp_sum")
+    itemsize = dtype_bytes(sch.get(norm).reads[0].source.dtype)
+    max_rows = MAX_ROWS_PER_BLOCK
+    if keep == "shared":
+        max_rows = rows_in_shared_memory(target, int(sch.get(sch.get_loops(norm)[-1]).extent) * itemsize)
+        keep = keep if max_rows else None
+    rows = CudaRows(sch, knobs, norm, itemsize, keep == "local", max(1, max_rows))
+    loops = {norm: rows.loops}
+    vector_store(sch, norm, rows.loops[2])
+    for blk in (exp_sum, row_max):
+        loops[blk] = rows.reduction(sch, blk)
+    if keep is None:
+        for blk, (_, _, kc, _) in loops.items():
+            vector_load(sch, blk, "x", kc)
+    else:
+        # Read by all three passes; placed before the first, under the thread block's loop.
+        _, _, kc, kv = rows.attach(sch, sch.cache_read(row_max, "x", keep))
+        sch.unroll(kc)
+        sch.vectorize(kv)
+    unroll_chunks(sch, loops.values())
+
+
+@template("cuda_rows", target_kinds=("cuda",))
+def cuda_rows(sch, target, knobs):
+    """A warp (short rows) or a block (long rows) per row; the row of x loaded once into
+    registers, vectorised; max and sum as cross-thread reductions (warp shuffles, and shared
+    memory across warps); the normalise+dropout pass writes y from the registers, vectorised."""
+    _softmax_cuda(sch, target, knobs, "local")
+
+
+@template("cuda_rows_smem", target_kinds=("cuda",))
+def cuda_rows_smem(sch, target, knobs):
+    """As cuda_rows, with the row of x staged in shared memory (loads coalesced across threads)
+    instead of registers."""
+    _softmax_cuda(sch, target, knobs, "shared")
+
+
+@template("cuda_rows_reread", target_kinds=("cuda",))
+def cuda_rows_reread(sch, target, knobs):
+    """As cuda_rows, but each of the three passes loads its part of x again (L1/L2 hits after the
+    first): no limit on the row length from registers or shared memory."""
+    _softmax_cuda(sch, target, knobs, None)
+
+
 def _relax_pattern():
     from tvm.relax.dpl import is_op, wildcard
     x = wildcard()
@@ -278,6 +475,6 @@ PATTERN = Pattern(
     # rtol = 4u. Every sum is of positive terms (no cancellation), so the error stays
     # relative down to the smallest values; atol only covers float16's subnormal spacing, 6e-8: 1e-6.
     tolerance={"float32": (1e-4, 1e-4), "float16": (2e-3, 1e-6), "bfloat16": (1.6e-2, 1e-6)},
-    templates=[row_parallel],
+    templates=[row_parallel, cuda_rows, cuda_rows_smem, cuda_rows_reread],
     relax_rules=[RelaxRule("softmax_last_axis", _relax_pattern, _relax_rewrite)],
 )

@@ -1,0 +1,151 @@
+"""The CUDA templates of the row reductions (softmax_dropout, layernorm_residual,
+gelu_add_layernorm) and of flash_attention compile for the H200 here, with nvcc, without a GPU to
+run them on: fixed knobs in float32 and float16, knob samples replayed the way MetaSchedule
+replays them, MetaSchedule's CUDA postprocessors, and flash_attention at symbolic lengths.
+Whether they compute the right numbers is benchmarks/gpu_check_templates.py's job, on a GPU."""
+
+import re
+import shutil
+
+import pytest
+import tvm
+from tvm import s_tir, tirx
+from tvm.s_tir.schedule import Trace
+
+from autofuse.pattern import TEMPLATE_ANNOTATION
+from autofuse.registry import all_patterns
+from autofuse.target import parse_target
+
+if shutil.which("nvcc") is None:
+    pytest.skip("nvcc not found: CUDA kernels cannot be compiled here", allow_module_level=True)
+
+H200 = parse_target("h200")
+NAMES = ("softmax_dropout", "layernorm_residual", "gelu_add_layernorm", "flash_attention")
+CASES = [(p, t) for p in (all_patterns()[n] for n in NAMES) for t in p.templates if t.applies_to(H200)]
+IDS = [f"{p.name}-{t.name}" for p, t in CASES]
+SAMPLES = 3
+
+
+def _compile(mod) -> str:
+    """The CUDA source of ``mod``, after nvcc accepted it for sm_90."""
+    from tvm.support import nvcc
+
+    source = tvm.tirx.build(mod, target=H200).imports[0].inspect_source("")
+    with H200:  # nvcc reads the arch off the current target
+        nvcc.compile_cuda(source, target_format="fatbin", arch="sm_90", compiler="nvcc")
+    return source
+
+
+_CTYPE_BYTES = {"nv_bfloat16": 2, "half": 2, "float": 4, "int": 4, "uint": 4, "double": 8,
+                "longlong": 8, "ulonglong": 8}
+_SHARED = re.compile(r"__shared__ alignas\(\d+\) (nv_bfloat16|half|float|uint|int|double|ulonglong|longlong)(\d*) "
+                     r"\w+\[(\d+)\]")
+
+
+def _within_limits(source: str):
+    """The h200 target's limits: 1024 threads per block, 48 KiB of static shared memory."""
+    threads = [int(n) for n in re.findall(r"__launch_bounds__\((\d+)\)", source)]
+    assert threads and max(threads) <= 1024
+    shared = sum(_CTYPE_BYTES[base] * int(lanes or 1) * int(count) for base, lanes, count in _SHARED.findall(source))
+    assert shared <= 48 * 1024
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cuda_compiles():
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def scale(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
+        for i in T.thread_binding(64, thread="threadIdx.x"):
+            with T.sblock("b"):
+                vi = T.axis.spatial(64, i)
+                b[vi] = a[vi] * T.float32(2)
+
+    try:
+        _compile(tvm.IRModule({"main": scale}))
+    except Exception as err:  # no CUDA codegen in this TVM, or an nvcc that cannot target sm_90
+        pytest.skip(f"TVM cannot compile CUDA here: {str(err).strip().splitlines()[-1]}")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("pattern,template", CASES, ids=IDS)
+def test_fixed_knobs_compile(pattern, template, dtype):
+    shape = pattern.small_shape()
+    sch = template.apply(pattern.build(shape, dtype), H200, tunable=False)
+    assert TEMPLATE_ANNOTATION in str(sch.trace)
+    source = _compile(sch.mod)
+    _within_limits(source)
+    assert "threadIdx.x" in source
+    # The reductions across a row's threads are warp shuffles.
+    assert "__shfl_down_sync" in source
+    if template.name.endswith("_smem") or pattern.name == "flash_attention":
+        assert "__shared__" in source
+
+
+@pytest.mark.parametrize("pattern,template", CASES, ids=IDS)
+def test_samples_replay_and_compile(pattern, template):
+    shape = pattern.small_shape()
+    func = pattern.build(shape, "float32")
+    design = s_tir.Schedule(func, seed=1)
+    template.schedule(design, H200, tunable=True)
+    space = Trace(design.trace.insts, {})
+    decisions = set()
+    for seed in range(2, SAMPLES + 2):
+        sch = s_tir.Schedule(func, seed=seed)
+        space.apply_to_schedule(sch, remove_postproc=True)
+        decisions.add(str(sch.trace.decisions))
+        _within_limits(_compile(sch.mod))
+    assert decisions, "the template should draw knobs"
+
+
+@pytest.mark.parametrize("pattern,template", CASES, ids=IDS)
+def test_metaschedule_reduction_postproc_keeps_the_schedule(pattern, template):
+    """Two of MetaSchedule's CUDA postprocessors, which tuning runs on every candidate (the others
+    need a tuning context): RewriteReductionBlock must find nothing left to decompose (it once
+    moved flash_tiles' per-tile inits to the wrong loop and every tuned record was wrong)."""
+    import tvm_ffi
+    from tvm.s_tir import meta_schedule as ms
+
+    func = pattern.build(pattern.small_shape(), "float32")
+    sch = template.apply(func, H200, tunable=False)
+    before = sch.mod
+    assert ms.postproc.RewriteReductionBlock().apply(sch)
+    assert tvm_ffi.structural_equal(before, sch.mod)
+    assert ms.postproc.DisallowDynamicLoop().apply(sch)
+
+
+@pytest.mark.parametrize("names", [["seq_q"], ["seq_kv"], ["seq_q", "seq_kv"]], ids="+".join)
+def test_flash_attention_symbolic_lengths_compile(names):
+    pattern = all_patterns()["flash_attention"]
+    template = next(t for t in pattern.templates if t.name == "cuda_flash")
+    shape = {**pattern.small_shape(), **{n: tirx.Var(n, "int64") for n in names}}
+    sch = template.apply(pattern.build(shape, "float32"), H200, tunable=False)
+    source = _compile(sch.mod)
+    assert "__shared__" in source and "__shfl_down_sync" in source
+
+
+def test_flash_attention_large_head_dim_reads_v_through_l1():
+    """head_dim 128 in float32: K (padded, float32) and V do not both fit 48 KiB; V is not staged."""
+    pattern = all_patterns()["flash_attention"]
+    template = next(t for t in pattern.templates if t.name == "cuda_flash")
+    shape = {**pattern.small_shape(), "head_dim": 128, "seq_kv": 64}
+    sch = template.apply(pattern.build(shape, "float32"), H200, tunable=False)
+    assert not [b for b in ("v_shared",) if b in sch.mod.script()]
+    _within_limits(_compile(sch.mod))
+
+
+def test_flash_attention_short_static_trace_replays_on_symbolic_seq_kv():
+    """A trace made at seq_kv = 16 (one 16-key tile) replayed on a symbolic seq_kv (64-key tiles),
+    as autofuse.dynamic does: the staged V tile must index keys modulo 64, not 16, or keys 16
+    apart would share a row."""
+    from autofuse.dynamic import symbolic
+
+    pattern = all_patterns()["flash_attention"]
+    template = next(t for t in pattern.templates if t.name == "cuda_flash")
+    shape = pattern.small_shape()
+    assert shape["seq_kv"] < 64
+    trace = template.apply(pattern.build(shape, "float32"), H200, tunable=False).trace
+    sch = s_tir.Schedule(pattern.build(symbolic(shape, ["seq_kv"]), "float32"))
+    trace.apply_to_schedule(sch, remove_postproc=False)
+    source = _compile(sch.mod)
+    assert "& (int64_t)63" in source and "& (int64_t)15" not in source
