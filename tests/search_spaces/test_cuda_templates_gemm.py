@@ -3,93 +3,24 @@ through nvcc, with their fixed defaults and with random knob samples replayed th
 replays them, into kernels that stage tiles through shared memory and bind threads. Nothing runs
 here (no GPU): benchmarks/gpu_check_templates.py runs and checks them on one. Small shapes only."""
 
-import re
-import shutil
-
 import pytest
-import tvm
-from tvm import s_tir
-from tvm.s_tir.schedule import Trace
+from cuda_support import H200, cuda_source as _cuda_source, kernels as _kernels, replayed, require_nvcc
+from cuda_support import template_named as _template
 
 from autofuse.pattern import TEMPLATE_ANNOTATION
 from autofuse.registry import get_pattern
-from autofuse.target import parse_target
 from search_spaces.gemm.linear_bias_relu import cuda_vector_lanes
 
-if shutil.which("nvcc") is None:
-    pytest.skip("nvcc not found: CUDA kernels cannot be compiled here", allow_module_level=True)
+require_nvcc()
 
-H200 = parse_target("h200")
 SAMPLES = 4
 SIMT = [("linear_bias_relu", "cuda_tiled_epilogue"), ("swiglu_ffn", "cuda_two_gemms")]
 GEMV = ("woq_matmul", "cuda_warp_per_row")
-SCALAR_BYTES = {"nv_bfloat16": 2, "float": 4, "half": 2, "uint": 4, "int": 4}
-
-
-def _bytes(ctype):
-    """Size of a CUDA element type as TVM names them: float, half4, nv_bfloat164, ..."""
-    base, lanes = re.fullmatch(r"(nv_bfloat16|float|half|uint|int)(\d*)", ctype).groups()
-    return SCALAR_BYTES[base] * int(lanes or 1)
-
-
-def _template(pattern, name):
-    return next(t for t in pattern.templates if t.name == name)
-
-
-def _cuda_source(mod) -> str:
-    """The generated CUDA source, after nvcc compiled it for sm_90 (what loading it on the device does)."""
-    from tvm.support import nvcc
-
-    source = tvm.tirx.build(mod, target=H200).imports[0].inspect_source("")
-    with H200:
-        nvcc.compile_cuda(source, target_format="fatbin", arch="sm_90", compiler="nvcc")
-    return source
 
 
 def _definitions(source):
-    """The kernel definitions of the source (not their forward declarations), in order."""
     chunks = source.split('extern "C" __global__')[1:]
     return [chunk for chunk in chunks if chunk.split("\n", 1)[0].rstrip().endswith("{")]
-
-
-def _kernels(source):
-    """(threads per block, static shared bytes) of each kernel of the source."""
-    found = []
-    for body in _definitions(source):
-        threads = int(re.search(r"__launch_bounds__\((\d+)\)", body).group(1))
-        shared = sum(_bytes(ty) * int(n) for ty, n in
-                     re.findall(r"__shared__ (?:alignas\(\d+\) )?(\w+) \w+\[(\d+)\]", body))
-        found.append((threads, shared))
-    return found
-
-
-def _replayed(pattern, template, func, seeds):
-    """Schedules drawn from the template's design space with its decisions removed (as MetaSchedule's
-    search draws them)."""
-    design = s_tir.Schedule(func, seed=1)
-    template.schedule(design, H200, tunable=True)
-    space = Trace(design.trace.insts, {})
-    for seed in seeds:
-        sch = s_tir.Schedule(func, seed=seed)
-        space.apply_to_schedule(sch, remove_postproc=True)
-        yield sch
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cuda_compiles():
-    from tvm.script import tirx as T
-
-    @T.prim_func(s_tir=True)
-    def scale(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
-        for i in T.thread_binding(64, thread="threadIdx.x"):
-            with T.sblock("b"):
-                vi = T.axis.spatial(64, i)
-                b[vi] = a[vi] * T.float32(2)
-
-    try:
-        _cuda_source(tvm.IRModule({"main": scale}))
-    except Exception as err:  # no CUDA codegen in this TVM, or an nvcc that cannot target sm_90
-        pytest.skip(f"TVM cannot compile CUDA here: {str(err).strip().splitlines()[-1]}")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
@@ -114,7 +45,7 @@ def test_samples_replay_and_compile(name, tname, dtype):
     pattern = get_pattern(name)
     func = pattern.build(pattern.small_shape(), dtype)
     decisions = set()
-    for sch in _replayed(pattern, _template(pattern, tname), func, range(2, SAMPLES + 2)):
+    for sch in replayed(_template(pattern, tname), func, range(2, SAMPLES + 2)):
         decisions.add(str(sch.trace.decisions))
         source = _cuda_source(sch.mod)
         assert "__shared__" in source and "threadIdx" in source
@@ -152,7 +83,7 @@ def test_wmma_uses_tensor_cores_for_float16_only():
     shape = pattern.small_shape()
     source = _cuda_source(wmma.apply(pattern.build(shape, "float16"), H200, tunable=False).mod)
     assert "wmma::mma_sync" in source and "__shared__" in source
-    for sch in _replayed(pattern, wmma, pattern.build(shape, "float16"), range(2, 4)):
+    for sch in replayed(wmma, pattern.build(shape, "float16"), range(2, 4)):
         assert "wmma::mma_sync" in _cuda_source(sch.mod)
     # float32 (tf32 would miss the tolerance) and bfloat16 (no TVM intrinsic) fall back to SIMT.
     for dtype in ("float32", "bfloat16"):
@@ -181,7 +112,7 @@ def test_gemv_reduces_across_the_warp(bits, group, m):
     assert "__shfl_down_sync" in source and "threadIdx.x" in source
     assert len(_kernels(source)) == 1
     decisions = set()
-    for sch in _replayed(pattern, template, func, range(2, SAMPLES + 2)):
+    for sch in replayed(template, func, range(2, SAMPLES + 2)):
         decisions.add(str(sch.trace.decisions))
         assert "threadIdx" in _cuda_source(sch.mod)
     assert len(decisions) > 1

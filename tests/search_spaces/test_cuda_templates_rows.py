@@ -4,67 +4,21 @@ run them on: fixed knobs in float32 and float16, knob samples replayed the way M
 replays them, MetaSchedule's CUDA postprocessors, and flash_attention at symbolic lengths.
 Whether they compute the right numbers is benchmarks/gpu_check_templates.py's job, on a GPU."""
 
-import re
-import shutil
-
 import pytest
-import tvm
-from tvm import s_tir, tirx
-from tvm.s_tir.schedule import Trace
+from cuda_support import H200, assert_within_limits as _within_limits, cuda_source as _compile
+from cuda_support import replayed, require_nvcc
+from tvm import tirx
+from tvm.s_tir import Schedule
 
 from autofuse.pattern import TEMPLATE_ANNOTATION
 from autofuse.registry import all_patterns
-from autofuse.target import parse_target
 
-if shutil.which("nvcc") is None:
-    pytest.skip("nvcc not found: CUDA kernels cannot be compiled here", allow_module_level=True)
+require_nvcc()
 
-H200 = parse_target("h200")
 NAMES = ("softmax_dropout", "layernorm_residual", "gelu_add_layernorm", "flash_attention")
 CASES = [(p, t) for p in (all_patterns()[n] for n in NAMES) for t in p.templates if t.applies_to(H200)]
 IDS = [f"{p.name}-{t.name}" for p, t in CASES]
 SAMPLES = 3
-
-
-def _compile(mod) -> str:
-    """The CUDA source of ``mod``, after nvcc accepted it for sm_90."""
-    from tvm.support import nvcc
-
-    source = tvm.tirx.build(mod, target=H200).imports[0].inspect_source("")
-    with H200:  # nvcc reads the arch off the current target
-        nvcc.compile_cuda(source, target_format="fatbin", arch="sm_90", compiler="nvcc")
-    return source
-
-
-_CTYPE_BYTES = {"nv_bfloat16": 2, "half": 2, "float": 4, "int": 4, "uint": 4, "double": 8,
-                "longlong": 8, "ulonglong": 8}
-_SHARED = re.compile(r"__shared__ alignas\(\d+\) (nv_bfloat16|half|float|uint|int|double|ulonglong|longlong)(\d*) "
-                     r"\w+\[(\d+)\]")
-
-
-def _within_limits(source: str):
-    """The h200 target's limits: 1024 threads per block, 48 KiB of static shared memory."""
-    threads = [int(n) for n in re.findall(r"__launch_bounds__\((\d+)\)", source)]
-    assert threads and max(threads) <= 1024
-    shared = sum(_CTYPE_BYTES[base] * int(lanes or 1) * int(count) for base, lanes, count in _SHARED.findall(source))
-    assert shared <= 48 * 1024
-
-
-@pytest.fixture(scope="module", autouse=True)
-def cuda_compiles():
-    from tvm.script import tirx as T
-
-    @T.prim_func(s_tir=True)
-    def scale(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
-        for i in T.thread_binding(64, thread="threadIdx.x"):
-            with T.sblock("b"):
-                vi = T.axis.spatial(64, i)
-                b[vi] = a[vi] * T.float32(2)
-
-    try:
-        _compile(tvm.IRModule({"main": scale}))
-    except Exception as err:  # no CUDA codegen in this TVM, or an nvcc that cannot target sm_90
-        pytest.skip(f"TVM cannot compile CUDA here: {str(err).strip().splitlines()[-1]}")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
@@ -86,13 +40,8 @@ def test_fixed_knobs_compile(pattern, template, dtype):
 def test_samples_replay_and_compile(pattern, template):
     shape = pattern.small_shape()
     func = pattern.build(shape, "float32")
-    design = s_tir.Schedule(func, seed=1)
-    template.schedule(design, H200, tunable=True)
-    space = Trace(design.trace.insts, {})
     decisions = set()
-    for seed in range(2, SAMPLES + 2):
-        sch = s_tir.Schedule(func, seed=seed)
-        space.apply_to_schedule(sch, remove_postproc=True)
+    for sch in replayed(template, func, range(2, SAMPLES + 2)):
         decisions.add(str(sch.trace.decisions))
         _within_limits(_compile(sch.mod))
     assert decisions, "the template should draw knobs"
@@ -145,7 +94,7 @@ def test_flash_attention_short_static_trace_replays_on_symbolic_seq_kv():
     shape = pattern.small_shape()
     assert shape["seq_kv"] < 64
     trace = template.apply(pattern.build(shape, "float32"), H200, tunable=False).trace
-    sch = s_tir.Schedule(pattern.build(symbolic(shape, ["seq_kv"]), "float32"))
+    sch = Schedule(pattern.build(symbolic(shape, ["seq_kv"]), "float32"))
     trace.apply_to_schedule(sch, remove_postproc=False)
     source = _compile(sch.mod)
     assert "& (int64_t)63" in source and "& (int64_t)15" not in source
