@@ -526,8 +526,10 @@ def versions(env: Env) -> dict:
 
     import tvm
     out = {"python": platform.python_version(), "numpy": np.__version__, "tvm": tvm.__version__}
-    try:  # the checkout measured, when it is a git one
-        out["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+    # A snapshot run elsewhere (git archive) names its commit; otherwise the checkout measured.
+    out["commit"] = os.environ.get("AUTOFUSE_COMMIT")
+    try:
+        out["commit"] = out["commit"] or subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                                        timeout=10).stdout.strip() or None
     except (OSError, subprocess.SubprocessError):
         out["commit"] = None
