@@ -456,8 +456,21 @@ def figures(case: Case, secs: float, machine) -> dict:
     return out
 
 
+def shapes_by_pattern(items: list[str] | None) -> dict[str, dict[str, str]]:
+    """``--shape softmax_dropout:rows=8192,cols=4096`` (repeatable) as {pattern: overrides}."""
+    from autofuse.cli import _shape_overrides
+
+    out: dict[str, dict[str, str]] = {}
+    for item in items or []:
+        name, sep, rest = item.partition(":")
+        if not sep or not name:
+            raise AutofuseError(f"--shape expects PATTERN:key=value[,key=value], got {item!r}")
+        out.setdefault(name.strip(), {}).update(_shape_overrides([rest]))
+    return out
+
+
 def run_pattern(pattern, args, env: Env, timer, machine, names: list[str], log) -> dict:
-    shape = pattern.small_shape() if args.small else pattern.default_shape()
+    shape = pattern.resolve_shape(args.shapes.get(pattern.name), "small" if args.small else "default")
     entry = {"shape": shape, "dtype": args.dtype, "flops": pattern.flops(shape),
              "bytes": pattern.bytes(shape, args.dtype), "tolerance": list(pattern.tolerance_for(args.dtype))}
     if args.dtype not in pattern.dtypes:
@@ -626,6 +639,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="gpu.json")
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     parser.add_argument("--small", action="store_true", help="small shapes (plumbing tests)")
+    parser.add_argument("--shape", action="append", metavar="PATTERN:K=V,...",
+                        help="override shape parameters of one pattern (repeatable), e.g. softmax_dropout:rows=8192")
     args = parser.parse_args(argv)
 
     from autofuse.registry import resolve_patterns
@@ -637,6 +652,9 @@ def main(argv=None) -> int:
         parser.error(f"unknown contender(s) {', '.join(unknown)}")
     try:
         patterns = resolve_patterns(args.patterns)
+        args.shapes = shapes_by_pattern(args.shape)
+        for pattern in patterns:  # a bad override stops the run before anything is measured
+            pattern.resolve_shape(args.shapes.get(pattern.name))
         target, tvm_dev = setup(args.device)
     except AutofuseError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """Every pattern's CUDA templates with their default knobs: built, run on the GPU, checked, timed.
 
     python benchmarks/gpu_check_templates.py [--patterns all|a,b] [--dtype float32] [--small]
-                                             [--templates a,b] [--repeat 20] [--out FILE.json]
+                                             [--templates a,b] [--shape PATTERN:K=V,...]
+                                             [--repeat 20] [--out FILE.json]
 
 For each pattern (default shape; ``--small``: small shape) and each template that applies to the
 h200 target (the pattern's own CUDA templates, or the dlight fallback where it has none), the
@@ -35,6 +36,7 @@ from autofuse.measure import empty_outputs, time_function, to_device  # noqa: E4
 from autofuse.registry import resolve_patterns  # noqa: E402
 from autofuse.target import device_for, parse_target  # noqa: E402
 from autofuse.verify import compare  # noqa: E402
+from gpu import shapes_by_pattern  # noqa: E402
 
 SCHEMA = "autofuse.gpu_check_templates/1"
 
@@ -90,6 +92,8 @@ def main() -> int:
     parser.add_argument("--templates", default="", help="only these template names (commas); default all")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--small", action="store_true", help="the small shape instead of the default")
+    parser.add_argument("--shape", action="append", metavar="PATTERN:K=V,...",
+                        help="override shape parameters of one pattern (repeatable), e.g. softmax_dropout:rows=8192")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--target", default="h200", help="h200; llvm runs the CPU templates the same way (a test here)")
     parser.add_argument("--out", default="", help="write the rows as JSON here")
@@ -100,13 +104,14 @@ def main() -> int:
     if not dev.exist:
         print(f"no {target.kind.name} device here", file=sys.stderr)  # e.g. no GPU on this machine
         return 2
+    shapes = shapes_by_pattern(args.shape)
     wanted = {t.strip() for t in args.templates.split(",") if t.strip()}
     report = {"schema": SCHEMA, "target": args.target, "device": getattr(dev, "device_name", ""),
               "host": platform.node(), "dtype": args.dtype, "shape": "small" if args.small else "default",
               "rows": []}
     bad = 0
     for pattern in resolve_patterns(args.patterns):
-        shape = pattern.small_shape() if args.small else pattern.default_shape()
+        shape = pattern.resolve_shape(shapes.get(pattern.name), "small" if args.small else "default")
         for template in pattern.templates_for(target):
             if wanted and template.name not in wanted:
                 continue
