@@ -93,6 +93,8 @@ def _build_parser() -> argparse.ArgumentParser:
     build.add_argument("-o", "--output", default=None, help="library path (default out/<model>-<fusion>.so)")
     build.add_argument("--no-verify", action="store_true", help="skip the onnxruntime check")
     build.add_argument("--seed", type=int, default=0, help="seed of the verification inputs")
+    build.add_argument("--cuda-graph", action="store_true",
+                       help="cuda targets: capture main's kernel launches into a CUDA graph (Relax RewriteCUDAGraph)")
 
     cmp = sub.add_parser("compare", help="time tuned kernels against onnxruntime, XLA and TVM baselines",
                          description=(
@@ -102,6 +104,9 @@ def _build_parser() -> argparse.ArgumentParser:
         "ONNX graph). Outputs are checked against the reference first; a contender that disagrees is "
         "marked invalid. Writes report.md, report.json, report.png and roofline.png to --report."))
     cmp.add_argument("model", nargs="?", default=None, metavar="MODEL.onnx", help="compare on this ONNX model")
+    cmp.add_argument("--from-json", default=None, metavar="GPU.json",
+                     help="measure nothing: render a benchmarks/gpu.py result (e.g. from the H200) as report.md, "
+                          "report.png and roofline.png in --report")
     cmp.add_argument("--pattern", default=None, help="compare on a pattern (several separated by commas, or 'all') at its default shape")
     cmp.add_argument("--shape", action="append", metavar="K=V", help="override a pattern shape parameter")
     cmp.add_argument("--small", action="store_true", help="use each pattern's small test shape")
@@ -196,9 +201,37 @@ _non_negative_int = _number(lambda t: int(t, 10), "an integer", lambda v: v >= 0
 _positive_float = _number(float, "a number", lambda v: v > 0, "positive")
 
 
+def _render_gpu_json(args) -> int:
+    import json
+    import os
+
+    from .compare import report_from_gpu
+    from .report import table, write_compare_report
+
+    if args.model is not None or args.pattern is not None or args.trials:
+        raise AutofuseError("--from-json renders a finished run: drop MODEL, --pattern and --trials")
+    try:
+        with open(args.from_json, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as err:
+        raise AutofuseError(f"cannot read {args.from_json}: {err.strerror}") from None
+    except ValueError as err:
+        raise AutofuseError(f"{args.from_json} is not JSON: {err}") from None
+    report = report_from_gpu(data)
+    folder = args.report or os.path.join("reports", os.path.splitext(os.path.basename(args.from_json))[0])
+    written = write_compare_report(report, folder, plots=not args.no_plots)
+    from .report import summary_rows
+    print(table(summary_rows(report), [("subject", "subject"), *[(n, n) for n in ["autofuse", *report["baselines"]]],
+                                       ("ratio", "ratio")]))
+    print("wrote " + ", ".join(written))
+    return 0
+
+
 def cmd_compare(args) -> int:
     import os
 
+    if args.from_json is not None:
+        return _render_gpu_json(args)
     from .compare import pin_threads
     threads = pin_threads(args.threads)  # before any runtime starts its thread pool
 
@@ -361,7 +394,13 @@ def _tune_model(args) -> int:
 
     if args.pattern or args.shape or args.small:
         raise AutofuseError("--pattern/--shape/--small apply to pattern tuning, not to a model")
+    from .target import device_for
+
     target = parse_target(args.target)
+    if args.cuda_graph and target.kind.name != "cuda":
+        raise AutofuseError(f"--cuda-graph needs a cuda target, not {target.kind.name}")
+    if not device_for(target).exist:
+        raise AutofuseError(f"no {target.kind.name} device on this machine: cannot run or check the build")
     prepared = prepare(args.model, args.fusion)
     _print_matches(prepared)
     runner, runner_status = _runner(args)
@@ -434,12 +473,19 @@ def cmd_build(args) -> int:
     from .report import table
     from .target import parse_target
 
+    from .target import device_for
+
     target = parse_target(args.target)
+    if args.cuda_graph and target.kind.name != "cuda":
+        raise AutofuseError(f"--cuda-graph needs a cuda target, not {target.kind.name}")
+    if not device_for(target).exist:
+        raise AutofuseError(f"no {target.kind.name} device on this machine: cannot run or check the build")
     prepared = prepare(args.model, args.fusion)
     _print_matches(prepared)
     output = args.output or os.path.join("out", f"{prepared.name}-{args.fusion}.so")
     db = None if args.db == "none" else TuningDatabase(args.db, target)
-    result = build_model(prepared, target, db, output, verify=not args.no_verify, seed=args.seed)
+    result = build_model(prepared, target, db, output, verify=not args.no_verify, seed=args.seed,
+                         cuda_graph=args.cuda_graph)
     rows = [dataclasses.asdict(d) for d in result.decisions]
     print(table(rows, [("name", "kernel"), ("pattern", "pattern"), ("applied", "applied"), ("source", "record from"),
                        ("default_ms", "default ms"), ("tuned_ms", "record ms"), ("note", "note")]))

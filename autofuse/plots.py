@@ -52,7 +52,7 @@ def latency_bars(report: dict, path: str) -> None:
     ax.set_xticks(range(len(subjects)))
     ax.set_xticklabels([s["name"] for s in subjects], rotation=20, ha="right")
     ax.set_ylabel("latency, ms (median, p10-p90)")
-    ax.set_title(f"autofuse vs baselines, {report.get('threads', '?')} threads")
+    ax.set_title(f"autofuse vs baselines, {report.get('device_label') or str(report.get('threads', '?')) + ' threads'}")
     ax.legend(fontsize=8)
     _save(fig, plt, path)
 

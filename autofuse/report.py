@@ -88,25 +88,35 @@ def compare_markdown(report: dict) -> str:
     m = report["machine"]
     roof = m.get("roofline", {})
     names = ["autofuse", *report["baselines"]]
-    lines = [f"# autofuse compare — {report['created']}", "",
-             f"Machine: {m.get('processor')} ({m.get('mcpu', '?')}), {report['threads']} threads, "
-             f"Python {m.get('python')}, TVM {m.get('tvm')}; roofline: {roof.get('bandwidth_gbps', 0):.1f} GB/s "
-             f"DRAM, up to {max((g for _, g in roof.get('bandwidth_ladder', [])), default=0):.1f} GB/s for cache-sized "
-             f"copies ({roof.get('bandwidth_method', '?')}), {roof.get('peak_gflops', 0):.1f} GFLOP/s "
-             f"({roof.get('peak_method', '?')}).",
-             f"Timing: {report['warmup']} warm-up calls, median of {report['repeat']} repeats (p10/p90 shown); "
-             f"trials added in this run: {report['trials_added']} each for autofuse and tvm-auto; database "
-             f"{report['database']} ('trials in db': every trial stored for the contender's kernels).",
-             "% roofline: of min(peak, intensity x the copy bandwidth at the kernel's working set), so kernels "
-             "that live in cache are held to the cache's bandwidth, not DRAM's.", "",
-             "## Summary (median ms; ratio = autofuse / best of tvm-auto, onnxruntime, xla; target <= 0.8)", "",
+    rivals = ", ".join(report.get("rivals", ("tvm-auto", "onnxruntime", "xla")))
+    columns = COMPARE_COLUMNS + ([("pct_copy_bw", "% copy BW")] if report.get("device_label") else [])
+    if report.get("device_label"):  # measured on a GPU by benchmarks/gpu.py
+        header = [f"Machine: {report['device_label']} ({m.get('mcpu', '?')}), Python {m.get('python')}, TVM "
+                  f"{m.get('tvm')}; roofline: {roof.get('bandwidth_gbps', 0):.0f} GB/s copy "
+                  f"({roof.get('bandwidth_method', '?')}), {roof.get('peak_gflops', 0):.0f} GFLOP/s "
+                  f"({roof.get('peak_method', '?')}).",
+                  f"Timing: median of {report['repeat']} calls (p10/p90 shown); trials added in this run: "
+                  f"{report['trials_added']}.", "", *[f"- {note}" for note in report.get("notes", [])]]
+    else:
+        header = [f"Machine: {m.get('processor')} ({m.get('mcpu', '?')}), {report['threads']} threads, "
+                  f"Python {m.get('python')}, TVM {m.get('tvm')}; roofline: {roof.get('bandwidth_gbps', 0):.1f} GB/s "
+                  f"DRAM, up to {max((g for _, g in roof.get('bandwidth_ladder', [])), default=0):.1f} GB/s for "
+                  f"cache-sized copies ({roof.get('bandwidth_method', '?')}), {roof.get('peak_gflops', 0):.1f} "
+                  f"GFLOP/s ({roof.get('peak_method', '?')}).",
+                  f"Timing: {report['warmup']} warm-up calls, median of {report['repeat']} repeats (p10/p90 shown); "
+                  f"trials added in this run: {report['trials_added']} each for autofuse and tvm-auto; database "
+                  f"{report['database']} ('trials in db': every trial stored for the contender's kernels).",
+                  "% roofline: of min(peak, intensity x the copy bandwidth at the kernel's working set), so "
+                  "kernels that live in cache are held to the cache's bandwidth, not DRAM's."]
+    lines = [f"# autofuse compare — {report['created']}", "", *header, "",
+             f"## Summary (median ms; ratio = autofuse / best of {rivals}; target <= 0.8)", "",
              table(summary_rows(report), [("subject", "subject"), *[(n, n) for n in names], ("ratio", "ratio")],
                    markdown=True), ""]
     for subject in report["subjects"]:
         shape = ", ".join(f"{k}={v}" for k, v in (subject.get("shape") or {}).items())
         lines += [f"## {subject['kind']} {subject['name']}" + (f" ({shape}, {subject['dtype']})" if shape else ""), "",
                   f"Checked against the {subject['reference']} at rtol/atol {subject['tolerance']}.", "",
-                  table(subject["contenders"], COMPARE_COLUMNS, markdown=True), ""]
+                  table(subject["contenders"], columns, markdown=True), ""]
         for c in subject["contenders"]:
             if c["status"] != "ok":
                 lines.append(f"- {c['name']}: {c['status']}: {c['reason']}")

@@ -110,3 +110,28 @@ def test_a_contender_that_disagrees_is_invalid_and_never_timed(tmp_path, monkeyp
     assert ort_row["status"] == "invalid" and ort_row["median_ms"] is None
     assert "disagrees" in ort_row["reason"]
     assert entry["contenders"][0]["status"] == "ok"
+
+
+H200_RUN = os.path.join(REPO, "benchmarks", "results", "h200", "gpu-large-float32.json")
+
+
+def test_gpu_results_render_as_a_compare_report(tmp_path):
+    """A benchmarks/gpu.py JSON brought back from the H200 becomes the same report.md/json/png."""
+    result = run_cli("compare", "--from-json", H200_RUN, "--report", str(tmp_path))
+    assert result.returncode == 0, result.stderr[-2000:]
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert check_report(report) == []
+    assert {p.name for p in tmp_path.iterdir()} >= {"report.md", "report.json", "report.png", "roofline.png"}
+    flash = next(s for s in report["subjects"] if s["name"] == "flash_attention")
+    ours, sdpa = flash["contenders"][0], next(c for c in flash["contenders"] if c["name"] == "torch-sdpa")
+    # ratio: ours over the best GPU baseline, which for attention is SDPA
+    assert ours["ratio_to_best_baseline"] == pytest.approx(ours["median_ms"] / sdpa["median_ms"])
+    markdown = (tmp_path / "report.md").read_text()
+    assert "NVIDIA H200" in markdown and "% copy BW" in markdown and "torch-compile" in markdown
+
+
+def test_a_file_that_is_not_a_gpu_result_is_refused():
+    from autofuse.compare import report_from_gpu
+    from autofuse.errors import AutofuseError
+    with pytest.raises(AutofuseError, match="not a benchmarks/gpu.py result"):
+        report_from_gpu({"schema": "autofuse.compare/1", "subjects": []})

@@ -16,7 +16,8 @@ from tvm.target import Target
 from ..database import TuningDatabase
 from ..errors import AutofuseError
 from ..verify import compare
-from .kernels import Kernel, kernels, make_checker, time_module
+from ..pattern import DLIGHT
+from .kernels import Kernel, kernels, make_checker, runnable_workload, time_module
 
 
 @dataclasses.dataclass
@@ -32,14 +33,19 @@ class KernelDecision:
 
 
 def default_schedule(kernel: Kernel, target: Target) -> s_tir.Schedule | None:
-    """A pattern kernel's template default; None for others (TVM's lowering as is)."""
+    """A pattern kernel's template default; for others None (TVM's lowering as is) on a CPU and
+    dlight's rules on a GPU."""
     if kernel.pattern is None:
-        return None
+        if not DLIGHT.applies_to(target):
+            return None
+        return s_tir.Schedule(runnable_workload(kernel, target))
     for template in kernel.pattern.templates_for(target):
         try:
             return template.apply(kernel.workload["main"], target, tunable=False)
         except Exception:  # a template that does not fit this shape: try the next
             continue
+    if DLIGHT.applies_to(target):  # unscheduled, it would build and then crash the GPU
+        raise AutofuseError(f"kernel {kernel.name} ({kernel.pattern.name}): no {target.kind.name} template applies")
     return None
 
 
@@ -60,8 +66,9 @@ def apply_database(mod: tvm.IRModule, db: TuningDatabase | None, target: Target,
             chosen, rejected = db.best(kernel.workload, make_checker(kernel, target, dev))
             if rejected:
                 note = f"{len(rejected)} record(s) rejected by the numerical check"
+        default_kind = "template-default" if kernel.pattern is not None and fallback is not None else "default"
         if chosen is None:
-            kind = "template-default" if fallback is not None else "default"
+            kind = default_kind
             decisions.append(KernelDecision(kernel.name, pattern, kind, None, None, None,
                                             note or ("no record" if db is not None else ""), records))
             if fallback is not None:
@@ -77,7 +84,7 @@ def apply_database(mod: tvm.IRModule, db: TuningDatabase | None, target: Target,
             if fallback is not None:
                 mod[kernel.gv] = _as_kernel(fallback.mod["main"], kernel)
             decisions.append(KernelDecision(
-                kernel.name, pattern, "template-default" if fallback is not None else "default", chosen.source,
+                kernel.name, pattern, default_kind, chosen.source,
                 default_secs * 1e3, tuned_secs * 1e3, (note + "; " if note else "") + "record slower than default",
                 records))
     return mod, decisions
@@ -91,8 +98,13 @@ def _as_kernel(scheduled, kernel: Kernel):
     return func.with_attr("tirx.is_scheduled", True)
 
 
-def build(mod: tvm.IRModule, target: Target):
-    with tvm.transform.PassContext(opt_level=3):
+def build(mod: tvm.IRModule, target: Target, cuda_graph: bool = False):
+    """``cuda_graph``: Relax's RewriteCUDAGraph captures the static parts of ``main`` into CUDA
+    graphs on the first call and replays them after, one launch instead of one per kernel."""
+    if cuda_graph and target.kind.name != "cuda":
+        raise AutofuseError(f"--cuda-graph needs a cuda target, not {target.kind.name}")
+    config = {"relax.backend.use_cuda_graph": True} if cuda_graph else {}
+    with tvm.transform.PassContext(opt_level=3, config=config):
         return relax.build(mod, target=target)
 
 

@@ -66,10 +66,12 @@ class BuildResult:
 
 
 def build_model(prepared: PreparedModel, target: Target, db: TuningDatabase | None, output: str, *,
-                verify: bool = True, seed: int = 0, repeat: int = 10) -> BuildResult:
+                verify: bool = True, seed: int = 0, repeat: int = 10, cuda_graph: bool = False) -> BuildResult:
     dev = device_for(target)
+    if not dev.exist:
+        raise AutofuseError(f"no {target.kind.name} device on this machine: cannot run or check the build")
     mod, decisions = model_build.apply_database(prepared.mod, db, target, dev)
-    executable = model_build.build(mod, target)
+    executable = model_build.build(mod, target, cuda_graph)
     specs = input_specs(prepared.onnx)
     feeds = random_inputs(prepared.onnx, seed)
     outputs = model_build.run_vm(executable, list(feeds.values()), dev)
@@ -85,6 +87,7 @@ def build_model(prepared: PreparedModel, target: Target, db: TuningDatabase | No
             result.message = check.message
     model_build.export(executable, output, {
         "model": os.path.abspath(prepared.path), "fusion": prepared.fusion, "target": str(target),
+        "cuda_graph": cuda_graph,
         "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in specs],
         "outputs": [o.name for o in prepared.onnx.graph.output],
         "kernels": [dataclasses.asdict(d) for d in decisions], "built": time.strftime("%Y-%m-%d %H:%M:%S")})

@@ -1,0 +1,61 @@
+"""Models for a CUDA target, without a GPU: every kernel of the fused model gets a GPU schedule
+(a pattern's CUDA template, dlight's rules for the rest; an unscheduled GPU kernel builds and then
+crashes the device), and the whole model compiles through nvcc, with and without CUDA graphs.
+Running and checking it against onnxruntime happens on the H200 (benchmarks/gpu_models.py)."""
+
+import os
+import shutil
+
+import pytest
+import tvm
+from tvm import tirx
+
+from autofuse.model import build as model_build
+from autofuse.model.jobs import prepare
+from autofuse.target import device_for, parse_target
+from conftest import REPO, run_cli
+
+H200 = parse_target("h200")
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found: cannot compile CUDA here")
+
+
+def _bound(func: tirx.PrimFunc) -> bool:
+    return "threadIdx." in func.script() or "blockIdx." in func.script()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("model,fusion", [("mlp", "patterns"), ("decoder_block", "patterns"), ("mlp", "auto")])
+def test_every_kernel_gets_a_gpu_schedule_and_the_model_compiles(model, fusion):
+    prepared = prepare(os.path.join(REPO, "models", f"{model}.onnx"), fusion)
+    mod, decisions = model_build.apply_database(prepared.mod, None, H200, dev=None)
+    funcs = [f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
+    assert funcs and all(_bound(f) for f in funcs)
+    by_kind = {d.applied for d in decisions}
+    assert by_kind <= {"template-default", "default"}
+    if fusion == "patterns":
+        assert "template-default" in by_kind
+    with H200:
+        executable = model_build.build(mod, H200, cuda_graph=(model == "mlp"))
+    assert executable is not None
+
+
+@needs_nvcc
+def test_cuda_graph_rewrite_captures_the_launches():
+    prepared = prepare(os.path.join(REPO, "models", "mlp.onnx"), "patterns")
+    mod, _ = model_build.apply_database(prepared.mod, None, H200, dev=None)
+    plain = model_build.build(mod, H200).as_text()
+    graphed = model_build.build(mod, H200, cuda_graph=True).as_text()
+    assert "cuda_graph" not in plain and "cuda_graph" in graphed
+
+
+def test_cuda_graph_needs_a_cuda_target():
+    result = run_cli("build", os.path.join(REPO, "models", "mlp.onnx"), "--db", "none", "--cuda-graph")
+    assert result.returncode == 2
+    assert "needs a cuda target" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(device_for(H200).exist, reason="a GPU is here")
+def test_cuda_build_without_a_gpu_is_one_line():
+    result = run_cli("build", os.path.join(REPO, "models", "mlp.onnx"), "--db", "none", "--target", "cuda")
+    assert result.returncode == 2
+    assert "no cuda device" in result.stderr and "Traceback" not in result.stderr
