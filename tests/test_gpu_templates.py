@@ -20,7 +20,6 @@ PATTERNS = list(all_patterns().values())
 # Where dlight has no rule for the TensorIR (TVM's limits, not ours); gpu.py reports these as
 # unavailable until the pattern has a CUDA template of its own.
 NO_DLIGHT_RULE = {
-    "moe_gate_topk": "dlight Fallback raises 'The block no longer exists' after inlining",
     "spec_verify_attention": "dlight GeneralReduction/Fallback raise ScheduleErrors (transform_block_layout, reorder)",
 }
 

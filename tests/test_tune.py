@@ -69,14 +69,16 @@ def test_spaces_produce_their_own_records(tmp_path):
 
 def test_pattern_all_tunes_every_pattern_in_one_session(tmp_path):
     from autofuse.registry import all_patterns
-    result = run_cli("tune", "--pattern", "all", "--small", "--trials", "4", "--db", str(tmp_path), "--no-progress",
+    # One trial each: the point is that every pattern's templates go through MetaSchedule in one
+    # session (search, build, run, check); how well they search is the benchmarks' business.
+    result = run_cli("tune", "--pattern", "all", "--small", "--trials", "1", "--db", str(tmp_path), "--no-progress",
                      "--space", "template", "--seed", "5")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     table = result.stdout
     for name in all_patterns():
         line = next(l for l in table.splitlines() if l.startswith(name))
         assert "template:" in line or "template-default" in line, line
-    assert f"{4 * len(all_patterns())} trials" in table
+    assert f"{len(all_patterns())} trials" in table
 
 
 def test_a_record_slower_than_the_template_default_is_not_what_runs(tmp_path):

@@ -18,6 +18,18 @@ by a separate scaling pass). The template rotates a query tile's Q once into a s
 per key tile, rotates that K tile once into another (L1-sized) that every query of the tile
 reuses; the scale is applied to the register accumulator tile as it is stored.
 
+On CUDA, ``cuda_score_tiles``: a thread block per (batch, head, query tile x key tile) of the
+scores, each thread a register tile of them strided by the thread counts (``cuda_tile_output`` of
+linear_bias_relu; default 32x64 scores, 8x16 threads, 4x4 each). The head dimension is walked in
+chunks (8 rotation pairs, i.e. 16 values, by default); per chunk the whole block computes the
+rotation of its query rows and key columns straight into shared memory (the ``rope_q``/``rope_k``
+blocks computed at the chunk loop with shared scope: q and cos read as vectors, k read along its
+rows), so each rotated element is computed once per block and reused by a whole row or column of
+the tile. Rotated Q rows are padded to a stride of (vector width) mod 16 words and rotated K
+(keys contiguous) to an odd stride, so that neither the GEMM's reads nor the transposed K stores
+conflict in banks.
+Compiles here (nvcc, sm_90); not yet run on a GPU.
+
 Precision: float32, float16 or bfloat16 inputs and outputs; the rotated q and k and the dot-product
 accumulator are float32 in every dtype, and each output is rounded to the dtype once. (The
 half-precision tolerance is stated at ``PATTERN``.)
@@ -29,6 +41,7 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
+from search_spaces.gemm.linear_bias_relu import cuda_tile_output, cuda_unroll, cuda_vector_lanes
 
 BASE = 10000.0
 
@@ -165,6 +178,63 @@ def key_tiles(sch, target, knobs):
     sch.annotate(outer, "pragma_unroll_explicit", 1)
 
 
+# ---- CUDA ------------------------------------------------------------------------------------
+
+
+def _cuda_stage(sch, block, order, at, threads, lanes, pad_axis, pad):
+    """Compute rotation ``block`` into shared memory at loop ``at``, its last three loops put in
+    ``order`` and shared among all ``threads`` (thread-y, thread-x factors), ``lanes`` elements a
+    thread (a vector along the head dimension); the stride of ``pad_axis`` becomes ``pad[1]``
+    modulo ``pad[0]`` elements."""
+    sch.set_scope(block, 0, "shared")
+    sch.compute_at(block, at, preserve_unit_loops=True)
+    loops = sch.get_loops(block)[-3:]
+    sch.reorder(*[loops[k] for k in order])
+    _, ty, tx, vec = sch.split(sch.fuse(*sch.get_loops(block)[-3:]), [None, threads[0], threads[1], lanes])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(vec)
+    sch.storage_align(block, 0, axis=pad_axis, factor=pad[0], offset=pad[1])
+
+
+@template("cuda_score_tiles", target_kinds=("cuda",))
+def cuda_score_tiles(sch, target, knobs):
+    """A thread block per (batch, head, query tile x key tile) of the scores (blockIdx.z, y, x),
+    each thread a strided register tile of it (default 32x64 tile, 8x16 threads, 4x4 scores each).
+    Per chunk of the head dimension (both halves of 8 rotation pairs by default) the block rotates
+    its query rows and key columns into shared memory once, reading q/k/cos/sin coalesced, and
+    every thread of it reuses them: a rotated q element serves the tile's key columns, a rotated
+    k element its query rows. The scale is applied to the float32 register tile as it is stored."""
+    qk = sch.get_sblock("qk")
+    rq, rk = sch.get_sblock("rope_q"), sch.get_sblock("rope_k")
+    n, h, i, j, c, e = sch.get_loops(qk)
+    half = int(sch.get(e).extent)
+    lanes = cuda_vector_lanes(sch.get(rq).reads[0].source.dtype, half, max_bytes=16)
+    # The accumulator becomes the thread's registers (acc is allocated in the function, so the
+    # scale reads them directly: no float32 score matrix in memory).
+    sch.set_scope(qk, 0, "local")
+    sch.bind(n, "blockIdx.z")
+    sch.bind(h, "blockIdx.y")
+    bx, _, tx, nty, ntx, _ = cuda_tile_output(sch, knobs, i, j, rows=(8, 4), cols=(16, 4))
+    # Head-dimension chunks: (chunk, pairs, lanes) of a half, both halves per chunk (the rotation
+    # of element d needs its partner d +- D/2). At most 8 pairs (16 values) a chunk: with the
+    # largest sampled tiles (256 x 256) the two staged operands stay under 37 KiB.
+    eo, _ = sch.split(e, [None, lanes])
+    pairs = max(1, 8 // lanes)
+    e0, _ = sch.split(eo, knobs.tile(eo, 2, [pairs], max_innermost_factor=pairs))
+    sch.reorder(e0, c)
+    sch.reverse_compute_at(sch.get_sblock("scale"), tx, preserve_unit_loops=True)
+    # rope(q) tile (rows, half c, pairs): vectors along the pairs; the row stride is `lanes` mod
+    # 16 words, so that the rows a warp reads at one (c, e) (2 at 16 x-threads, up to 8) sit in
+    # different banks, and vector stores stay aligned.
+    _cuda_stage(sch, rq, (0, 1, 2), e0, (nty, ntx), lanes, 2, (16, lanes))
+    # rope(k) tile (c, e, keys), keys contiguous as the GEMM reads them; computed key-major so that
+    # a warp reads k's rows coalesced, its transposed stores spread over the banks by an odd stride.
+    _cuda_stage(sch, rk, (2, 0, 1), e0, (nty, ntx), 1, 3, (32, 1))
+    sch.decompose_reduction(qk, e0)
+    cuda_unroll(sch, knobs, bx)
+
+
 def onnx_graph(shape, dtype):
     """Rotate-half as Slice/Neg/Concat, Mul/Add with the tables (the queries' rows Sliced out),
     Transpose, MatMul, Mul by the scale."""
@@ -215,5 +285,5 @@ PATTERN = Pattern(
     # rtol = 4u. Near zero, where cancellation leaves no relative bound, the float32
     # accumulation error remains: ~head_dim * 2^-24 of the terms' size, 3.8e-6 at 64: atol 1e-4.
     tolerance={"float32": (1e-4, 1e-4), "float16": (2e-3, 1e-4), "bfloat16": (1.6e-2, 1e-4)},
-    templates=[key_tiles],
+    templates=[key_tiles, cuda_score_tiles],
 )

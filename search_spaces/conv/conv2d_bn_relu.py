@@ -15,6 +15,16 @@ bn_shift (c_out,); output y (n, c_out, h_out, w_out). Three sblocks: ``pad`` (ze
 the convolution writes its whole output and the epilogue reads it back; fused, the epilogue runs on
 each register tile of the accumulator while it is still in L1.
 
+On CUDA, ``cuda_direct``: a thread block per (batch, out-channel tile, row tile, column tile),
+threads on (out-channels, rows, columns) = (z, y, x), each thread a float32 register tile of
+out-channels x rows x (columns strided by the x threads, as virtual threads). Per chunk of input
+channels the block computes the padded input rows its tile needs (halo included) straight into
+shared memory (the ``pad`` block at the chunk loop with shared scope: the zero border costs no
+extra pass) and copies the chunk's weights there; a staged input is then reused by every
+out-channel and tap of the tile, a weight by every position. BN + ReLU run on the register tile
+as it is stored. The channel chunk is capped so that the largest sampled tile still fits 48 KiB.
+Compiles here (nvcc, sm_90); not yet run on a GPU.
+
 Precision: float32, float16 or bfloat16 inputs and outputs; the convolution accumulator and the
 batch-norm epilogue are float32 in every dtype, and each output is rounded to the dtype once. (The
 half-precision tolerance is stated at ``PATTERN``.)
@@ -24,6 +34,7 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
+from search_spaces.gemm.linear_bias_relu import cuda_unroll
 
 
 def _dims(shape):
@@ -142,6 +153,81 @@ def tiled_direct(sch, target, knobs):
     sch.annotate(outer, "pragma_unroll_explicit", 1)
 
 
+# ---- CUDA ------------------------------------------------------------------------------------
+
+
+def _cuda_copy(sch, block, nloops, threads):
+    """Spread the last ``nloops`` loops of ``block`` (a copy into shared memory) over all the
+    block's threads (``threads``: z, y, x extents), consecutive threads on consecutive elements."""
+    fused = sch.fuse(*sch.get_loops(block)[-nloops:])
+    _, tz, ty, tx = sch.split(fused, [None, *threads])
+    for loop, tag in ((tz, "threadIdx.z"), (ty, "threadIdx.y"), (tx, "threadIdx.x")):
+        sch.bind(loop, tag)
+
+
+def _cuda_channel_chunk(target, k, shape_cap):
+    """Largest power-of-two input-channel chunk (<= 8) whose staged tiles fit the target's shared
+    memory at the largest sampled output tile (``shape_cap``: out-channels, rows, columns), in
+    float32 (the widest dtype): sampled schedules then never exceed the limit."""
+    limit = int(target.attrs.get("max_shared_memory_per_block", 48 * 1024))
+    oc, rows, cols = shape_cap
+    chunk = 8
+    while chunk > 1 and 4 * chunk * ((rows + k - 1) * (cols + k - 1) + oc * k * k) > limit:
+        chunk //= 2
+    return chunk
+
+
+@template("cuda_direct", target_kinds=("cuda",))
+def cuda_direct(sch, target, knobs):
+    """Direct convolution, a thread block per (batch, out-channel tile, row tile, column tile), its
+    threads on (out-channels: z, rows: y, columns: x). Each thread accumulates a float32 register
+    tile (out-channels x rows, contiguous, x columns strided by the x threads through virtual
+    threads, so that a warp reads and writes consecutive columns). Per chunk of input channels the
+    block stages the padded input rows its tile needs (the halo included, zeros at the border: the
+    pad block computed straight into shared memory) and the chunk's weights in shared memory;
+    every staged input is reused by all out-channels of the tile and the k x k taps, every weight
+    by all its positions. BN scale/shift + ReLU run on the register tile as it is stored.
+    Defaults: 8 out-channels x 4 rows x 56 columns (2 x 4 x 28 threads, 4 x 1 x 2 each), 8 input
+    channels a chunk."""
+    pad, conv = sch.get_sblock("pad"), sch.get_sblock("conv")
+    b, o, i, j, c, di, dj = sch.get_loops(conv)
+    k = int(sch.get(di).extent)
+    sch.set_scope(conv, 0, "local")
+    # Per-thread tile first (innermost factor of a split), then the threads from what is left (the
+    # innermost factor of a second split): both bounded, <= 4 x 8 x 32 threads, so that every
+    # sample launches (sample_perfect_tile bounds only a split's innermost factor).
+    o_rest, o_r = sch.split(o, knobs.tile(o, 2, [4], max_innermost_factor=4))
+    o_f = knobs.tile(o_rest, 2, [2], max_innermost_factor=4)
+    o0, ot = sch.split(o_rest, o_f)
+    i_rest, i_r = sch.split(i, knobs.tile(i, 2, [1], max_innermost_factor=2))
+    i_f = knobs.tile(i_rest, 2, [4], max_innermost_factor=8)
+    i0, it = sch.split(i_rest, i_f)
+    j_f = knobs.tile(j, 2, [32], max_innermost_factor=32)
+    j_rest, jt = sch.split(j, j_f)
+    j0, jv = sch.split(j_rest, knobs.tile(j_rest, 2, [2], max_innermost_factor=2))
+    # The largest sampled tile (16 out-channels, 16 rows, 64 columns) bounds the channel chunk.
+    chunk = _cuda_channel_chunk(target, k, (16, 16, 64))
+    c0, c1 = sch.split(c, knobs.tile(c, 2, [min(8, chunk)], max_innermost_factor=chunk))
+    sch.reorder(b, o0, i0, j0, jv, ot, it, jt, c0, c1, di, dj, o_r, i_r)
+    bx = sch.fuse(b, o0, i0, j0)
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(jv, "vthread.x")
+    sch.bind(ot, "threadIdx.z")
+    sch.bind(it, "threadIdx.y")
+    sch.bind(jt, "threadIdx.x")
+    # The sampled factors themselves (not the loops' extents now): a replayed trace re-derives them.
+    threads = (o_f[1], i_f[1], j_f[1])
+    sch.reverse_compute_at(sch.get_sblock("bn_relu"), jt, preserve_unit_loops=True)
+    sch.set_scope(pad, 0, "shared")
+    sch.compute_at(pad, c0, preserve_unit_loops=True)
+    _cuda_copy(sch, pad, 3, threads)
+    weights = sch.cache_read(conv, "weight", "shared")
+    sch.compute_at(weights, c0, preserve_unit_loops=True)
+    _cuda_copy(sch, weights, 4, threads)
+    sch.decompose_reduction(conv, c0)
+    cuda_unroll(sch, knobs, bx)
+
+
 def _relax_pattern():
     from tvm.relax.dpl import is_op, is_tuple_get_item, wildcard
     x, w, bias = wildcard(), wildcard(), wildcard()
@@ -249,6 +335,6 @@ PATTERN = Pattern(
     # accumulation error remains: ~n * 2^-24 of the terms' size, 3.4e-5 at n = c_in*k*k = 576 (the
     # batch-norm shift cancels against it too): atol 1e-4.
     tolerance={"float32": (1e-4, 1e-4), "float16": (2e-3, 1e-4), "bfloat16": (1.6e-2, 1e-4)},
-    templates=[tiled_direct],
+    templates=[tiled_direct, cuda_direct],
     relax_rules=[RelaxRule("conv2d_batch_norm_relu", _relax_pattern, _relax_rewrite)],
 )

@@ -45,6 +45,22 @@ Measured once on 2 cores, shared machine (load average ~4; swiglu_ffn's default,
 README, took 2.2 ms in the same minute), default shape: template default 2.1 ms (3.4 ms in a second
 run), unscheduled 135 ms, onnxruntime on the dense ONNX graph 12 ms.
 
+On CUDA, ``cuda_routed`` (five kernels, one per stage that needs all of the one before):
+router (a warp per token, its lanes on hidden, shuffle sums per expert), ranking + top-k (a token
+per threadIdx.y, its experts on the lanes: each lane ranks one expert, the j-th choice is a
+shuffle sum), grouping (one thread: ``group`` is a scan over the tokens in order, the one stage
+that stays serial), expert tiles (a block per (expert, row tile), the up projection's reduction
+split over warps and met in shared memory by TVM's cross-thread reduction, the down projection's
+over lanes, met in shuffles; each lane keeps its ROW_TILE x (inter/32) hidden tile in registers)
+and the combine (a token per threadIdx.y, hidden vectors on the lanes; each thread recomputes its
+token's k gate weights in registers, so the gate softmax costs no kernel and no buffer). Why no
+shared-memory staging in the expert tiles: TVM 0.27 will not put a __syncthreads under the
+``if row_tile * ROW_TILE < counts[e]`` (its sync planner refuses any condition not marked
+``T.tvm_thread_invariant``), so threads of a tile exchange values only through cross-thread
+reductions, which bring their own barriers; inlining relu into that nest drops it from the
+function. dlight has no rule for this function. Compiles here (nvcc, sm_90); not yet run on a
+GPU.
+
 Precision: float32, float16 or bfloat16 inputs and output; the router logits, gate softmax and
 expert accumulators are float32 in every dtype. In float16/bfloat16 the combine sums the k weighted
 rows into a float32 (tokens, hidden) buffer and a ``combine_store`` block rounds it once (the
@@ -55,7 +71,8 @@ the function tuning records were made for.
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
+from autofuse.pattern import Pattern, ShapeParam, fit_tiles, onnx_model, template
+from search_spaces.gemm.linear_bias_relu import cuda_vector_lanes
 from search_spaces.reduction.softmax_dropout import _exp
 
 # Rows of an expert's token list per skip test (and the register tile of the expert GEMMs).
@@ -304,6 +321,160 @@ def expert_tiles(sch, target, knobs):
     sch.decompose_reduction(router, c)
 
 
+
+# ---- CUDA ------------------------------------------------------------------------------------
+#
+# Five kernels, one per stage that needs all of the previous one: the router, the ranking and
+# top-k, the (serial) grouping, the expert tiles, and the combine with the gate softmax. Inside
+# the expert nest's ``if`` TVM 0.27 inserts no __syncthreads (its sync planner refuses any under
+# a condition not marked ``T.tvm_thread_invariant``), so the threads of an expert tile exchange
+# nothing through shared memory: they share values only through cross-thread reductions, whose
+# lowering carries its own barriers (and warp shuffles). compute_inline of relu drops the whole
+# nest from the function (as reverse_compute_at does, see expert_tiles), so its blocks are only
+# split, reordered, bound and re-scoped.
+
+
+def _cuda_router(sch, knobs):
+    """A warp (or the largest lane count below 32 dividing hidden) per token, the tokens of a
+    block on threadIdx.y: each lane sums its strided slice of the token's hidden values (a warp
+    reads x coalesced) for one expert after the other, and the lanes' partial sums meet in
+    shuffles."""
+    router = sch.get_sblock("router")
+    t, _, c = sch.get_loops(router)
+    lanes = fit_tiles(int(sch.get(c).extent), [32])[-1]
+    bx, ty = sch.split(t, knobs.tile(t, 2, [4], max_innermost_factor=16))
+    kc, tx = sch.split(c, [None, lanes])
+    sch.reorder(tx, kc)
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.unroll(kc)
+
+
+def _cuda_rank_topk(sch, knobs):
+    """A token per threadIdx.y, its experts on threadIdx.x: each thread ranks its expert against
+    the token's others (experts compares, in registers), and the j-th choice of the token is a
+    sum over the experts' threads (one expert has rank j), a shuffle reduction."""
+    topk = sch.get_sblock("topk")
+    t, _, e = sch.get_loops(topk)
+    experts = int(sch.get(e).extent)
+    per_block = max(1, min(16, 1024 // experts))
+    bx, ty = sch.split(t, knobs.tile(t, 2, [max(1, min(per_block, 128 // experts))],
+                                     max_innermost_factor=per_block))
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(e, "threadIdx.x")
+    rank = sch.get_sblock("rank")
+    sch.compute_at(rank, ty, preserve_unit_loops=True)
+    sch.set_scope(rank, 0, "local")
+    re_, rc = sch.get_loops(rank)[-2:]
+    sch.bind(re_, "threadIdx.x")
+    sch.decompose_reduction(rank, rc)
+    sch.unroll(sch.get_loops(rank)[-1])
+
+
+def _cuda_group(sch):
+    """The grouping is one opaque block, a scan over all tokens in order: one thread of one block
+    (two unit loops bound), a kernel between top-k and the expert tiles."""
+    group = sch.get_sblock("group")
+    bx = sch.add_unit_loop(group)
+    tx = sch.add_unit_loop(group)
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(tx, "threadIdx.x")
+
+
+def _cuda_experts(sch, knobs):
+    """A thread block per (expert, row tile), threadIdx.y warps x 32 lanes (threadIdx.x). Up
+    projection: lane l owns a contiguous run of inter features for all ROW_TILE rows, warp y a
+    slice of hidden; the warps' partial sums meet in a cross-warp reduction (shared memory, its
+    own barriers), after which every warp holds the lane's (rows x features) tile in registers,
+    ReLU in place. Down projection: warp y owns a slice of the outputs, and for each (row,
+    output) the lanes' partial sums over their own features meet in warp shuffles. Tiles past an
+    expert's tokens exit at the ``if`` (the whole block)."""
+    up, relu, down = (sch.get_sblock(name) for name in ("up", "relu", "down"))
+    e, rt = sch.get_loops(relu)[:2]
+    bx = sch.fuse(e, rt)
+    sch.bind(bx, "blockIdx.x")
+    _, n, c = sch.get_loops(up)[-3:]
+    hidden, inter = int(sch.get(c).extent), int(sch.get(n).extent)
+    lanes = fit_tiles(inter, [32])[-1]
+    # Warps: a knob over the divisors of hidden (they split its reduction and its outputs).
+    warps = [d for d in (1, 2, 4, 8, 16) if hidden % d == 0 and d * lanes <= 1024]
+    ny = knobs.choice(warps, max(d for d in warps if d <= 4))
+    # Lane l owns features [l * inter/lanes, (l + 1) * inter/lanes): a contiguous run, so that the
+    # thread's accumulators compact to a (rows x run) register array.
+    r, n, c = sch.get_loops(up)[-3:]
+    tx, nv = sch.split(n, [lanes, None])
+    cy, cv = sch.split(c, [ny, None])
+    sch.reorder(tx, nv, r, cy, cv)
+    sch.bind(tx, "threadIdx.x")
+    sch.bind(cy, "threadIdx.y")
+    sch.unroll(cv)
+    sch.set_scope(up, 0, "local")
+    r, n = sch.get_loops(relu)[-2:]
+    tx, nv = sch.split(n, [lanes, None])
+    sch.reorder(tx, r, nv)
+    sch.bind(tx, "threadIdx.x")
+    sch.set_scope(relu, 0, "local")
+    r, m, n = sch.get_loops(down)[-3:]
+    my, mv = sch.split(m, [ny, None])
+    tx, nv = sch.split(n, [lanes, None])
+    sch.reorder(my, mv, r, tx, nv)
+    sch.bind(my, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    # #pragma unroll for nvcc, not unrolled in TIR: an unrolled copy of a cross-thread reduction
+    # makes TVM's allreduce lowering fail (one reduction buffer, several reductions).
+    sch.annotate(bx, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64, 512], 512))
+    sch.annotate(bx, "pragma_unroll_explicit", 0)
+
+
+def _cuda_combine(sch, target, knobs):
+    """Tokens on threadIdx.y, hidden on threadIdx.x (a contiguous vector each): every thread
+    recomputes its token's gate weights (k exponentials, in registers) instead of reading a
+    gate buffer, then sums the k expert rows (coalesced) into a register vector stored once."""
+    comb = sch.get_sblock("combine")
+    t, m, j = sch.get_loops(comb)
+    # Vectors of 4 float32 (the expert rows and the sums), stored as 4 of the output dtype.
+    lanes = cuda_vector_lanes("float32", int(sch.get(m).extent), max_bytes=16)
+    bx, ty = sch.split(t, knobs.tile(t, 2, [2], max_innermost_factor=8))
+    m_rest, mv = sch.split(m, [None, lanes])
+    tx, mi = sch.split(m_rest, knobs.tile(m_rest, 2, [1], max_innermost_factor=4))
+    sch.reorder(bx, ty, tx, j, mi, mv)
+    sch.bind(bx, "blockIdx.x")
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    if _has_block(sch, "combine_store"):
+        sch.set_scope(comb, 0, "local")
+        store = sch.get_sblock("combine_store")
+    else:
+        store = sch.cache_write(comb, 0, "local")
+    sch.reverse_compute_at(store, tx, preserve_unit_loops=True)
+    _, vec = sch.split(sch.get_loops(store)[-1], [None, lanes])
+    sch.vectorize(vec)
+    for name in ("gate", "gate_sum", "gate_exp"):
+        block = sch.get_sblock(name)
+        sch.compute_at(block, ty, preserve_unit_loops=True)
+        sch.set_scope(block, 0, "local")
+    gate_sum = sch.get_sblock("gate_sum")
+    sch.decompose_reduction(gate_sum, sch.get_loops(gate_sum)[-1])
+    sch.vectorize(mv)
+    sch.decompose_reduction(comb, j)
+
+
+@template("cuda_routed", target_kinds=("cuda",))
+def cuda_routed(sch, target, knobs):
+    """The routed MoE layer in five kernels: router (a warp per token, shuffle sums), ranking and
+    top-k (a token per threadIdx.y, its experts on lanes, the choice a shuffle sum), grouping (one
+    thread: a scan in token order), expert tiles (a block per (expert, row tile), skipped past the
+    expert's tokens; up projection reduced across warps, down across lanes, the hidden tile in
+    registers), combine (gate softmax recomputed per thread in registers, k expert rows summed
+    per token, vectorised). Defaults: 4 tokens a router block, 4 warps an expert tile."""
+    _cuda_router(sch, knobs)
+    _cuda_rank_topk(sch, knobs)
+    _cuda_group(sch)
+    _cuda_experts(sch, knobs)
+    _cuda_combine(sch, target, knobs)
+
 def onnx_graph(shape, dtype):
     """MatMul router, Softmax, TopK(k), the chosen probabilities divided by their sum and scattered
     (ScatterElements) into a zero (tokens, experts) gate matrix; every expert on every token as
@@ -351,5 +522,5 @@ PATTERN = Pattern(
     # rtol = 4u. Near zero, where cancellation leaves no relative bound, the float32
     # accumulation error remains: ~n * 2^-24 of the terms' size, 3.1e-5 at inter = 512: atol 1e-4.
     tolerance={"float32": (1e-4, 1e-4), "float16": (2e-3, 1e-4), "bfloat16": (1.6e-2, 1e-4)},
-    templates=[expert_tiles],
+    templates=[expert_tiles, cuda_routed],
 )

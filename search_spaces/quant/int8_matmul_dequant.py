@@ -18,7 +18,7 @@ copy then makes a round trip through the Mul, the Add and the Relu: four interme
 tensors of 4 bytes each. Fused, the epilogue runs on the int32 accumulator tile while it is in
 registers and only y is written.
 
-Two templates, both with parallel outer (m, n) tiles and the dequant/bias/ReLU epilogue moved
+Two CPU templates, both with parallel outer (m, n) tiles and the dequant/bias/ReLU epilogue moved
 onto the accumulator tile (reverse_compute_at) and vectorised along n; knobs: the m, n and k tiles
 and the unroll depth (plain vector code, no tensorize).
 
@@ -41,6 +41,22 @@ epilogue pass reads an (m, n) int32 buffer that stays in L2. What fusion saves i
 unfused graph (models/quant_mlp.onnx untuned: 1.9 ms with these kernels against 54 ms with
 TVM's auto-fusion and default schedules, both equal to onnxruntime bit for bit).
 
+On CUDA, ``cuda_tiled_dp4a``: linear_bias_relu's ``cuda_tiled_epilogue`` scheme, built from its
+helpers (imported), on int8 operands. A thread block per output tile (default 32x64: m is short in
+decoding and prefill chunks, and smaller row tiles keep more blocks in flight; 8x16 threads, each
+a 4x4 register tile of int32 accumulators strided by the thread count, so a warp's lanes read
+consecutive rows and store consecutive columns); x_q and w_q k-tiles of 32 bytes staged through
+shared memory by all threads in 4-byte vectors, rows padded to 36 bytes (9 words: 16 lanes on 16
+rows hit 16 banks), software-pipelined through registers. The innermost 4 k of every product are
+one ``__dp4a`` (TVM's ``dp4a_s8s8s32`` tensor intrinsic, tensorized: four int8 products added to
+the int32 accumulator in one instruction, one 4-byte shared load per operand), where k is a
+multiple of 4 so that every row is 4-byte aligned; otherwise the products are int32
+multiply-adds of single bytes. The dequant, bias and ReLU run on the register tile. As in
+linear_bias_relu, the function's global ``acc`` (a ``T.alloc_buffer``, which the schedule treats
+as an output) is still written once, 4*m*n bytes read straight back by the same thread; a
+``T.sblock_alloc_buffer`` would drop it, at the price of a new structural hash. TVM also has int8
+WMMA and mma intrinsics (tensor cores); this template does not use them.
+
 Relax rules: what the ONNX frontend makes of MatMulInteger (no zero points) -> Cast -> Mul ->
 Add [-> Relu]: ``astype``s of x_q and w (k, n) to int32, ``matmul`` into int32, ``astype``
 float32, ``multiply`` by a scale that broadcasts along n, ``add`` b. The ReLU rule runs first
@@ -50,11 +66,18 @@ zero-pointed operands (the frontend subtracts the zero point before the matmul, 
 matches), a scale that varies along m, non-float32 epilogues, symbolic shapes.
 """
 
+import importlib
+import importlib.util
+import os
+import sys
+
 import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, template
+from search_spaces.gemm.linear_bias_relu import (cuda_drop_acc, cuda_fetch_shared, cuda_pipeline, cuda_split_k,
+                                                 cuda_tile_output, cuda_unroll, cuda_vector_lanes)
 
 
 def _relu_flag(shape):
@@ -180,6 +203,67 @@ def int8_dot(sch, target, knobs):
     sch.annotate(outer, "pragma_unroll_explicit", 1)
 
 
+# ---- CUDA ------------------------------------------------------------------------------------
+
+_DP4A_MODULE = "tvm.s_tir.tensor_intrin.dot_product_common"
+
+
+def _dp4a_intrin():
+    """Name of TVM's ``dp4a_s8s8s32`` tensor intrinsic (int8x4 . int8x4 + int32 -> ``__dp4a``),
+    registered by ``tvm.s_tir.tensor_intrin.dot_product_common``.
+
+    Importing that module the usual way first runs its package's ``__init__``, which registers
+    every CUDA intrinsic (about 40 s on 2 cores, once per process). Where the package is not loaded
+    yet, only this one file is loaded, under its own module name: a later import of the package
+    (MetaSchedule's TuneContext does one) then finds it in ``sys.modules`` and does not register
+    the same intrinsics twice."""
+    if _DP4A_MODULE not in sys.modules:
+        package = _DP4A_MODULE.rsplit(".", 1)[0]
+        if package in sys.modules:
+            importlib.import_module(_DP4A_MODULE)
+        else:
+            import tvm.s_tir
+            path = os.path.join(os.path.dirname(tvm.s_tir.__file__), "tensor_intrin", "dot_product_common.py")
+            spec = importlib.util.spec_from_file_location(_DP4A_MODULE, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[_DP4A_MODULE] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[_DP4A_MODULE]
+                raise
+    return sys.modules[_DP4A_MODULE].DP4A_S8S8S32_INTRIN
+
+
+@template("cuda_tiled_dp4a", target_kinds=("cuda",))
+def cuda_tiled_dp4a(sch, target, knobs):
+    """linear_bias_relu's cuda_tiled_epilogue for int8: one block per output tile, x_q and w_q
+    k-tiles staged through padded shared memory in 4-byte vectors (software-pipelined through
+    registers), each thread a strided register tile of int32 accumulators fed four products at a
+    time by ``__dp4a``, dequant + bias + ReLU on the tile on the way out (defaults: 32x64 tile,
+    8x16 threads, 4x4 outputs each, k tile 32)."""
+    mm = sch.get_sblock("matmul")
+    epi = sch.get_sblock("dequant")
+    lanes = cuda_vector_lanes("int8", int(sch.get(mm).reads[0].source.shape[1]))
+    wb = sch.reindex(mm, ("write", 0))
+    sch.set_scope(mm, 0, "local")
+    i, j, k = sch.get_loops(mm)
+    # m is short in decoding and prefill chunks: 32-row tiles keep more blocks in flight.
+    bx, _, tx, nty, ntx, _ = cuda_tile_output(sch, knobs, i, j, rows=(8, 4), cols=(16, 4))
+    (k0,) = cuda_split_k(sch, knobs, [k], lanes, tile=32)
+    sch.reverse_compute_at(wb, tx, preserve_unit_loops=True)
+    sch.reverse_compute_at(epi, tx, preserve_unit_loops=True)
+    cuda_drop_acc(sch, wb)
+    fetches = [cuda_fetch_shared(sch, mm, index, k0, (nty, ntx), lanes, k_major=True) for index in (0, 1)]
+    sch.decompose_reduction(mm, k0)
+    if lanes == 4:
+        # The innermost loop is 4 consecutive k of one shared row of x_q and one of w_q, 4-byte
+        # aligned (k-tile and row stride multiples of 4): exactly dp4a's operands.
+        sch.tensorize(sch.get_loops(mm)[-1], _dp4a_intrin())
+    cuda_pipeline(sch, k0, fetches)
+    cuda_unroll(sch, knobs, bx)
+
+
 def _relax_pattern(relu):
     def make():
         from tvm.relax.dpl import is_op, wildcard
@@ -266,7 +350,7 @@ PATTERN = Pattern(
     onnx_graph=onnx_graph,
     flops=flops,
     bytes=nbytes,
-    templates=[int8_dot, int8_tiled],
+    templates=[int8_dot, int8_tiled, cuda_tiled_dp4a],
     # The ReLU rule first: the plain one would otherwise take the Add out from under it.
     relax_rules=[RelaxRule("matmulinteger_dequant_bias_relu", _relax_pattern(1), _relax_rewrite(1), priority=1),
                  RelaxRule("matmulinteger_dequant_bias", _relax_pattern(0), _relax_rewrite(0))],

@@ -41,6 +41,23 @@ Knobs: the m, n and group tiles (the group tile sets how much of k is unrolled) 
 depth. The kernel is instruction-bound on the per-weight address arithmetic (about 6 instructions
 per 16-lane FMA in the znver4 code LLVM emits), not on memory.
 
+On CUDA, ``cuda_gather_tiles`` (linear_bias_relu's CUDA helpers, imported): a thread block per
+(m, n) output tile (default 32x64; 8x32 threads, each a 4x2 register tile of float32 accumulators
+strided by the thread count), k in tiles of 8 groups (32 k). Per tile the block gathers its x rows
+through idx into a shared (k-tile x m-tile) slab, consecutive lanes along k (each row read as
+128-byte segments) and stored transposed into rows padded to 33 floats, and stages the tile's
+values (64 x 16, rows padded to 17 floats) and meta (64 x 8, to 17 bytes) in shared memory: the
+32 lanes of a warp read 32 different weight rows, an odd word stride puts those in 32 banks. All
+three copies are software-pipelined through registers (the next tile's loads in flight during
+this tile's FMAs). A warp spans 32 output
+features at one gathered row: its slab reads at one kept weight touch at most the 4 words of the
+group's columns (broadcasts, in distinct banks), and its y stores are 128-byte rows. Every FMA
+still loads its x value from shared memory: the decoded position differs per weight, and holding
+a group's 4 values in registers would need them indexed by data, which CUDA puts in local memory.
+The matmul block's slab read is annotated ``explicit_read_region`` (its declared region, the 4
+columns of group g): buffer compaction cannot bound ``(meta >> 2s) & 3`` and would otherwise keep
+all of k in the slab (68 KB at k=512, over the 48 KB a block may have).
+
 Measured once on 2 cores, shared machine (load average ~3), at the default shape: unscheduled
 45 ms, ``row_tiles`` defaults 2.5 ms (1.7 ms on one thread at a quieter moment); for scale, the
 dense ``linear_bias_relu`` template default on the same m, n, k took 4.0-5.0 ms at the same time.
@@ -50,6 +67,7 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, template
+from search_spaces.gemm.linear_bias_relu import cuda_fetch_shared, cuda_pipeline, cuda_tile_output, cuda_unroll
 
 
 def _dims(shape):
@@ -215,6 +233,49 @@ def row_tiles(sch, target, knobs):
     sch.annotate(outer, "pragma_unroll_explicit", 1)
 
 
+@template("cuda_gather_tiles", target_kinds=("cuda",))
+def cuda_gather_tiles(sch, target, knobs):
+    """One block per (m, n) output tile; per k tile (``g`` groups of 4) the block gathers its x
+    rows through idx into a shared (4g x m-tile) slab and stages the values and meta of its n rows
+    in shared memory, all three software-pipelined through registers; each thread accumulates a
+    strided register tile in float32, bias on the way out (defaults: 32x64 tile, 8x32 threads,
+    4x2 outputs each, 8 groups = 32 k per tile)."""
+    mm = sch.get_sblock("matmul")
+    gather = sch.get_sblock("gather")
+    epi = sch.get_sblock("epilogue")
+    reads = [r.source.name for r in sch.get(mm).reads]
+    # The compaction of the shared slab must bound the decoded column 4g + ((meta >> 2s) & 3) by
+    # the region the block declares (group g's 4 columns); it cannot bound the bit arithmetic.
+    sch.annotate(mm, "explicit_read_region", [reads.index("xg")])
+    i, j, g, _ = sch.get_loops(mm)
+    # A warp of 32 threads along n: its lanes read 32 weight rows (values/meta padded to odd word
+    # strides) and at most 4 slab words (the 4 columns of one group at one row), and store 32
+    # consecutive columns of y.
+    bx, _, tx, nty, ntx, _ = cuda_tile_output(sch, knobs, i, j, rows=(8, 4), cols=(32, 2))
+    g0, _ = sch.split(g, knobs.tile(g, 2, [8], max_innermost_factor=8))
+    sch.set_scope(mm, 0, "local")
+    sch.reverse_compute_at(epi, tx, preserve_unit_loops=True)
+    # The slab: x rows read along k (coalesced through idx), stored transposed into rows padded
+    # to an odd word stride, so the stores across its rows and the reads across its 4 group
+    # columns hit distinct banks.
+    sch.set_scope(gather, 0, "shared")
+    sch.compute_at(gather, g0, preserve_unit_loops=True)
+    c, r = sch.get_loops(gather)[-2:]
+    sch.reorder(r, c)
+    _, fy, fx = sch.split(sch.fuse(r, c), [None, nty, ntx])
+    sch.bind(fy, "threadIdx.y")
+    sch.bind(fx, "threadIdx.x")
+    sch.storage_align(gather, 0, axis=0, factor=32, offset=1)
+    sch.annotate(gather, "tirx.manifest_shared_memory_local_stage", 1)
+    # Scalar (4-byte, still coalesced) copies keep the value rows at an odd word stride; 8-byte
+    # vectors would need an even one, a 2-way conflict for 32 lanes on 32 rows.
+    fetches = [cuda_fetch_shared(sch, mm, reads.index(name), g0, (nty, ntx), 1, k_major=True)
+               for name in ("values", "meta")]
+    sch.decompose_reduction(mm, g0)
+    cuda_pipeline(sch, g0, fetches + [gather])
+    cuda_unroll(sch, knobs, bx)
+
+
 def onnx_graph(shape, dtype):
     """W rebuilt from values and meta every call (BitwiseAnd/BitShift decode the positions, Equal
     against 0..3 and Where place each value, Add merges the two), Gather of the x rows through idx,
@@ -286,5 +347,5 @@ PATTERN = Pattern(
     onnx_graph=onnx_graph,
     flops=flops,
     bytes=nbytes,
-    templates=[row_tiles],
+    templates=[row_tiles, cuda_gather_tiles],
 )

@@ -52,6 +52,25 @@ each vectorised by an rfactor over a lane tile; ``chunk_res`` parallel over (bat
 vectorised the same way inside a chunk; ``sample`` parallel over batch. Knobs: the row tile, the
 lane tiles of the vocab reductions (the vocab split), the unroll depth.
 
+On CUDA, ``cuda_rows_then_batch``, two kernels:
+1. Rows: the batch*(k+1) rows of logits laid out by softmax_dropout's ``CudaRows``, one row a
+   block (a warp or less up to 1024 logits; 250 threads at vocab 32000), row_max and exp_sum
+   (greedy: row_argmax) as cross-thread reductions over float4 loads. The second pass reads the
+   max from the reduction's own result (registers, or shared memory for a block's row): a global
+   result is stored by thread 0 alone, and the other threads would read it with no barrier
+   between. A copy of the max, and the sums, go to memory.
+2. Batch: a block per batch row (the batch loops of first_reject .. sample merged into one, bound
+   to blockIdx.x). The k accept tests run serially in every thread, into a register copy of
+   ``accepted`` that the later stages read (each thread then stores the same n); the residual's
+   chunk sums a chunk per group of lanes (the largest power of two dividing the chunk, at most a
+   warp: 16 lanes at vocab 32000) with chunks across threadIdx.y (8 by default), shuffles, into
+   shared memory; the total and the inverse-CDF scan (chunk sums, then inside one chunk: about
+   C + L = 480 serial steps at vocab 32000) serially, as the TensorIR writes them. Greedy: a
+   thread per batch row, 32 a block.
+Knobs: CudaRows' threads per row, the chunk groups per block.
+Two kernels rather than one block per batch row: the row passes carry nearly all the traffic, and
+batch*(k+1) blocks spread it over k+1 times more SMs (5x at the default shape) than batch blocks.
+
 Measured once on 2 cores, shared machine (load average ~6), default shape (batch 4, k 4, vocab
 32000): sampling, template default 0.24 ms, unscheduled 3.4 ms, onnxruntime on the ONNX graph 6.4 ms;
 greedy, template default 0.073 ms, unscheduled 1.2 ms, onnxruntime 2.1 ms.
@@ -62,7 +81,7 @@ from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
 from autofuse.pattern import Pattern, ShapeParam, template
-from search_spaces.reduction.softmax_dropout import _exp
+from search_spaces.reduction.softmax_dropout import CudaRows, _exp, unroll_chunks, vector_load
 
 # make_inputs keeps every decision at least this far from its tie: |u[i] - p/q| > ACCEPT_MARGIN,
 # and the threshold u[k] * sum(w) more than SAMPLE_MARGIN * sum(w) from every cumulative-sum
@@ -429,6 +448,76 @@ def row_parallel(sch, target, knobs):
     sch.parallel(sch.get_loops(last)[0])
 
 
+@template("cuda_rows_then_batch", target_kinds=("cuda",))
+def cuda_rows_then_batch(sch, target, knobs):
+    """Two kernels. Rows: each (batch, position) row of logits to a thread block (softmax_dropout's
+    CudaRows: a warp or less for short rows), max and exp-sum (or argmax) as cross-thread reductions over
+    vectorised loads, results to memory. Per batch row, one block: the k accept tests serially in
+    every thread (registers), the residual's chunk sums a chunk per group of lanes (shuffles),
+    their total and the inverse-CDF scan serially."""
+    names = {sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))}
+    greedy = "row_argmax" in names      # the kernel's structure, not a knob
+    row_max = sch.get_sblock("row_max")
+    second = sch.get_sblock("row_argmax" if greedy else "exp_sum")
+    first_reject = sch.get_sblock("first_reject")
+    last = sch.get_sblock("pick" if greedy else "sample")
+
+    # Rows kernel. The second pass reads the max from the reduction's own result (registers for
+    # a warp's row, shared memory for a block's): a global result is stored by thread 0 alone and
+    # read by the others with no barrier between. A copy goes to memory for the batch kernel.
+    # One row per block (a short row gets a warp or less): the blocks the second pass and the copy
+    # are moved into are indexed by (batch, position), and several fused rows would give them a
+    # (batch, position) cover wider than the block's rows, on other threadIdx.y extents.
+    sch.fuse(*sch.get_loops(row_max)[:2])
+    rows = CudaRows(sch, knobs, row_max, 4, contiguous=False, max_rows=1)
+    loops = {row_max: rows.loops}
+    mx = sch.cache_write(row_max, 0, rows.stat_scope, consumer_blocks=[second])
+    sch.reverse_compute_at(mx, rows.block_loop, preserve_unit_loops=True)
+    sch.bind(sch.get_loops(mx)[-1], "threadIdx.y")
+    loops[second] = rows.attach(sch, second, reverse=True)
+    for blk, (_, _, kc, _) in loops.items():
+        vector_load(sch, blk, "logits", kc)
+    unroll_chunks(sch, loops.values())
+
+    # Batch kernel. The accept scan runs in every thread into a register copy of ``accepted``, read
+    # from there by the residual and the sample; every thread then stores the same n. Scanning in
+    # the output itself would race: one thread's init can land after another's last update.
+    consumers = [last] if greedy else [sch.get_sblock("chunk_res"), last]
+    accepted = sch.cache_write(first_reject, 0, "local", consumer_blocks=consumers)
+    stages = [first_reject, accepted]
+    if not greedy:
+        res, total = sch.get_sblock("chunk_res"), sch.get_sblock("res_total")
+        sch.set_scope(res, 0, "shared")
+        sch.set_scope(total, 0, "local")
+        stages += [res, total]
+    # One loop over batch rows for every stage: each stage of row b reads only what the earlier
+    # stages (and the rows kernel) wrote for row b, so running them row by row is the same
+    # computation. compute_at cannot nest them: first_reject writes an output, and the regions
+    # chunk_res and sample declare (all k+1 positions) defeat reverse_compute_at.
+    batch = sch.merge(*[sch.get_loops(blk)[0] for blk in stages + [last]])
+    if greedy:
+        # Nothing to share within a batch row: a thread per row, a warp of rows per block (the
+        # last one predicated).
+        bx, tx = sch.split(batch, [None, 32])
+        sch.bind(bx, "blockIdx.x")
+        sch.bind(tx, "threadIdx.x")
+    else:
+        sch.bind(batch, "blockIdx.x")
+        # A chunk per group of lanes (the largest power of two dividing the chunk, up to a warp:
+        # TVM reduces other group sizes through shared memory), chunks across threadIdx.y; the
+        # lanes read consecutive vocab entries. Every kernel stage then runs in these threads.
+        c, j = sch.get_loops(res)[-2:]
+        chunk = int(sch.get(j).extent)
+        group = min(32, chunk & -chunk)
+        co, ty = sch.split(c, knobs.tile(c, 2, [8], max_innermost_factor=32))
+        jo, tx = sch.split(j, [None, group])
+        sch.reorder(co, ty, tx, jo)
+        sch.bind(ty, "threadIdx.y")
+        sch.bind(tx, "threadIdx.x")
+        sch.decompose_reduction(total, sch.get_loops(total)[-1])
+    sch.decompose_reduction(first_reject, sch.get_loops(first_reject)[-1])
+
+
 def onnx_graph(shape, dtype):
     """Sampling: Softmax over all positions; GatherElements of p and q at the drafts; Less gives the
     accept flags; n = ReduceMin(Where(accepted, k, position)); GatherElements takes row n of p and
@@ -527,7 +616,7 @@ PATTERN = Pattern(
     onnx_graph=onnx_graph,
     flops=flops,
     bytes=nbytes,
-    templates=[row_parallel],
+    templates=[row_parallel, cuda_rows_then_batch],
     num_outputs=2,
     # Both outputs are integers (lengths, token ids): an atol of 0.5 fails any difference of 1, and
     # unlike 0 keeps the relative error the check reports finite where the reference is 0.

@@ -6,7 +6,7 @@ Whether they compute the right numbers is benchmarks/gpu_check_templates.py's jo
 
 import pytest
 from cuda_support import H200, assert_within_limits as _within_limits, cuda_source as _compile
-from cuda_support import replayed, require_nvcc
+from cuda_support import assert_one_extent_per_thread_tag, replayed, require_nvcc
 from tvm import tirx
 from tvm.s_tir import Schedule
 
@@ -27,6 +27,7 @@ def test_fixed_knobs_compile(pattern, template, dtype):
     shape = pattern.small_shape()
     sch = template.apply(pattern.build(shape, dtype), H200, tunable=False)
     assert TEMPLATE_ANNOTATION in str(sch.trace)
+    assert_one_extent_per_thread_tag(sch.mod)
     source = _compile(sch.mod)
     _within_limits(source)
     assert "threadIdx.x" in source
@@ -43,6 +44,7 @@ def test_samples_replay_and_compile(pattern, template):
     decisions = set()
     for sch in replayed(template, func, range(2, SAMPLES + 2)):
         decisions.add(str(sch.trace.decisions))
+        assert_one_extent_per_thread_tag(sch.mod)
         _within_limits(_compile(sch.mod))
     assert decisions, "the template should draw knobs"
 
