@@ -28,6 +28,14 @@ along the key axis (rfactors again), the exponentials along the key axis, and P*
 The exponential is ``_exp`` from ``softmax_dropout`` (a polynomial; ``T.exp`` is a scalar call per
 lane on x86).
 
+CUDA template ``cuda_kv_head``: gqa_decode_attention's attention kernel (``cuda_decode_attention``,
+imported from there), a thread block per (batch, K/V head) whose rows are that head's query
+heads x query tokens, so each K/V page row fetched through the block table serves all of them:
+lanes split a key row's head_dim (vector loads), slots of lanes take keys round-robin, the lanes'
+partial dot products meet by warp shuffles, scores and probabilities sit in shared memory, max and
+sum are block-wide reductions, P*V partials per slot are summed through shared memory. Compiled
+here (nvcc, sm_90) and checked by emulating the generated CUDA on the CPU; not yet run on a GPU.
+
 Precision: float32, float16 or bfloat16 inputs and outputs; scores, softmax statistics and the P*V
 accumulator are float32 in every dtype, and each output is rounded to the dtype once. (The
 half-precision tolerance is stated at ``PATTERN``.)
@@ -39,6 +47,7 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, template
+from search_spaces.attention.gqa_decode_attention import cuda_decode_attention
 from search_spaces.reduction.softmax_dropout import _exp
 
 
@@ -238,6 +247,29 @@ def row_parallel(sch, target, knobs):
     sch.annotate(row, "pragma_unroll_explicit", 1)
 
 
+@template("cuda_kv_head", target_kinds=("cuda",))
+def cuda_kv_head(sch, target, knobs):
+    """A thread block per (batch, K/V head): its query heads x query tokens are the rows sharing
+    each K/V page row; lanes x slots threads, a slot's lanes split a key row's head_dim (vector
+    loads through the block table, each K/V vector used for every row, partial dot products summed
+    by shuffles), scores and probabilities in shared memory, block-wide max and sum, P*V partials
+    per slot summed through shared memory (``cuda_decode_attention``, shared with
+    gqa_decode_attention)."""
+    q, k_pages = sch.mod["main"].params[:2]    # (batch, tokens, heads, d), (pages, K/V heads, ...)
+    group = int(q.shape[2]) // int(k_pages.shape[1])
+
+    def head_rows(sch, block):
+        # (batch, token, head, ...) -> (batch x K/V head, token x group member, ...)
+        b, t, h = sch.get_loops(block)[:3]
+        kv, g = sch.split(h, [None, group])
+        sch.reorder(b, kv, t, g)
+        sch.fuse(b, kv)
+        sch.fuse(t, g)
+
+    cuda_decode_attention(sch, target, knobs, ("qk", "row_max", "probs", "exp_sum", "pv", "out"),
+                          head_rows, lambda b, t, h: (t, h % group))
+
+
 def onnx_graph(shape, dtype):
     """Gather the pages through the table, lay them out per sequence, repeat the kv heads over
     their groups, MatMul, mask from seq_lens (a constant position iota compared with each query's
@@ -326,5 +358,5 @@ PATTERN = Pattern(
     # rtol = 4u. Near zero, where cancellation in P.V leaves no relative bound, the
     # float32 accumulation error remains: ~n * 2^-24 of |v|, 3.1e-5 at a 512-key context: atol 1e-4.
     tolerance={"float32": (1e-4, 1e-4), "float16": (2e-3, 1e-4), "bfloat16": (1.6e-2, 1e-4)},
-    templates=[row_parallel],
+    templates=[row_parallel, cuda_kv_head],
 )
