@@ -63,6 +63,28 @@ other runs of the same build: the load makes wall-clock figures rough); one thre
 rows from L1 and broadcast K elements. Knob variants (key split 1-4, row block 4-8, head_dim vector
 16-32, row vector 16-32) measured within 5% of the defaults in CPU time, except a key split of 1
 (+13%).
+
+Template ``cuda_verify_rows`` (CUDA, SIMT FMAs; dlight has no rule for this TensorIR, so it is the
+pattern's only GPU schedule): flash_attention's ``cuda_flash`` scheme on this nest. A thread block
+per (batch, K/V head, row tile), the row tile on blockIdx.y (a knob, up to 64 rows, default 8; every
+stage splits its row loop alike, inside the key-tile loop, which the TIR puts outermost), a row
+(group member x draft) per threadIdx.y and LANES threads per row (16 at head_dim 64). Per key tile,
+serial: the block stages K (transposed, rows padded by one) and V tiles of the cache in shared
+memory, and each K/V tile serves every row of the block, the GQA group's query heads included;
+thread c % LANES computes the scores of keys c from its row of q * scale in registers, the tile max
+and sum are warp shuffles across the row's threads, the probabilities go through shared memory
+(stored row-major, unlike the TIR's (key, row) CPU layout, against bank conflicts) and each thread
+accumulates P.V for head_dim / LANES columns; m, l and acc stay in registers across the tiles. The
+draft block is spread the same way for its scores and probabilities; its max and sum, which start
+from the running state rather than an identity, are folded in serially by each thread from shared
+memory; the tree mask is read where it is used. A padded last tile loads a whole tile of cache rows
+(a window ending at max_seq, so no load leaves the cache; the rows past cache_len are never used),
+which keeps every loop a constant. K/V tiles that do not fit 48 KiB next to the rows' buffers are
+read through L1 instead (head_dim 256), and q goes to shared memory past head_dim 128. Checked on
+the H200 against the reference (default, small and edge shapes: empty cache, one draft, MQA, padded
+and full caches, NaN in the cache rows past cache_len, 1024 rows, head_dim 128/256, replayed knob
+samples); time_evaluator median at the default shape 0.013 ms (row tiles of 8; 0.031 ms with all 32
+rows of a K/V head in one block), and 0.64 ms at head_dim 256, where K and V come through L1.
 """
 
 import math
@@ -70,8 +92,10 @@ import math
 import numpy as np
 from tvm.script import tirx as T
 
+from autofuse.measure import param_buffers
 from autofuse.pattern import Pattern, ShapeParam, template
-from search_spaces.reduction.softmax_dropout import _exp
+from search_spaces.attention.flash_attention import _CUDA_LOAD_LANES, _lanes, _vector_split
+from search_spaces.reduction.softmax_dropout import _exp, dtype_bytes
 
 KV_TILE = 64
 
@@ -392,6 +416,226 @@ def kv_head_tiles(sch, target, knobs):
     sch.annotate(outer, "pragma_unroll_explicit", 1)
 
 
+# ---- CUDA ---------------------------------------------------------------------------------------
+
+_CUDA_ROW_TILES = (1, 2, 4, 8, 16, 32, 64)   # query rows per thread block (threadIdx.y)
+
+
+def _cuda_plan(kt, hd, kd, rows, lanes, itemsize, limit):
+    """What ``cuda_verify_rows`` keeps where, and the row tiles that then fit: (q in registers,
+    stage K, stage V, row tiles). Per row of the tile, shared memory always holds the
+    probabilities of a key tile and the drafts' scores and probabilities (float32), and the
+    scaled q row where head_dim is too long for registers; K (transposed, rows padded by one) and
+    V tiles (the dtype) while they fit, otherwise they are read through L1. Tiles beyond the next
+    power of two of the rows would only add idle threads."""
+    q_regs = hd <= 128
+    per_row = (kt + 2 * kd + (0 if q_regs else hd)) * 4
+    tall = [r for r in _CUDA_ROW_TILES if r * lanes <= 1024 and r < 2 * rows]
+    k_bytes = hd * (kt + 1) * itemsize
+    v_bytes = kt * hd * itemsize
+    for stage_k, stage_v in ((True, True), (True, False), (False, False)):
+        fixed = stage_k * k_bytes + stage_v * v_bytes
+        tiles = [r for r in tall if fixed + r * per_row <= limit]
+        if tiles:
+            return q_regs, stage_k, stage_v, tiles
+    raise ValueError(f"cuda_verify_rows: no row tile fits {limit} bytes of shared memory")
+
+
+def _annotate_read(sch, block, index, region):
+    """``sch.annotate_buffer_access`` of read ``index`` as ``region(*iterators)``, a (begin, end)
+    per buffer dimension. TVM 0.27's Python wrapper wants one range per block iterator, so it
+    refuses a buffer of another rank; the schedule instruction itself does not."""
+    from tvm.s_tir.schedule import _ffi_api
+    from tvm.tirx.function import IndexMap
+
+    iters = [iv.var for iv in sch.get(block).iter_vars]
+    bounds = [x for rng in region(*iters) for x in rng]
+    _ffi_api.ScheduleAnnotateBufferAccess(sch, block, index, 0, IndexMap(iters, bounds, None))
+
+
+@template("cuda_verify_rows", target_kinds=("cuda",))
+def cuda_verify_rows(sch, target, knobs):
+    """A thread block per (batch, K/V head, row tile), a query row (group member x draft) per
+    threadIdx.y, LANES threads per row. K/V tiles of the cache are staged in shared memory, where
+    all rows of the block (the GQA group's heads x drafts) reuse them; scores, running max/sum and
+    the output accumulator stay in each thread's registers, the tile max and sum are warp
+    shuffles across the row's threads, and the probabilities, which P.V needs on every thread of
+    the row, go through shared memory; the key-tile loop stays serial; the draft block is folded
+    in at the end the same way."""
+    get = sch.get_sblock
+    qk, pv, dq, dpv = get("qk"), get("pv"), get("draft_qk"), get("draft_pv")
+    b, hk, t, c, dd, r = sch.get_loops(qk)
+    kt, hd, rows = (int(sch.get(x).extent) for x in (c, dd, r))
+    kd = int(sch.get(sch.get_loops(dq)[-3]).extent)
+    smax = int(param_buffers(sch.mod["main"])[1].shape[2])   # k_cache's capacity, max_seq
+    itemsize = dtype_bytes(sch.get(get("out")).writes[0].source.dtype)
+    lanes = _lanes(hd)
+    # Elements per thread in the tile loads: a vector that stays aligned at every row start.
+    vec = next(v for v in (_CUDA_LOAD_LANES, 2, 1) if hd % v == 0)
+    limit = int(target.attrs.get("max_shared_memory_per_block", 48 * 1024))
+    q_regs, stage_k, stage_v, tiles = _cuda_plan(kt, hd, kd, rows, lanes, itemsize, limit)
+    # Default 8 rows a block: measured on the H200 at the default shape (4 (batch, K/V head)
+    # pairs of 32 rows), 0.013 ms at 8 rows, 0.018 ms at 16, 0.031 ms at 32: more blocks on the
+    # GPU's 132 SMs outweigh loading each K/V tile once per 8 rows instead of once per 32.
+    tile = knobs.choice(tiles, max(r_ for r_ in tiles if r_ <= 8))
+    # With an empty cache nothing reads it (the TIR drops both cache products).
+    reads_cache = any(reg.source.name == "k_cache" for reg in sch.get(qk).reads)
+
+    bx = sch.fuse(b, hk)
+    sch.bind(bx, "blockIdx.x")
+
+    def rows_of(loop):
+        # Every stage splits its row loop the same way: the row tile on blockIdx.y (the same
+        # extent in every stage, so one launch dimension), the row in the tile on threadIdx.y.
+        by, ty = sch.split(loop, [None, tile])
+        sch.bind(by, "blockIdx.y")
+        sch.bind(ty, "threadIdx.y")
+        return ty
+
+    def lanes_of(loop):
+        # Keys (or drafts) of a row to its threads: key c to thread c % LANES, which then owns
+        # its score and probability in every stage (the reductions over keys are shuffles).
+        cc, tx = sch.split(loop, [None, lanes])
+        sch.bind(tx, "threadIdx.x")
+        return tx, cc
+
+    def columns_of(loop):
+        # head_dim over the row's threads, each a run of head_dim / LANES consecutive columns.
+        tx, dj = sch.split(loop, [lanes, None])
+        sch.bind(tx, "threadIdx.x")
+        return tx, dj
+
+    def stage(block, name):
+        # A K/V tile of the cache in shared memory. The keys of the last tile of a padded cache
+        # clamp to the last cached row, which would leave that tile a symbolic number of rows (a
+        # loop MetaSchedule rejects); the block's read is declared instead as the whole window
+        # [min(t * kt, max_seq - kt), + kt) of cache rows, which holds every row it reads (tile
+        # t's clamped keys lie in [t * kt, t * kt + kt) and below max_seq) and lies in the cache.
+        # Rows of the window past cache_len are loaded and never used.
+        cache = sch.cache_read(block, name, "shared")
+        index = [reg.source.name for reg in sch.get(block).reads].index(name + "_shared")
+        _annotate_read(sch, block, index, lambda vb, vh, vt, *_: [
+            (vb, vb + 1), (vh, vh + 1), (T.min(vt * kt, smax - kt), T.min(vt * kt, smax - kt) + kt), (0, hd)])
+        sch.compute_at(cache, t, preserve_unit_loops=True)
+        return cache
+
+    def fill(cache):
+        fused = sch.fuse(*sch.get_loops(cache)[-2:])
+        _, fy, fx, fv = sch.split(fused, [None, tile, lanes, vec])
+        sch.bind(fy, "threadIdx.y")
+        sch.bind(fx, "threadIdx.x")
+        sch.vectorize(fv)
+
+    # q scaled and transposed, per row: in each of the row's threads' registers (every thread
+    # of the row reads all of it), or for a long head_dim in shared memory.
+    qs = get("q_scaled_t")
+    qd, qr = sch.get_loops(qs)[-2:]
+    sch.reorder(qr, qd)
+    rows_of(qr)
+    if q_regs:
+        _vector_split(sch, qd, 4)
+    else:
+        columns_of(qd)
+    # The tree mask is read where it is used (a 0/1 per draft pair, from L1), not materialised.
+    sch.compute_inline(get("draft_keep"))
+
+    # Per key tile: scores, max, probabilities and sum with key c on thread c % LANES of the row.
+    sch.reorder(r, c, dd)
+    rows_of(r)
+    ctx, cc = lanes_of(c)
+    sch.reorder(ctx, cc)
+    for name in ("tile_max", "prob", "tile_sum"):
+        kc, kr = sch.get_loops(get(name))[-2:]
+        sch.reorder(kr, kc)
+        rows_of(kr)
+        lanes_of(kc)
+    for name in ("run_max", "run_sum"):
+        rows_of(sch.get_loops(get(name))[-1])
+    # P.V and the accumulator: head_dim split over the row's threads.
+    pr, pc, pd = sch.get_loops(pv)[-3:]
+    rows_of(pr)
+    ptx, pdj = columns_of(pd)
+    sch.reorder(ptx, pc, pdj)
+    ar, ad = sch.get_loops(get("run_acc"))[-2:]
+    rows_of(ar)
+    _, adj = columns_of(ad)
+    if reads_cache and stage_k:
+        # K^T of the tile: thread c % LANES reads along the keys (consecutive words), rows padded
+        # by one so that the transposing stores of the fill spread over the banks.
+        kc_ = stage(qk, "k_cache")
+        sch.transform_layout(kc_, ("write", 0), lambda b_, h_, j_, d_: (b_, h_, d_, j_))
+        sch.storage_align(kc_, 0, axis=-2, factor=32, offset=1)
+        fill(kc_)
+    if reads_cache and stage_v:
+        vc_ = stage(pv, "v_cache")
+        fill(vc_)
+
+    # The draft block: scores and probabilities with draft j on thread j % LANES; its max and
+    # sum start from the running state (not an identity), so each thread folds all drafts of
+    # its row in serially, reading the scores and probabilities from shared memory.
+    j, jd, jr = sch.get_loops(dq)[-3:]
+    sch.reorder(jr, j, jd)
+    rows_of(jr)
+    jtx, jc = lanes_of(j)
+    sch.reorder(jtx, jc)
+    # The draft scores accumulate in a register and are then stored to the shared row.
+    sd_store = sch.cache_write(dq, 0, "local")
+    sch.reverse_compute_at(sd_store, jc, preserve_unit_loops=True)
+    jj, jr = sch.get_loops(get("draft_prob"))[-2:]
+    sch.reorder(jr, jj)
+    rows_of(jr)
+    lanes_of(jj)
+    serial = []
+    for name in ("draft_max", "draft_sum"):
+        jj, jr = sch.get_loops(get(name))[-2:]
+        sch.reorder(jr, jj)
+        rows_of(jr)
+        serial.append((get(name), jj))
+    rows_of(sch.get_loops(get("rescale"))[-1])
+    qr_, qj, qdd = sch.get_loops(dpv)[-3:]
+    rows_of(qr_)
+    qtx, qdj = columns_of(qdd)
+    sch.reorder(qtx, qj, qdj)
+    or_, od = sch.get_loops(get("out"))[-2:]
+    rows_of(or_)
+    _, odj = columns_of(od)
+
+    # Per-thread values in registers; what a row's threads exchange in shared memory.
+    for name in ("qk", "tile_max", "tile_sum", "run_sum", "pv", "run_acc", "draft_max", "rescale",
+                 "draft_sum", "draft_pv"):
+        sch.set_scope(get(name), 0, "local")
+    sch.set_scope(get("run_max"), 0, "local")
+    sch.set_scope(get("run_max"), 1, "local")
+    sch.set_scope(qs, 0, "local" if q_regs else "shared")
+    for blk in (get("prob"), sd_store, get("draft_prob")):
+        sch.set_scope(blk, 0, "shared")
+        # Row-major, rows padded by one: the build lays these out (key, row) for the CPU's row
+        # vectors, where key c of every row is written by thread c % LANES, a bank conflict
+        # across the row's threads.
+        sch.transform_layout(blk, ("write", 0), lambda b_, h_, c_, r_: (b_, h_, r_, c_))
+        sch.storage_align(blk, 0, axis=-2, factor=32, offset=1)
+
+    for loop in (pdj, qdj, adj, odj):
+        _vector_split(sch, loop, 4)
+    # Inits split out of every reduction that is not across threads (after the bindings and
+    # vectorising: an update block without its init is neither complete nor a reduction).
+    sch.decompose_reduction(qk, cc)
+    for loop in sch.get_loops(qk)[-2:]:
+        sch.unroll(loop)
+    sch.decompose_reduction(dq, jc)
+    for loop in sch.get_loops(dq)[-2:]:
+        sch.unroll(loop)
+    sch.decompose_reduction(pv, pc)
+    sch.decompose_reduction(dpv, qj)
+    for blk, loop in serial:
+        sch.decompose_reduction(blk, loop)
+    # The running state initialised once per row, before the key-tile loop.
+    for name in ("run_max", "run_sum", "run_acc"):
+        sch.decompose_reduction(get(name), t)
+    sch.annotate(pc, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
+    sch.annotate(pc, "pragma_unroll_explicit", 0)
+
+
 def onnx_graph(shape, dtype):
     """As exporters write tree verification: Slice the cache to cache_len and Concat the drafts'
     K/V, repeat K/V heads over their group (Unsqueeze, Expand, Reshape), MatMul, Mul by the scale,
@@ -470,5 +714,5 @@ PATTERN = Pattern(
     onnx_graph=onnx_graph,
     flops=flops,
     bytes=nbytes,
-    templates=[kv_head_tiles],
+    templates=[kv_head_tiles, cuda_verify_rows],
 )
