@@ -1,0 +1,348 @@
+"""Run a CUDA-scheduled TVM module on the CPU, to check a CUDA template's numbers without a GPU.
+
+How: the module is lowered the way ``tvm.tirx.build`` lowers it for the H200 (same pipeline, same
+CUDA code generator), so the CUDA source is exactly what the GPU would get; the host function tells
+which kernels are launched, in which order, with which buffers and grid/block sizes, and which
+global workspaces TVM allocates between kernels. The source is then compiled with g++ against
+cuda_emulator.h (next to this file), which emulates the CUDA subset TVM emits: each CUDA thread is a
+fiber, blocks run one after another, ``__syncthreads`` is a block barrier and warp shuffles exchange
+values among the lanes that reached them. The program runs twice, threads and blocks in ascending
+then descending order; the two results must agree bit for bit, or the kernel has a race.
+
+What it checks besides the numbers: unwritten outputs and shared memory read before written (they
+start as NaN/-1 bytes), writes outside a buffer (guard bytes around each), writes into an input,
+misaligned vector accesses, divergent barriers/shuffles, more than 1024 threads or 48 KiB of static
+shared memory per block, launch bounds. TVM's warp-synchronous reduction tails (volatile shared
+memory, no ``__syncwarp``) run in warp lockstep, as on the GPU in practice (``warp_lockstep``).
+Not emulated (``NotEmulated``): half/bfloat16 types, tensor cores (wmma/mma), inline PTX, cp.async,
+kernels with scalar parameters, host-side loops around launches. Floating-point results can differ
+from a GPU's in the last bits (no FMA contraction, exact ``__expf``), far inside the patterns'
+tolerances.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import tvm
+from cuda_support import H200
+from tvm import tirx
+
+from autofuse.measure import param_buffers
+
+HEADER = Path(__file__).resolve().with_name("cuda_emulator.h")
+CXX_FLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-fwrapv", "-w")
+RUN_TIMEOUT_S = 120
+_UNSUPPORTED = {  # what, in the kernels, the emulator cannot run: name -> regex
+    "half or bfloat16 types": r"\b(half\d?|__half2?|nv_bfloat16\d?|__nv_bfloat16)\b",
+    "tensor cores (wmma/mma)": r"\b(wmma|mma_sync|ldmatrix)\b|\bmma\.",
+    "inline PTX": r"\basm\b|__asm__",
+    "cp.async / TMA": r"\bcp\.async\b|__pipeline_",
+}
+
+
+class EmulatorError(AssertionError):
+    """The emulated program did not compile, crashed, or showed a bug (message says which)."""
+
+
+class NotEmulated(Exception):
+    """The module uses something this emulator does not model."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    kernel: str
+    args: tuple[str, ...]  # buffer names, in the kernel's parameter order
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    dynamic_shared: int = 0
+
+
+@dataclasses.dataclass
+class Program:
+    """What the host function does, and the kernels' source rewritten for the emulator."""
+
+    source: str
+    launches: list[Launch]
+    params: list[tuple[str, tuple[int, ...], str]]  # name, shape, dtype of the PrimFunc's params
+    workspaces: dict[str, int]  # global buffers TVM allocates between kernels: name -> bytes
+
+
+def unavailable_reason() -> str | None:
+    """Why the emulator cannot run here (no C++ compiler, or a TVM without CUDA codegen), or None."""
+    if shutil.which("g++") is None:
+        return "g++ not found: the CUDA emulator compiles kernels with it"
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def scale(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
+        for i in T.thread_binding(64, thread="threadIdx.x"):
+            with T.sblock("b"):
+                vi = T.axis.spatial(64, i)
+                b[vi] = a[vi] * T.float32(2)
+
+    try:
+        lower(tvm.IRModule({"main": scale}))
+    except Exception as err:  # e.g. a TVM built without the CUDA code generator
+        lines = str(err).strip().splitlines() or [type(err).__name__]
+        return f"TVM cannot emit CUDA source here: {lines[-1]}"
+    return None
+
+
+def lower(mod: tvm.IRModule, target=H200, warp_lockstep: bool = True) -> Program:
+    """The CUDA source and kernel launches ``tvm.tirx.build(mod, target)`` would produce
+    (``warp_lockstep``: see ``rewrite_source``)."""
+    from tvm.target import Target
+    from tvm.tirx.build import codegen_build, split_host_device_mods
+
+    func = mod["main"]
+    params = [(b.name, tuple(int(d) for d in b.shape), str(b.dtype)) for b in param_buffers(func)]
+    target = Target(target).with_host("llvm" if tvm.runtime.enabled("llvm") else "c")
+    lowered = tvm.tirx.transform.BindTarget(target)(mod)
+    pipeline, _, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
+    host, devices = split_host_device_mods(pipeline(lowered))
+    source = "\n".join(codegen_build(finalize_device()(dev), t).inspect_source("")
+                       for t, dev in devices.items() if len(dev.functions))
+    walk = _HostWalk([p[0] for p in params])
+    for host_func in host.functions.values():
+        walk.visit(host_func.body, inside=None)
+    if not walk.launches:
+        raise NotEmulated("the host function launches no kernel")
+    return Program(rewrite_source(source, warp_lockstep), walk.launches, params,
+                   {name: _nbytes(buf.shape, buf.dtype) for name, buf in walk.workspaces})
+
+
+class _HostWalk:
+    """Kernel launches (``call_ffi_kernel``) in lowered host code, in order, with their buffer
+    arguments traced back to a parameter or a workspace (an ``AllocBuffer``: global memory TVM
+    allocates between kernels; storage rewriting may pass it as views of another dtype)."""
+
+    def __init__(self, param_names):
+        self.param_names = param_names
+        self.launches: list[Launch] = []
+        self.workspaces: list[tuple[str, object]] = []  # unique name, buffer
+        self.views: list[tuple[object, object]] = []  # a DeclBuffer's buffer, the buffer whose data it uses
+
+    def visit(self, stmt, inside):
+        kind = type(stmt).__name__
+        if kind == "AllocBuffer":
+            name = stmt.buffer.name
+            taken = set(self.param_names) | {n for n, _ in self.workspaces}
+            self.workspaces.append((name if name not in taken else f"{name}_{len(self.workspaces)}", stmt.buffer))
+        elif kind == "DeclBuffer" and _is_call(stmt.data, "tirx.buffer_data"):
+            self.views.append((stmt.buffer, stmt.data.args[0]))
+        elif kind == "Evaluate" and _is_call(stmt.value, "tirx.call_ffi_kernel"):
+            if inside is not None:
+                raise NotEmulated(f"a kernel launch inside a host-side {inside} (a loop left unbound?)")
+            self.launches.append(self._launch(stmt.value))
+        if kind == "For":
+            inside = "loop"
+        elif kind == "IfThenElse" and inside is None:
+            inside = "condition"
+        if isinstance(stmt, tirx.SeqStmt):
+            for sub in stmt.seq:
+                self.visit(sub, inside)
+        for field in ("body", "then_case", "else_case"):
+            sub = getattr(stmt, field, None)
+            if isinstance(sub, tirx.Stmt):
+                self.visit(sub, inside)
+
+    def _buffer(self, buf) -> str:
+        """The parameter or workspace whose memory ``buf`` (maybe a view of a view) uses."""
+        for _ in range(64):
+            for name, alloc in self.workspaces:
+                if alloc.same_as(buf):
+                    return name
+            target = next((t for v, t in self.views if v.same_as(buf) and not t.same_as(buf)), None)
+            if target is None:
+                break
+            buf = target
+        if self.param_names.count(buf.name) == 1:
+            return buf.name
+        raise NotEmulated(f"kernel argument {buf.name!r} is neither a parameter nor a workspace")
+
+    def _launch(self, call) -> Launch:
+        tags = [str(t) for t in call.attrs.launch_params]
+        extents = call.args[len(call.args) - len(tags):]
+        if not all(isinstance(e, tirx.IntImm) for e in extents):
+            raise NotEmulated("a launch with symbolic grid or block sizes")
+        dims = dict(zip(tags, (int(e) for e in extents)))
+        args = []
+        for arg in call.args[1:len(call.args) - len(tags)]:
+            if not _is_call(arg, "tirx.buffer_data"):
+                raise NotEmulated(f"a kernel argument that is not a buffer: {arg}")
+            args.append(self._buffer(arg.args[0]))
+        return Launch(call.args[0].value, tuple(args),
+                      tuple(dims.get(f"blockIdx.{a}", 1) for a in "xyz"),
+                      tuple(dims.get(f"threadIdx.{a}", 1) for a in "xyz"),
+                      dims.get("tirx.use_dyn_shared_memory", 0))
+
+
+def _is_call(expr, op: str) -> bool:
+    return type(expr).__name__ == "Call" and getattr(expr.op, "name", "") == op
+
+
+def _nbytes(shape, dtype) -> int:
+    return int(np.prod([int(d) for d in shape])) * tvm.runtime.DataType(str(dtype)).bits // 8
+
+
+def rewrite_source(source: str, warp_lockstep: bool = True) -> str:
+    """CUDA source (TVM's, or written by hand in its style) with shared arrays and pointer casts
+    routed through the emulator; NotEmulated if it uses what the emulator lacks.
+
+    ``warp_lockstep``: the lanes of a warp run volatile shared-memory accesses in lockstep, which
+    TVM's warp-synchronous reduction code (no ``__syncwarp``) relies on, as converged warps provide
+    in practice. False treats that code as the race CUDA's programming guide calls it since Volta."""
+    kernels = source[source.index('extern "C"'):] if 'extern "C"' in source else source
+    for what, pattern in _UNSUPPORTED.items():
+        found = re.search(pattern, kernels)
+        if found:
+            raise NotEmulated(f"{what} in the kernel source ({found.group(0)!r})")
+    # Shared arrays live in the emulator's per-block arena, poisoned at every block start.
+    ctype = r"((?:unsigned |signed )?\w+)"
+    source = re.sub(r"(?:volatile\s+)?__shared__\s+(?:alignas\((\d+)\)\s+)?" + ctype + r"\s+(\w+)\[(\d+)\];",
+                    lambda m: f"{m[2]}* {m[3]} = emu::shared_array<{m[2]}>({m[4]}, {m[1] or 16});", source)
+    source = re.sub(r"extern\s+__shared__\s+(?:__align__\(\d+\)\s+|alignas\(\d+\)\s+)?" + ctype + r"\s+(\w+)\[\];",
+                    lambda m: f"{m[1]}* {m[2]} = ({m[1]}*)emu::dynamic_shared();", source)
+    if "__shared__" in source.replace("#define __shared__", ""):
+        line = next(x for x in source.splitlines() if "__shared__" in x)
+        raise NotEmulated(f"a shared memory declaration the emulator does not parse: {line.strip()}")
+    # Warp-synchronous volatile accesses run in lockstep (cuda_emulator.h, emu::lockstep).
+    if warp_lockstep:
+        source = re.sub(r"\(\(volatile " + ctype + r"\*\)(\w+)\)",
+                        r"((volatile \1*)emu::lockstep(\2, __LINE__))", source)
+    # `*(float4*)(p)` -> `*emu::vector_at<float4>(__LINE__, p)`: the closing parenthesis is p's.
+    return re.sub(r"\*\(" + ctype + r"\*\)\(", r"*emu::vector_at<\1>(__LINE__, ", source)
+
+
+def _main_cpp(program: Program) -> str:
+    """The emulated program: loads the buffers, runs the launches (checking the guard bytes after
+    each), saves the parameters."""
+    names = [p[0] for p in program.params] + list(program.workspaces)
+    index = {n: i for i, n in enumerate(names)}
+    sizes = [_nbytes(shape, dtype) for _, shape, dtype in program.params]
+    sizes += list(program.workspaces.values())
+    lines = ['#include "cuda_emulator.h"', '#include "kernels.inc"', "",
+             "int main(int argc, char** argv) {",
+             "  emu::install_crash_handler();",
+             '  bool emu_reverse = argc > 2 && argv[2][0] == \'r\';',
+             f"  static const char* emu_names[] = {{{', '.join(_c_string(n) for n in names)}}};",
+             f"  static const size_t emu_sizes[] = {{{', '.join(str(s) for s in sizes)}}};",
+             f"  emu::Buffers emu_bufs(argv[1], emu_names, emu_sizes, {len(names)}, {len(program.params)});"]
+    for launch in program.launches:
+        args = ", ".join(f"emu_bufs.data({index[a]})" for a in launch.args)
+        name = _c_string(launch.kernel)
+        grid, block = (", ".join(map(str, dims)) for dims in (launch.grid, launch.block))
+        lines += ["  {",
+                  f"    void* emu_args[] = {{{args}}};",
+                  f"    auto entry = [](void* const* a) {{ emu::invoke(::{launch.kernel}, a); }};",
+                  f"    emu::Kernel emu_kernel{{{name}, entry, emu_args}};",
+                  f"    emu::launch(emu_kernel, dim3{{{grid}}}, dim3{{{block}}}, {launch.dynamic_shared}, "
+                  "emu_reverse);",
+                  f"    emu_bufs.check_guards({name});",
+                  "  }"]
+    lines += ['  emu_bufs.save(emu_reverse ? "reverse" : "forward");', "  return 0;", "}", ""]
+    return "\n".join(lines)
+
+
+def _c_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _check_launch_bounds(program: Program) -> None:
+    bounds = dict((name, int(n)) for n, name in re.findall(r"__launch_bounds__\((\d+)\)\s+(\w+)\(", program.source))
+    for launch in program.launches:
+        threads = int(np.prod(launch.block))
+        if launch.kernel in bounds and threads > bounds[launch.kernel]:
+            raise EmulatorError(f"{launch.kernel} launches {threads} threads per block but declares "
+                                f"__launch_bounds__({bounds[launch.kernel]}): the launch would fail")
+
+
+def build(program: Program, workdir: Path) -> Path:
+    """Compile the emulated program into ``workdir``; its path."""
+    workdir = Path(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    _check_launch_bounds(program)
+    (workdir / "kernels.inc").write_text(program.source)
+    (workdir / "main.cpp").write_text(_main_cpp(program))
+    stubs = workdir / "include"
+    stubs.mkdir(exist_ok=True)
+    (stubs / "cuda.h").write_text("// TVM's prelude includes <cuda.h>; the emulator needs nothing from it\n")
+    exe = workdir / "emulated"
+    cmd = ["g++", *CXX_FLAGS, f"-I{HEADER.parent}", f"-I{stubs}", str(workdir / "main.cpp"), "-o", str(exe)]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode:
+        errors = [x for x in done.stderr.splitlines() if "error" in x] or done.stderr.splitlines()
+        raise EmulatorError(f"g++ could not compile the emulated kernels ({workdir / 'kernels.inc'}):\n"
+                            + "\n".join(errors[:12])[-3000:])
+    return exe
+
+
+def run(exe: Path, program: Program, inputs: Sequence[np.ndarray], workdir: Path,
+        reverse: bool = False) -> list[np.ndarray]:
+    """Run the program once on ``inputs`` (the first parameters); every parameter's final value."""
+    workdir = Path(workdir)
+    for i, ((name, shape, dtype), array) in enumerate(zip(program.params, inputs)):
+        array = np.ascontiguousarray(array)
+        if array.shape != shape or array.dtype != np.dtype(dtype):
+            raise ValueError(f"input {name}: {array.dtype}{list(array.shape)}, the kernel takes {dtype}{list(shape)}")
+        array.tofile(workdir / f"in{i}.bin")
+    for i in range(len(inputs), len(program.params)):
+        (workdir / f"in{i}.bin").unlink(missing_ok=True)  # outputs start poisoned
+    order = "reverse" if reverse else "forward"
+    try:
+        done = subprocess.run([str(exe), str(workdir), order], capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise EmulatorError(f"the emulated kernels ran over {RUN_TIMEOUT_S} s ({order} order)") from None
+    if done.returncode:
+        how = f"signal {-done.returncode}" if done.returncode < 0 else f"exit status {done.returncode}"
+        raise EmulatorError(f"the emulated kernels failed ({order} order, {how}):\n"
+                            f"{done.stderr.strip()[-2000:]}{_quote_lines(done.stderr, program.source)}")
+    return [np.fromfile(workdir / f"{order}{i}.bin", dtype=dtype).reshape(shape)
+            for i, (_, shape, dtype) in enumerate(program.params)]
+
+
+def _quote_lines(stderr: str, source: str) -> str:
+    """The kernel source lines an emulator message points at ("at line 123")."""
+    lines = source.splitlines()
+    quoted = [f"\n  kernels.inc:{n}: {lines[int(n) - 1].strip()}"
+              for n in dict.fromkeys(re.findall(r"(?:at line |@)(\d+)", stderr)) if 0 < int(n) <= len(lines)]
+    return "".join(quoted[:4])
+
+
+def emulate(mod: tvm.IRModule, inputs: Sequence[np.ndarray], workdir: os.PathLike,
+            warp_lockstep: bool = True) -> list[np.ndarray]:
+    """The outputs (the parameters after ``inputs``) of ``mod`` built for the H200, computed on the
+    CPU in ``workdir``; see ``emulate_program`` for what raises, ``rewrite_source`` for the flag."""
+    return emulate_program(lower(mod, warp_lockstep=warp_lockstep), inputs, workdir)
+
+
+def emulate_program(program: Program, inputs: Sequence[np.ndarray], workdir: os.PathLike) -> list[np.ndarray]:
+    """Build and run ``program`` in both thread orders; the outputs. Raises EmulatorError when the
+    program fails, writes into an input, or gives different bits with threads and blocks run in the
+    opposite order (a race: the GPU promises no order)."""
+    exe = build(program, Path(workdir))
+    forward = run(exe, program, inputs, workdir)
+    backward = run(exe, program, inputs, workdir, reverse=True)
+    for (name, _, _), given, after in zip(program.params, inputs, forward):
+        if not np.array_equal(_bits(np.asarray(given)), _bits(after)):
+            raise EmulatorError(f"the kernels wrote into input {name!r}")
+    for (name, _, _), a, b in zip(program.params[len(inputs):], forward[len(inputs):], backward[len(inputs):]):
+        differ = (_bits(a) != _bits(b)).any(axis=1)
+        if differ.any():
+            raise EmulatorError(f"output {name!r} differs in {int(differ.sum())} of {a.size} elements between "
+                                "thread orders (ascending vs descending): a data race or a missing barrier")
+    return forward[len(inputs):]
+
+
+def _bits(array: np.ndarray) -> np.ndarray:
+    """The bytes of each element, one row per element (NaNs compare by their bits)."""
+    flat = np.ascontiguousarray(array).reshape(-1)
+    return flat.view(np.uint8).reshape(flat.size, flat.dtype.itemsize)
