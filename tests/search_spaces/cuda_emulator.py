@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 import tvm
-from cuda_support import H200
+from cuda_support import H200, probe_module
 from tvm import tirx
 
 from autofuse.measure import param_buffers
@@ -79,17 +79,8 @@ def unavailable_reason() -> str | None:
     """Why the emulator cannot run here (no C++ compiler, or a TVM without CUDA codegen), or None."""
     if shutil.which("g++") is None:
         return "g++ not found: the CUDA emulator compiles kernels with it"
-    from tvm.script import tirx as T
-
-    @T.prim_func(s_tir=True)
-    def scale(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
-        for i in T.thread_binding(64, thread="threadIdx.x"):
-            with T.sblock("b"):
-                vi = T.axis.spatial(64, i)
-                b[vi] = a[vi] * T.float32(2)
-
     try:
-        lower(tvm.IRModule({"main": scale}))
+        lower(probe_module())
     except Exception as err:  # e.g. a TVM built without the CUDA code generator
         lines = str(err).strip().splitlines() or [type(err).__name__]
         return f"TVM cannot emit CUDA source here: {lines[-1]}"

@@ -26,6 +26,15 @@ def require_nvcc():
     CUDA codegen, or an nvcc that cannot target sm_90)."""
     if shutil.which("nvcc") is None:
         pytest.skip("nvcc not found: CUDA kernels cannot be compiled here", allow_module_level=True)
+    try:
+        cuda_source(probe_module())
+    except Exception as err:
+        pytest.skip(f"TVM cannot compile CUDA here: {str(err).strip().splitlines()[-1]}",
+                    allow_module_level=True)
+
+
+def probe_module() -> tvm.IRModule:
+    """The smallest CUDA kernel: whether this machine can compile or emulate CUDA at all."""
     from tvm.script import tirx as T
 
     @T.prim_func(s_tir=True)
@@ -35,11 +44,7 @@ def require_nvcc():
                 vi = T.axis.spatial(64, i)
                 b[vi] = a[vi] * T.float32(2)
 
-    try:
-        cuda_source(tvm.IRModule({"main": scale}))
-    except Exception as err:
-        pytest.skip(f"TVM cannot compile CUDA here: {str(err).strip().splitlines()[-1]}",
-                    allow_module_level=True)
+    return tvm.IRModule({"main": scale})
 
 
 def cuda_source(mod) -> str:
