@@ -32,7 +32,7 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
-from search_spaces.reduction.softmax_dropout import (MAX_ROWS_PER_BLOCK, CudaRows, dtype_bytes, rows_in_shared_memory,
+from search_spaces.reduction.softmax_dropout import (CudaRows, dtype_bytes, row_keeping,
                                                      unroll_chunks, vector_load, vector_store)
 
 EPS = 1e-5
@@ -225,11 +225,8 @@ def _gelu_layernorm_cuda(sch, target, knobs, keep):
     gelu = sch.get_sblock("gelu_add")
     mean, sq, norm = (sch.get_sblock(n) for n in ("mean", "sumsq", "norm"))
     itemsize = dtype_bytes(sch.get(norm).writes[0].source.dtype)
-    max_rows = MAX_ROWS_PER_BLOCK
-    if keep == "shared":
-        max_rows = rows_in_shared_memory(target, int(sch.get(sch.get_loops(norm)[-1]).extent) * 4)
-        keep = keep if max_rows else None
-    rows = CudaRows(sch, knobs, norm, itemsize, keep == "local", max(1, max_rows))
+    keep, max_rows = row_keeping(sch, target, keep, norm, 4)
+    rows = CudaRows(sch, knobs, norm, itemsize, keep == "local", max_rows)
     loops = {norm: rows.loops}
     vector_store(sch, norm, rows.loops[2])
     for blk in (sq, mean):

@@ -28,7 +28,7 @@ from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
 from search_spaces.normalization.gelu_add_layernorm import EPS, layernorm, make_inputs, rfactor_lanes, vectorize_rf
-from search_spaces.reduction.softmax_dropout import (MAX_ROWS_PER_BLOCK, CudaRows, dtype_bytes, rows_in_shared_memory,
+from search_spaces.reduction.softmax_dropout import (CudaRows, dtype_bytes, row_keeping,
                                                      unroll_chunks, vector_load, vector_store)
 
 
@@ -122,14 +122,11 @@ def _layernorm_residual_cuda(sch, target, knobs, keep):
     add = sch.get_sblock("add")
     mean, sq, norm = (sch.get_sblock(n) for n in ("mean", "sumsq", "norm"))
     itemsize = dtype_bytes(sch.get(add).writes[0].source.dtype)
-    max_rows = MAX_ROWS_PER_BLOCK
-    if keep == "shared":
-        max_rows = rows_in_shared_memory(target, int(sch.get(sch.get_loops(add)[-1]).extent) * itemsize)
-        keep = keep if max_rows else None
+    keep, max_rows = row_keeping(sch, target, keep, add, itemsize)
     if keep is not None:
         store_h = sch.cache_write(add, 0, keep, consumer_blocks=[mean, sq, norm])
     # Laid out on the add: h is an output, and compute_at refuses output blocks.
-    rows = CudaRows(sch, knobs, add, itemsize, keep == "local", max(1, max_rows))
+    rows = CudaRows(sch, knobs, add, itemsize, keep == "local", max_rows)
     loops = {add: rows.loops}
     for name in ("x", "r"):
         vector_load(sch, add, name, rows.loops[2])

@@ -256,6 +256,16 @@ def rows_in_shared_memory(target, row_bytes: int) -> int:
     return max(0, min(MAX_ROWS_PER_BLOCK, limit // row_bytes))
 
 
+def row_keeping(sch, target, keep, block, item_bytes: int):
+    """``(keep, rows per block)`` for a row kernel laid out on ``block``: where the row is to be
+    kept in shared memory, as many rows as fit there, or none, and then the row is re-read
+    (``keep`` None) instead."""
+    if keep != "shared":
+        return keep, MAX_ROWS_PER_BLOCK
+    rows = rows_in_shared_memory(target, int(sch.get(sch.get_loops(block)[-1]).extent) * item_bytes)
+    return (keep if rows else None), max(1, rows)
+
+
 class CudaRows:
     """The thread layout of a row-reduction kernel, set up on ``block`` (a (row, col) pass; its
     loops become blockIdx.x, threadIdx.y | threadIdx.x, chunk, lane) and repeated on every other
@@ -375,11 +385,8 @@ def _softmax_cuda(sch, target, knobs, keep):
     norm = sch.get_sblock("norm_dropout")
     row_max, exp_sum = sch.get_sblock("row_max"), sch.get_sblock("exp_sum")
     itemsize = dtype_bytes(sch.get(norm).reads[0].source.dtype)
-    max_rows = MAX_ROWS_PER_BLOCK
-    if keep == "shared":
-        max_rows = rows_in_shared_memory(target, int(sch.get(sch.get_loops(norm)[-1]).extent) * itemsize)
-        keep = keep if max_rows else None
-    rows = CudaRows(sch, knobs, norm, itemsize, keep == "local", max(1, max_rows))
+    keep, max_rows = row_keeping(sch, target, keep, norm, itemsize)
+    rows = CudaRows(sch, knobs, norm, itemsize, keep == "local", max_rows)
     loops = {norm: rows.loops}
     vector_store(sch, norm, rows.loops[2])
     for blk in (exp_sum, row_max):
