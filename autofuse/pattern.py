@@ -34,16 +34,25 @@ class Knobs:
     and a branch taken on one sample would not be taken on another.
     """
 
-    def __init__(self, sch: s_tir.Schedule, tunable: bool):
+    def __init__(self, sch: s_tir.Schedule, tunable: bool, overrides: Sequence | None = None):
         self.sch = sch
         self.tunable = tunable
+        # Fixed values for the template's tile/choice knobs in the order it asks for them (None
+        # keeps a default): how a benchmark sweeps settings of one template without a tuner.
+        self._overrides = list(overrides or [])
+
+    def _default(self, default):
+        if not self._overrides:
+            return default
+        value = self._overrides.pop(0)
+        return default if value is None else value
 
     def tile(self, loop, n: int, default: Sequence[int], max_innermost_factor: int = 64) -> list:
         """Factors splitting ``loop`` into ``n`` perfect tiles; ``default`` gives the inner n-1."""
         if self.tunable:
             return list(self.sch.sample_perfect_tile(loop, n=n, max_innermost_factor=max_innermost_factor))
         extent = _const_extent(self.sch, loop)
-        return fit_tiles(extent, default)
+        return fit_tiles(extent, self._default(default))
 
     def choice(self, candidates: Sequence[int], default: int):
         """One of ``candidates`` (an int knob such as an unroll depth)."""
@@ -52,7 +61,10 @@ class Knobs:
         if self.tunable:
             probs = [1.0 / len(candidates)] * len(candidates)
             return self.sch.sample_categorical(list(candidates), probs)
-        return default
+        value = self._default(default)
+        if value not in candidates:
+            raise ValueError(f"knob value {value} not among candidates {list(candidates)}")
+        return value
 
     def compute_location(self, block, default_loop):
         """Where a producer/consumer block goes: sampled, or ``default_loop``."""
@@ -96,18 +108,21 @@ class Template(ScheduleRule):
     def applies_to(self, target: Target) -> bool:
         return target.kind.name in self.target_kinds
 
-    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool) -> s_tir.Schedule | None:
+    def apply(self, func: tirx.PrimFunc, target: Target, tunable: bool,
+              overrides: Sequence | None = None) -> s_tir.Schedule | None:
+        """``overrides``: fixed knob values in place of the defaults (see ``Knobs``)."""
         if not self.applies_to(target):
             return None
         sch = s_tir.Schedule(func)
-        self.schedule(sch, target, tunable)
+        self.schedule(sch, target, tunable, overrides)
         return sch
 
-    def schedule(self, sch: s_tir.Schedule, target: Target, tunable: bool) -> None:
+    def schedule(self, sch: s_tir.Schedule, target: Target, tunable: bool,
+                 overrides: Sequence | None = None) -> None:
         """Apply in place to a schedule MetaSchedule (or ``apply``) created."""
         blocks = sch.get_child_blocks(sch.get_sblock("root"))
         sch.annotate(blocks[0], TEMPLATE_ANNOTATION, self.name)
-        self.fn(sch, target, Knobs(sch, tunable))
+        self.fn(sch, target, Knobs(sch, tunable, overrides))
 
     def __repr__(self) -> str:
         return f"Template({self.name!r})"

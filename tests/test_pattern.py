@@ -1,7 +1,7 @@
 import pytest
 
 from autofuse.errors import AutofuseError
-from autofuse.pattern import fit_tiles
+from autofuse.pattern import Knobs, fit_tiles
 from autofuse.registry import get_pattern
 
 
@@ -30,3 +30,45 @@ def test_resolve_shape_checks_values():
 def test_unknown_pattern_suggests_a_close_name():
     with pytest.raises(AutofuseError, match="did you mean 'linear_bias_relu'"):
         get_pattern("linear_bias_rel")
+
+
+def _tiny_loop_schedule():
+    from tvm import s_tir
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def copy(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
+        for i in range(64):
+            with T.sblock("copy"):
+                vi = T.axis.spatial(64, i)
+                b[vi] = a[vi]
+
+    sch = s_tir.Schedule(copy)
+    return sch, sch.get_loops(sch.get_sblock("copy"))[0]
+
+
+def test_knob_overrides_replace_defaults_in_order_and_none_keeps_one():
+    sch, loop = _tiny_loop_schedule()
+    knobs = Knobs(sch, tunable=False, overrides=[[8], None, 64])
+    assert knobs.tile(loop, 2, [4]) == [8, 8]
+    assert knobs.tile(loop, 2, [4]) == [16, 4]
+    assert knobs.choice([0, 16, 64], 16) == 64
+    assert knobs.choice([0, 16, 64], 16) == 16  # overrides used up: defaults again
+
+
+def test_knob_override_outside_the_candidates_is_refused():
+    sch, _ = _tiny_loop_schedule()
+    with pytest.raises(ValueError, match="not among candidates"):
+        Knobs(sch, tunable=False, overrides=[7]).choice([0, 16, 64], 16)
+
+
+def test_template_apply_passes_overrides_to_its_knobs():
+    from autofuse.target import parse_target
+    pattern = get_pattern("linear_bias_relu")
+    template = next(t for t in pattern.templates if t.name == "cuda_tiled_epilogue")
+    func = pattern.build(pattern.resolve_shape(None, "small"), "float32")
+    default = template.apply(func, parse_target("h200"), tunable=False)
+    wider = template.apply(func, parse_target("h200"), tunable=False, overrides=[[8], [2]])
+    assert 'T.thread_binding(16, thread="threadIdx.y")' in str(default.mod)
+    assert 'T.thread_binding(8, thread="threadIdx.y")' in str(wider.mod)
+    assert 'T.thread_binding(2, thread="vthread.y")' in str(wider.mod)

@@ -120,3 +120,16 @@ def test_gemv_reduces_across_the_warp(bits, group, m):
         decisions.add(str(sch.trace.decisions))
         assert "threadIdx" in _cuda_source(sch.mod)
     assert len(decisions) > 1
+
+
+@pytest.mark.parametrize("m,n,per_thread", [(2048, 2048, 8), (1024, 1024, 4), (256, 256, 4)])
+def test_large_outputs_get_8x8_register_tiles_by_default(m, n, per_thread):
+    # k is small: the tile choice depends on the output only, and compiling stays quick.
+    pattern = get_pattern("linear_bias_relu")
+    func = pattern.build(pattern.resolve_shape({"m": m, "n": n, "k": 32}), "float32")
+    mod = _template(pattern, "cuda_tiled_epilogue").apply(func, H200, tunable=False).mod
+    for axis in "yx":
+        assert f'T.thread_binding({per_thread}, thread="vthread.{axis}")' in str(mod)
+        assert f'T.thread_binding(16, thread="threadIdx.{axis}")' in str(mod)
+    for threads, shared in _kernels(_cuda_source(mod)):
+        assert threads == 256 and shared <= 48 * 1024
