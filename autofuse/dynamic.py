@@ -10,8 +10,9 @@ pattern's own business: its ``build`` takes an int64 ``tirx.Var`` where it suppo
 
 Records are tuned at static shapes; a trace replays on the symbolic function when every decision
 in it is valid for any length (a categorical choice, a split of a static loop), not when it is a
-``sample_perfect_tile`` of a symbolic loop. A trace that does not replay is replaced by the
-template default, and ``source`` says so.
+``sample_perfect_tile`` of a symbolic loop, nor when it declares a buffer region (its bounds are
+the static shape's numbers). A trace that does not replay is replaced by the template default,
+and ``source`` says so.
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ def symbolic(shape: Shape, names: str | Iterable[str]) -> dict:
 
 
 def _replay(func: tirx.PrimFunc, trace) -> s_tir.Schedule:
+    # A declared buffer region holds the static shape's numbers (e.g. a window ending at the last
+    # key): replayed on a symbolic function it would be right at that one length only, which is
+    # the one length the candidate is checked at.
+    if any(inst.kind.name == "AnnotateBufferAccess" for inst in trace.insts):
+        raise ValueError("the trace declares buffer regions for its static shape")
     sch = s_tir.Schedule(func)
     # Postprocessing steps stay in: a MetaSchedule record was measured with them.
     trace.apply_to_schedule(sch, remove_postproc=False)

@@ -143,3 +143,15 @@ def test_user_errors():
         dynamic.check_sizes(fa.PATTERN, rt, sym, [{"seq": 16}], "float32", DEV, repeat=0)
     with pytest.raises(AutofuseError, match="seq_q <= seq_kv"):
         dynamic.check_sizes(fa.PATTERN, rt, _shape(1), [{"seq_kv": 8}], "float32", DEV, repeat=0)
+
+
+def test_trace_declaring_a_static_buffer_region_is_not_replayed():
+    """cuda_flash at a seq_kv that is not a multiple of the key tile declares its V read as a
+    window ending at that seq_kv: right at that length only, so never replayed symbolically."""
+    pattern = fa.PATTERN
+    template = next(t for t in pattern.templates if t.name == "cuda_flash")
+    shape = dict(pattern.small_shape(), seq_kv=70, seq_q=13)
+    trace = template.apply(pattern.build(shape, "float32"), parse_target("h200"), tunable=False).trace
+    assert any(inst.kind.name == "AnnotateBufferAccess" for inst in trace.insts)
+    with pytest.raises(ValueError, match="buffer regions"):
+        dynamic._replay(pattern.build(dynamic.symbolic(shape, ["seq_kv"]), "float32"), trace)

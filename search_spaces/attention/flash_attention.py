@@ -433,6 +433,18 @@ def _vector_split(sch, loop, width):
     sch.vectorize(inner)
 
 
+def _window_read(sch, pv, kt, seq_kv):
+    """Declare ``pv``'s read of the staged V as the kt-key window of tile t (see cuda_flash)."""
+    from search_spaces.speculative.spec_verify_attention import _annotate_read
+    index = [reg.source.name for reg in sch.get(pv).reads].index("v_shared")
+    start = lambda vt: T.min(vt * kt, seq_kv - kt)  # noqa: E731
+    block = sch.get(pv)
+    v_shape = block.reads[index].source.shape
+    group = int(block.iter_vars[1].dom.extent) // int(v_shape[1])  # query heads per K/V head
+    _annotate_read(sch, pv, index, lambda vb, vh, vi, vt, *_: [
+        (vb, vb + 1), (vh // group, vh // group + 1), (start(vt), start(vt) + kt), (0, v_shape[3])])
+
+
 @template("cuda_flash", target_kinds=("cuda",))
 def cuda_flash(sch, target, knobs):
     """FlashAttention-2 on SIMT cores: a thread block per (batch, head, query tile), a query row
@@ -521,6 +533,14 @@ def cuda_flash(sch, target, knobs):
         sch.bind(f1, "threadIdx.x")
     if stage_v:
         vs = sch.cache_read(pv, "v", "shared")
+        seq_kv = sch.get(pv).reads[-1].source.shape[2]
+        if isinstance(seq_kv, tirx.IntImm) and int(seq_kv) % kt:
+            # The last tile's keys clamp to seq_kv - 1, which would leave its copy a symbolic
+            # number of rows (a loop MetaSchedule's DisallowDynamicLoop rejects, so tuning at such
+            # a length would fail every candidate). The read is declared instead as the whole
+            # window [min(t * kt, seq_kv - kt), + kt), which holds every key the tile reads and
+            # lies inside v; its rows before the tile's first key are loaded and never used.
+            _window_read(sch, pv, kt, int(seq_kv))
         sch.compute_at(vs, t)
         # As p: keys modulo KV_TILE, distinct within a tile (the padded tail clamps to the last
         # key, in range). KV_TILE and not this build's tile, which is shorter when seq_kv is: a

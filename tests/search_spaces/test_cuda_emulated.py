@@ -56,6 +56,21 @@ def test_replayed_sample_matches_reference(pattern, template, tmp_path):
     _check(pattern, sch.mod, shape, dtype, tmp_path, f"{template.name} (sample {SEED}: {decisions})")
 
 
+# Shapes where a template takes a path the small shape does not: flash_attention with a padded
+# last key tile (its V tile read as a whole window ending at seq_kv) and GQA.
+EDGE_SHAPES = [("flash_attention", "cuda_flash", {"seq_kv": 70, "seq_q": 13}),
+               ("flash_attention", "cuda_flash", {"seq_kv": 70, "seq_q": 70, "heads": 4, "kv_heads": 2})]
+
+
+@pytest.mark.parametrize("name,tname,over", EDGE_SHAPES, ids=[f"{n}-{o}" for n, _, o in EDGE_SHAPES])
+def test_edge_shapes_match_reference(name, tname, over, tmp_path):
+    pattern = all_patterns()[name]
+    template = next(t for t in pattern.templates if t.name == tname)
+    shape, dtype = pattern.resolve_shape(dict(pattern.small_shape(), **over)), pattern.dtypes[0]
+    sch = template.apply(pattern.build(shape, dtype), H200, tunable=False)
+    _check(pattern, sch.mod, shape, dtype, tmp_path, f"{tname} (default knobs)")
+
+
 # The emulator on hand-written kernels in TVM's style: 2 blocks of 64 threads, x -> y (128 floats).
 _SIGNATURE = ('extern "C" __global__ void __launch_bounds__(64) k(float* __restrict__ x_ptr, '
               "float* __restrict__ y_ptr) {\n  int i = ((int)blockIdx.x) * 64 + ((int)threadIdx.x);\n")

@@ -65,6 +65,21 @@ def test_metaschedule_reduction_postproc_keeps_the_schedule(pattern, template):
     assert ms.postproc.DisallowDynamicLoop().apply(sch)
 
 
+@pytest.mark.parametrize("over", [{"seq_kv": 70, "seq_q": 13}, {"seq_kv": 70, "seq_q": 70, "heads": 4, "kv_heads": 2}])
+def test_flash_attention_padded_last_key_tile_passes_the_postprocs(over):
+    """A seq_kv that is not a multiple of the key tile clamps the last tile's keys; the V copy
+    still has a constant extent (a whole-window read), or tuning would reject every candidate."""
+    from tvm.s_tir import meta_schedule as ms
+
+    pattern = all_patterns()["flash_attention"]
+    template = next(t for t in pattern.templates if t.name == "cuda_flash")
+    func = pattern.build(pattern.resolve_shape(dict(pattern.small_shape(), **over)), "float32")
+    for sch in [template.apply(func, H200, tunable=False), *replayed(template, func, [2, 3])]:
+        assert ms.postproc.DisallowDynamicLoop().apply(sch)
+        assert "T.min(t * 64, 6)" in sch.mod.script()
+        _within_limits(_compile(sch.mod))
+
+
 @pytest.mark.parametrize("names", [["seq_q"], ["seq_kv"], ["seq_q", "seq_kv"]], ids="+".join)
 def test_flash_attention_symbolic_lengths_compile(names):
     pattern = all_patterns()["flash_attention"]
