@@ -305,10 +305,19 @@ class CudaRows:
         cap = WARP if self.warp else ROW_THREADS
         fits = [d for d in range(1, min(WARP if self.warp else 1024, vectors) + 1) if vectors % d == 0]
         few = [d for d in fits if vectors // d <= MAX_CHUNKS and (self.warp or d > WARP)]
-        # Powers of two where there are any: TVM reduces other group sizes through shared memory.
-        choices = [d for d in few if d & (d - 1) == 0] or few
-        default = max([d for d in choices if d <= cap] or [d for d in fits if d <= cap])
-        threads = knobs.choice(sorted(set(choices) | {default}), default)
+        # Powers of two only: TVM reduces other group sizes through a shared-memory tree whose
+        # last steps assume a warp runs in lockstep (volatile, no __syncwarp), which CUDA has not
+        # guaranteed since Volta. Where no power of two divides the row (vocab 32000: 8000
+        # vectors), a power of two anyway, its last chunk predicated.
+        choices = [d for d in few if d & (d - 1) == 0]
+        if not choices:
+            top = WARP if self.warp else 1024
+            choices = [d for d in (2 ** e for e in range(11)) if d <= top and -(-vectors // d) <= MAX_CHUNKS
+                       and (self.warp or d > WARP)]
+        # A row too long for MAX_CHUNKS vectors even at 1024 threads: as many as the budget allows.
+        choices = choices or [max(d for d in fits if d <= cap)]
+        default = max([d for d in choices if d <= cap] or [min(choices)])
+        threads = knobs.choice(sorted(choices), default)
         if self.warp:
             per_block = max(1, min(max_rows, BLOCK_THREADS // default))
             self.row_factors = knobs.tile(i, 2, [per_block], max_innermost_factor=max(1, max_rows))

@@ -54,7 +54,8 @@ lane tiles of the vocab reductions (the vocab split), the unroll depth.
 
 On CUDA, ``cuda_rows_then_batch``, two kernels:
 1. Rows: the batch*(k+1) rows of logits laid out by softmax_dropout's ``CudaRows``, one row a
-   block (a warp or less up to 1024 logits; 250 threads at vocab 32000), row_max and exp_sum
+   block (a warp or less up to 1024 logits; 1024 threads at vocab 32000, the last of 8 float4s each
+   predicated), row_max and exp_sum
    (greedy: row_argmax) as cross-thread reductions over float4 loads. The second pass reads the
    max from the reduction's own result (registers, or shared memory for a block's row): a global
    result is stored by thread 0 alone, and the other threads would read it with no barrier

@@ -12,6 +12,8 @@ misaligned vector load and a divergent barrier, and it must catch a known TVM mi
 thread extents), or a passing template would prove little.
 """
 
+import re
+
 import numpy as np
 import pytest
 from cuda_emulator import (EmulatorError, Launch, NotEmulated, Program, emulate, emulate_program, rewrite_source,
@@ -30,10 +32,10 @@ IDS = [f"{p.name}-{t.name}" for p, t in CASES]
 SEED = 2  # the replayed knob sample
 
 
-def _check(pattern, mod, shape, dtype, workdir, what):
+def _check(pattern, mod, shape, dtype, workdir, what, warp_lockstep=True):
     inputs = pattern.make_inputs(shape, dtype, 1234)
     try:
-        outputs = emulate(mod, inputs, workdir)
+        outputs = emulate(mod, inputs, workdir, warp_lockstep=warp_lockstep)
     except NotEmulated as err:
         pytest.skip(f"not emulated: {err}")
     rtol, atol = pattern.tolerance_for(dtype)
@@ -69,6 +71,26 @@ def test_edge_shapes_match_reference(name, tname, over, tmp_path):
     shape, dtype = pattern.resolve_shape(dict(pattern.small_shape(), **over)), pattern.dtypes[0]
     sch = template.apply(pattern.build(shape, dtype), H200, tunable=False)
     _check(pattern, sch.mod, shape, dtype, tmp_path, f"{tname} (default knobs)")
+
+
+# Rows no power-of-two thread count divides (8000 vectors at vocab 32000, 250 at 1000 columns).
+UNEVEN_ROWS = [("spec_accept", "cuda_rows_then_batch", {"vocab": 32000, "batch": 1, "k": 1}),
+               ("softmax_dropout", "cuda_rows", {"cols": 1000, "rows": 3}),
+               ("softmax_dropout", "cuda_rows_reread", {"cols": 4000, "rows": 2})]
+
+
+@pytest.mark.parametrize("name,tname,over", UNEVEN_ROWS, ids=[f"{n}-{t}-{o}" for n, t, o in UNEVEN_ROWS])
+def test_uneven_rows_do_not_rely_on_warp_lockstep(name, tname, over, tmp_path):
+    """Row reductions over a power-of-two thread count (the last chunk predicated), which TVM
+    lowers to shuffles: right without lockstep. With 250 or 25 threads TVM's shared-memory tree
+    ends in warp-synchronous volatile code that CUDA does not promise to run in lockstep."""
+    pattern = all_patterns()[name]
+    template = next(t for t in pattern.templates if t.name == tname)
+    shape, dtype = pattern.resolve_shape(dict(pattern.small_shape(), **over)), pattern.dtypes[0]
+    sch = template.apply(pattern.build(shape, dtype), H200, tunable=False)
+    extents = [int(n) for n in re.findall(r'T.thread_binding\((\d+), thread="threadIdx.x"\)', str(sch.mod))]
+    assert extents and all(n & (n - 1) == 0 for n in extents), extents
+    _check(pattern, sch.mod, shape, dtype, tmp_path, f"{tname} (default knobs)", warp_lockstep=False)
 
 
 # The emulator on hand-written kernels in TVM's style: 2 blocks of 64 threads, x -> y (128 floats).

@@ -122,10 +122,10 @@ def test_spec_accept_rows_then_batch_kernels():
     template, func = _schedule("spec_accept", "cuda_rows_then_batch", base="default")
     source = cuda_source(template.apply(func, H200, tunable=False).mod)
     rows, batch = _definitions(source)
-    # vocab 32000: a block per row (250 threads: CudaRows' divisor of the 8000 float4s; a tree
-    # through shared memory, not shuffles); the exp pass reads the max from shared memory, not
-    # from the global copy that thread 0 alone stores.
-    assert "__launch_bounds__(250)" in rows and "red_buf0_ptr" in rows
+    # vocab 32000: a block per row (1024 threads: no power of two divides the 8000 float4s, so
+    # the last chunk is predicated; warp shuffles, then across warps through shared memory); the
+    # exp pass reads the max from shared memory, not from the global copy thread 0 alone stores.
+    assert "__launch_bounds__(1024)" in rows and "__shfl_down_sync" in rows and "red_buf0_ptr" in rows
     assert "(logits_local_ptr_1[0] - mx_shared_ptr[0])" in rows and "- mx_ptr[" not in rows
     # The residual's chunk sums reduce across lanes; the accept scan stays in registers.
     assert "__shfl_down_sync" in batch and "accepted_local_ptr[0]" in batch
