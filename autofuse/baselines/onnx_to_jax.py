@@ -415,10 +415,94 @@ def _slice(xp, node, x, starts=None, ends=None, axes=None, steps=None):
     return x[tuple(index)]
 
 
+def _normalized(xp, indices, size: int):
+    # Negative indices count from the end.
+    return xp.where(indices < 0, indices + size, indices)
+
+
+def _gather_elements(xp, node, x, indices):
+    axis = node.get("axis", 0) % x.ndim
+    return xp.take_along_axis(x, _normalized(xp, indices, x.shape[axis]), axis=axis)
+
+
+def _scatter_elements(xp, node, x, indices, updates):
+    axis = node.get("axis", 0) % x.ndim
+    # Element (i0, .., in) of updates goes to x at the same position with axis ``axis`` replaced
+    # by indices[i0, .., in]: an index tuple of broadcast position grids.
+    grids = list(np.indices(indices.shape, sparse=True))
+    grids[axis] = _normalized(xp, indices, x.shape[axis])
+    index = tuple(grids)
+    reduction = node.get("reduction", "none")
+    if xp is np:
+        out = np.array(x, copy=True)
+        if reduction == "none":
+            out[index] = updates
+        else:
+            {"add": np.add, "mul": np.multiply, "max": np.maximum, "min": np.minimum}[reduction].at(out, index, updates)
+        return out
+    at = xp.asarray(x).at[index]  # x may be a folded constant (numpy) among traced operands
+    return {"none": at.set, "add": at.add, "mul": at.multiply, "max": at.max, "min": at.min}[reduction](updates)
+
+
 def _expand(xp, node, x, shape):
     # ONNX Expand broadcasts both ways: a 1 in ``shape`` keeps the input's dim.
     target = np.broadcast_shapes(x.shape, tuple(_static(shape, "Expand's shape")))
     return xp.broadcast_to(x, target)
+
+
+# --- reductions over an axis, selection --------------------------------------------------------
+
+def _cumsum(xp, node, x, axis):
+    dim = _static(axis, "CumSum's axis")[0] % x.ndim
+    if node.get("reverse", 0):
+        x = xp.flip(x, dim)
+    out = xp.cumsum(x, axis=dim, dtype=x.dtype)
+    if node.get("exclusive", 0):  # shifted by one, a zero first: no cancellation from out - x
+        head = [slice(None)] * x.ndim
+        head[dim] = slice(0, 1)
+        body = [slice(None)] * x.ndim
+        body[dim] = slice(0, -1)
+        out = xp.concatenate([xp.zeros_like(x[tuple(head)]), out[tuple(body)]], axis=dim)
+    return xp.flip(out, dim) if node.get("reverse", 0) else out
+
+
+def _top_k(xp, node, x, k):
+    k = _static(k, "TopK's k")[0]
+    axis = node.get("axis", -1) % x.ndim
+    largest = bool(node.get("largest", 1))
+    moved = xp.moveaxis(x, axis, -1)
+    key = moved if largest else -moved
+    if xp is np:
+        # Stable on the negated key: among equal values the lower index first, as ONNX sorts.
+        indices = np.argsort(-key, axis=-1, kind="stable")[..., :k]
+        values = np.take_along_axis(moved, indices, axis=-1)
+    else:
+        import jax
+
+        values, indices = jax.lax.top_k(key, k)  # equal values: the lower index first
+        values = values if largest else -values
+    # Always sorted (ONNX's sorted=0 leaves the order unspecified, so sorted is valid too).
+    return xp.moveaxis(values, -1, axis), xp.moveaxis(indices, -1, axis).astype(xp.int64 if xp is np else indices.dtype)
+
+
+def _einsum(xp, node, *inputs):
+    return xp.einsum(node["equation"], *inputs)
+
+
+def _matmul_integer(xp, node, a, b, a_zero=None, b_zero=None):
+    if xp is not np and a_zero is None and b_zero is None and a.ndim == b.ndim == 2:
+        import jax
+
+        # int8 x int8 with int32 accumulation: what XLA can hand to an integer GEMM.
+        return jax.lax.dot(a, b, preferred_element_type=xp.int32)
+    a = a.astype(xp.int32)
+    b = b.astype(xp.int32)
+    if a_zero is not None:
+        zero = a_zero.astype(xp.int32)
+        a = a - (zero.reshape(-1, 1) if zero.ndim == 1 and zero.size > 1 else zero)  # 1-D: one per row of a
+    if b_zero is not None:
+        b = b - b_zero.astype(xp.int32)
+    return xp.matmul(a, b)
 
 
 OPS: dict[str, Callable] = {
@@ -438,7 +522,9 @@ OPS: dict[str, Callable] = {
     "ReduceMin": _reduce("min"),
     "Constant": _constant, "Shape": _shape, "Reshape": _reshape, "Transpose": _transpose,
     "Flatten": _flatten, "Unsqueeze": _unsqueeze, "Squeeze": _squeeze, "Concat": _concat,
-    "Gather": _gather, "Slice": _slice, "Expand": _expand,
+    "Gather": _gather, "Slice": _slice, "Expand": _expand, "GatherElements": _gather_elements,
+    "ScatterElements": _scatter_elements, "CumSum": _cumsum, "TopK": _top_k, "Einsum": _einsum,
+    "MatMulInteger": _matmul_integer,
 }
 
 # These call jax itself (jax.lax, jax.nn), so they never run on the numpy constant path.
