@@ -7,6 +7,8 @@
 #                                            shapes in float32 (and the row patterns in float16)
 #   bash benchmarks/gpu_session.sh tune      first tuning on the GPU: 16 trials each of
 #                                            linear_bias_relu and softmax_dropout, large shapes
+#   bash benchmarks/gpu_session.sh check     XLA-GPU on the patterns it gained ops for; the
+#                                            templates changed since (uneven rows, padded keys)
 # Every step has its own timeout, so a slow one cannot take the others' JSON with it.
 set -u
 OUT=${OUT:-out}
@@ -45,8 +47,18 @@ tune)
   timeout 270 python3 benchmarks/gpu.py --patterns softmax_dropout --shape "$SOFTMAX" --trials 16 \
     --contenders autofuse,tvm-auto,torch-compile --repeat 20 --out "$OUT/gpu-tuned-softmax.json"
   ;;
+check)
+  # The XLA baseline on the three patterns it could not translate before; the row kernels that
+  # changed thread counts (spec_accept at vocab 32000, softmax rows no power of two divides) and
+  # cuda_flash with a padded last key tile, checked and timed.
+  timeout 80 python3 benchmarks/gpu.py --patterns moe_gate_topk,int8_matmul_dequant,spec_accept \
+    --contenders autofuse,torch-compile,xla-gpu --repeat 30 --out "$OUT/gpu-xla-float32.json"
+  timeout 60 python3 benchmarks/gpu_check_templates.py --patterns spec_accept,softmax_dropout,flash_attention \
+    --templates cuda_rows_then_batch,cuda_rows,cuda_rows_reread,cuda_flash --shape softmax_dropout:rows=4096,cols=1000 \
+    --shape flash_attention:seq_q=1000,seq_kv=1000 --out "$OUT/check-uneven-float32.json"
+  ;;
 *)
-  echo "usage: $0 measure|tune" >&2
+  echo "usage: $0 measure|tune|check" >&2
   exit 2
   ;;
 esac
