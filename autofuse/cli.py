@@ -340,6 +340,14 @@ def _check_writable(folder: str) -> None:
         raise AutofuseError(f"report folder {folder} cannot be written ({probe} is not a writable directory)")
 
 
+def _require_device(target, doing: str) -> None:
+    """Before any work: the target's device must be on this machine (a CUDA target on a machine
+    without a GPU would otherwise fail deep inside TVM, after a minute of setup)."""
+    from .target import device_for
+    if not device_for(target).exist:
+        raise AutofuseError(f"no {target.kind.name} device on this machine: {doing}")
+
+
 def cmd_tune(args) -> int:
     if args.model is not None:
         return _tune_model(args)
@@ -351,6 +359,7 @@ def cmd_tune(args) -> int:
     from .tune_patterns import Job, tune_jobs
 
     target = parse_target(args.target)
+    _require_device(target, "tuning checks and times the best records on it (run autofuse tune on the GPU's host)")
     patterns = resolve_patterns(args.pattern)
     overrides = _shape_overrides(args.shape)
     if overrides and len(patterns) > 1:
@@ -395,6 +404,7 @@ def _tune_model(args) -> int:
     if args.pattern or args.shape or args.small:
         raise AutofuseError("--pattern/--shape/--small apply to pattern tuning, not to a model")
     target = parse_target(args.target)
+    _require_device(target, "tuning checks and times the best records on it (run autofuse tune on the GPU's host)")
     prepared = prepare(args.model, args.fusion)
     _print_matches(prepared)
     runner, runner_status = _runner(args)
@@ -467,13 +477,10 @@ def cmd_build(args) -> int:
     from .report import table
     from .target import parse_target
 
-    from .target import device_for
-
     target = parse_target(args.target)
     if args.cuda_graph and target.kind.name != "cuda":
         raise AutofuseError(f"--cuda-graph needs a cuda target, not {target.kind.name}")
-    if not device_for(target).exist:
-        raise AutofuseError(f"no {target.kind.name} device on this machine: cannot run or check the build")
+    _require_device(target, "cannot run or check the build")
     prepared = prepare(args.model, args.fusion)
     _print_matches(prepared)
     output = args.output or os.path.join("out", f"{prepared.name}-{args.fusion}.so")

@@ -59,3 +59,14 @@ def test_cuda_build_without_a_gpu_is_one_line():
     result = run_cli("build", os.path.join(REPO, "models", "mlp.onnx"), "--db", "none", "--target", "cuda")
     assert result.returncode == 2
     assert "no cuda device" in result.stderr and "Traceback" not in result.stderr
+
+
+@pytest.mark.skipif(device_for(H200).exist, reason="a GPU is here")
+@pytest.mark.parametrize("what", [["--pattern", "softmax_dropout"], [os.path.join(REPO, "models", "mlp.onnx")]],
+                         ids=["pattern", "model"])
+def test_cuda_tuning_without_a_gpu_is_one_line_before_any_work(what, tmp_path):
+    db = tmp_path / "db"
+    result = run_cli("tune", *what, "--target", "h200", "--trials", "2", "--db", str(db))
+    assert result.returncode == 2
+    assert "no cuda device" in result.stderr and "Traceback" not in result.stderr
+    assert not db.exists()
