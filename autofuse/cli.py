@@ -250,6 +250,8 @@ def cmd_compare(args) -> int:
         raise AutofuseError("--shape/--small/--dtype apply to patterns, not to a model")
     baselines = parse_baselines(args.baselines)
     target = parse_target(args.target)
+    _require_device(target, "compare measures on it (on a GPU's host run benchmarks/gpu.py, "
+                            "then render its JSON here with --from-json)")
     if args.trials and args.db == "none":
         raise AutofuseError("--trials needs a database: drop --db none")
     name = os.path.splitext(os.path.basename(args.model))[0] if args.model is not None else args.pattern
