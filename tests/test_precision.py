@@ -16,7 +16,8 @@ from tvm.script import tirx as T
 
 from autofuse.registry import all_patterns, get_pattern
 from autofuse.target import parse_target
-from autofuse.verify import check_module, compare
+from autofuse.accuracy import compare
+from autofuse.verify import check_module
 from conftest import run_cli
 from search_spaces.normalization.gelu_add_layernorm import EPS
 
@@ -135,7 +136,6 @@ def test_float16_statistics_fail_the_float16_tolerance_that_float32_statistics_p
     ours = pattern.build(shape, "float16")
     tvm.ir.assert_structural_equal(_layernorm_residual(8, 4096, "float16", "float32"), ours)
     fp16_stats = _layernorm_residual(8, 4096, "float16", "float16")
-    rtol, atol = pattern.tolerance_for("float16")
     inputs = pattern.make_inputs(shape, "float16", 0)
     expected = pattern.run_reference(inputs, shape)
     errors = {}
@@ -143,12 +143,12 @@ def test_float16_statistics_fail_the_float16_tolerance_that_float32_statistics_p
         rt = tvm.tirx.build(tvm.IRModule({"main": func}), target=TARGET)
         outputs = [tvm.runtime.tensor(np.zeros(s, d), DEV) for s, d in pattern.output_specs(func)]
         rt(*[tvm.runtime.tensor(a, DEV) for a in inputs], *outputs)
-        errors[name] = compare([o.numpy() for o in outputs], expected, rtol, atol)
+        errors[name] = compare([o.numpy() for o in outputs], expected, **pattern.check_args(shape, "float16", ours))
     assert errors["float32 statistics"].ok, errors["float32 statistics"].message
     bad = errors["float16 statistics"]
     assert not bad.ok
     # Not a near miss: the error is many times the float16 rounding of the output.
-    assert bad.max_abs_err > 10 * (atol + rtol * np.abs(expected[1].astype(np.float64)).max()), bad
+    assert bad.scaled_err > 10 * bad.bound, bad
 
 
 def test_tune_in_float16(tmp_path):

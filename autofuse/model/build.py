@@ -10,12 +10,12 @@ import os
 
 import numpy as np
 import tvm
-from tvm import relax, s_tir
+from tvm import relax, s_tir, tirx
 from tvm.target import Target
 
 from ..database import TuningDatabase
 from ..errors import AutofuseError
-from ..verify import compare
+from ..accuracy import compare, reduction_length
 from ..pattern import DLIGHT
 from .kernels import Kernel, kernels, make_checker, runnable_workload, time_module
 
@@ -144,5 +144,10 @@ def onnxruntime_outputs(model_path: str, feeds: dict[str, np.ndarray]) -> list[n
     return session.run(None, feeds)
 
 
-def check_against(outputs, expected, rtol=1e-4, atol=1e-4):
-    return compare(outputs, expected, rtol, atol)
+def check_against(outputs, expected, mod: tvm.IRModule):
+    """A model's outputs against onnxruntime's, at the bound of its longest reduction."""
+    return compare(outputs, expected, accumulation=model_reduction_length(mod))
+
+
+def model_reduction_length(mod: tvm.IRModule) -> int:
+    return max([reduction_length(f) for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)], default=1)

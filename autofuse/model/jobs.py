@@ -82,8 +82,8 @@ def build_model(prepared: PreparedModel, target: Target, db: TuningDatabase | No
         if expected is None:
             result.message = "onnxruntime is not installed: not verified (pip install -e '.[bench]')"
         else:
-            check = model_build.check_against(outputs, expected)
-            result.verified, result.max_abs_err, result.max_rel_err = check.ok, check.max_abs_err, check.max_rel_err
+            check = model_build.check_against(outputs, expected, mod)
+            result.verified, result.max_abs_err, result.max_rel_err = check.ok, check.max_abs_err, check.scaled_err
             result.message = check.message
     model_build.export(executable, output, {
         "model": os.path.abspath(prepared.path), "fusion": prepared.fusion, "target": str(target),

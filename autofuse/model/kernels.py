@@ -15,11 +15,11 @@ from ..errors import AutofuseError
 from ..measure import param_arrays, param_bytes, run_on, time_function, to_device
 from ..pattern import DLIGHT, Pattern
 from ..registry import get_pattern
-from ..verify import check_module, compare
+from ..accuracy import compare, reduction_length
+from ..verify import check_module
 from .fusion import DTYPE_ATTR, PATTERN_ATTR, SHAPE_ATTR
 
 # A generic kernel is checked against its unscheduled self: reordered float sums differ a little.
-GENERIC_TOLERANCE = (1e-3, 1e-4)
 
 
 @dataclasses.dataclass
@@ -96,7 +96,7 @@ def make_checker(kernel: Kernel, target: Target, dev):
             got = run_on(build_kernel(sch.mod, target), arrays, dev)
         except Exception as err:
             return False, f"kernel failed: {str(err).strip().splitlines()[0]}"
-        result = compare(got, expected, *GENERIC_TOLERANCE)
+        result = compare(got, expected, accumulation=reduction_length(kernel.func))
         return result.ok, result.message
     return check_generic
 

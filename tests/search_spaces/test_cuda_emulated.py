@@ -21,7 +21,6 @@ from cuda_emulator import (EmulatorError, Launch, NotEmulated, Program, emulate,
 from cuda_support import H200, replayed
 
 from autofuse.registry import all_patterns
-from autofuse.verify import compare
 
 _reason = unavailable_reason()
 if _reason:
@@ -38,8 +37,7 @@ def _check(pattern, mod, shape, dtype, workdir, what, warp_lockstep=True):
         outputs = emulate(mod, inputs, workdir, warp_lockstep=warp_lockstep)
     except NotEmulated as err:
         pytest.skip(f"not emulated: {err}")
-    rtol, atol = pattern.tolerance_for(dtype)
-    result = compare(outputs, pattern.run_reference(inputs, shape), rtol, atol)
+    result = pattern.check(outputs, inputs, shape, dtype)
     assert result.ok, f"{what} at {shape} {dtype}: {result.message} (max abs error {result.max_abs_err:.3g})"
 
 

@@ -5,12 +5,13 @@ repeat_kv convention (query head h reads K/V head h // group)."""
 
 import numpy as np
 import pytest
+
+from autofuse.accuracy import compare
 import tvm
 from tvm import s_tir
 from tvm.s_tir.schedule import Trace
 
 from autofuse.target import parse_target
-from autofuse.verify import compare
 from search_spaces.attention import gqa_decode_attention as gqa
 
 TARGET = parse_target("llvm")
@@ -54,7 +55,7 @@ def test_edges_match_reference(case):
     expected = gqa.PATTERN.run_reference(inputs, shape)
     for label, mod in _modules(shape):
         got = _run(mod, inputs)
-        check = compare(got, expected, *gqa.PATTERN.tolerance_for("float32"))
+        check = compare(got, expected, **gqa.PATTERN.check_args(shape, "float32"))
         assert check.ok, f"{label}: {check.message}"
 
 

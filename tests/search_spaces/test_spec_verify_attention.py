@@ -11,7 +11,7 @@ from tvm import s_tir
 from tvm.s_tir.schedule import Trace
 
 from autofuse.target import parse_target
-from autofuse.verify import compare
+from autofuse.accuracy import compare
 from search_spaces.attention import flash_attention as fa
 from search_spaces.attention import gqa_decode_attention as gqa
 from search_spaces.speculative import spec_verify_attention as sv
@@ -68,7 +68,7 @@ def test_edges_match_reference(case):
     expected = sv.PATTERN.run_reference(inputs, shape)
     samples = (5,) if case in ("single_draft", "empty_cache", "padded_tile") else ()
     for label, mod in _modules(shape, samples):
-        check = compare(_run(mod, inputs), expected, *sv.PATTERN.tolerance_for("float32"))
+        check = compare(_run(mod, inputs), expected, **sv.PATTERN.check_args(shape, "float32"))
         assert check.ok, f"{label}: {check.message}"
 
 
@@ -82,7 +82,7 @@ def test_cache_rows_past_cache_len_are_never_read(case):
     expected = sv.PATTERN.run_reference(inputs, shape)
     assert np.all(np.isfinite(expected[0]))
     for label, mod in _modules(shape):
-        check = compare(_run(mod, inputs), expected, *sv.PATTERN.tolerance_for("float32"))
+        check = compare(_run(mod, inputs), expected, **sv.PATTERN.check_args(shape, "float32"))
         assert check.ok, f"{label}: {check.message}"
 
 

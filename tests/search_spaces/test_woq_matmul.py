@@ -13,7 +13,7 @@ from tvm.s_tir.schedule import Trace
 
 from autofuse.errors import AutofuseError
 from autofuse.target import parse_target
-from autofuse.verify import compare
+from autofuse.accuracy import compare
 from search_spaces.quant import woq_matmul as woq
 
 TARGET = parse_target("llvm")
@@ -98,9 +98,9 @@ def test_bits_and_groups_match_reference(case):
     inputs = woq.make_inputs(shape, "float32", 11)
     assert inputs[1].dtype == (np.uint8 if shape["bits"] == 4 else np.int8)
     expected = woq.PATTERN.run_reference(inputs, shape)
-    tolerance = woq.PATTERN.tolerance_for("float32")
+    bounds = woq.PATTERN.check_args(shape, "float32")
     for label, mod in _modules(shape):
-        check = compare(_run(mod, inputs), expected, *tolerance)
+        check = compare(_run(mod, inputs), expected, **bounds)
         assert check.ok, f"{label}: {check.message}"
 
 
