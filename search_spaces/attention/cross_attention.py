@@ -357,10 +357,5 @@ PATTERN = Pattern(
     flops=flops,
     bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
-    # float16/bfloat16: kernel (from float32) and reference (from float64) each round the output once
-    # and may land one unit in the last place apart, <= 2u|y| (u = 2^-11 float16, 2^-8 bfloat16):
-    # rtol = 4u. Near zero, where cancellation in P.V leaves no relative bound, the
-    # float32 accumulation error remains: ~seq_kv * 2^-24 of |v|, 2.3e-5 at seq_kv = 384: atol 1e-4.
-    tolerance={"float32": (1e-4, 1e-4), "float16": (2e-3, 1e-4), "bfloat16": (1.6e-2, 1e-4)},
     templates=[query_tile, cuda_query_rows],
 )
