@@ -479,33 +479,40 @@ def cuda_kv_head(sch, target, knobs):
 
 
 def onnx_graph(shape, dtype):
-    """The static-cache decode step as exporters write it: the append as Where over a one-hot
-    position mask, q reshaped to (batch, kv_heads, group, head_dim) so one MatMul per K/V head covers
-    its group, and a constant additive mask hiding positions past cache_len. The baselines thus
-    attend over all max_seq positions (masked) where the kernel visits cache_len + 1."""
+    """The decode step as a dynamic-length exporter writes it, attending over exactly cache_len + 1
+    positions as the kernel does: the cache outputs as Where over a one-hot position mask (the
+    kernel writes the same full copies), the attended K/V as the first cache_len cache rows Sliced
+    and the new token's row Concatenated, q reshaped to (batch, kv_heads, group, head_dim) so one
+    MatMul per K/V head covers its group; no mask."""
     from onnx import helper
     nb, hq, hkv, grp, hd, smax, length = _dims(shape)
     pos = np.arange(smax)
     initializers = {
         "is_new": (pos == length).reshape(1, 1, smax, 1),
         "axis2": np.array([2], dtype=np.int64),
+        "zero": np.array([0], dtype=np.int64),
+        "cache_len": np.array([length], dtype=np.int64),
         "group_shape": np.array([nb, hkv, grp, hd], dtype=np.int64),
         "out_shape": np.array([nb, hq, hd], dtype=np.int64),
         "scale": np.asarray(1.0 / math.sqrt(hd), dtype=dtype),
-        "mask": np.where(pos <= length, 0.0, -1e9).astype(dtype).reshape(1, 1, 1, smax),
     }
     nodes = [helper.make_node("Unsqueeze", ["k_new", "axis2"], ["k_row"]),
              helper.make_node("Unsqueeze", ["v_new", "axis2"], ["v_row"]),
              helper.make_node("Where", ["is_new", "k_row", "k_cache"], ["k_cache_out"]),
-             helper.make_node("Where", ["is_new", "v_row", "v_cache"], ["v_cache_out"]),
-             helper.make_node("Reshape", ["q", "group_shape"], ["qg"]),
-             helper.make_node("Transpose", ["k_cache_out"], ["kt"], perm=[0, 1, 3, 2]),
-             helper.make_node("MatMul", ["qg", "kt"], ["s"]),
-             helper.make_node("Mul", ["s", "scale"], ["ss"]),
-             helper.make_node("Add", ["ss", "mask"], ["sm"]),
-             helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
-             helper.make_node("MatMul", ["p", "v_cache_out"], ["og"]),
-             helper.make_node("Reshape", ["og", "out_shape"], ["out"])]
+             helper.make_node("Where", ["is_new", "v_row", "v_cache"], ["v_cache_out"])]
+    if length:
+        nodes += [helper.make_node("Slice", [f"{c}_cache", "zero", "cache_len", "axis2"], [f"{c}_old"])
+                  for c in "kv"]
+        nodes += [helper.make_node("Concat", [f"{c}_old", f"{c}_row"], [f"{c}_seen"], axis=2) for c in "kv"]
+    else:  # an empty cache: the new row alone (no zero-length Slice, which XLA and Relax handle badly)
+        nodes += [helper.make_node("Identity", [f"{c}_row"], [f"{c}_seen"]) for c in "kv"]
+    nodes += [helper.make_node("Reshape", ["q", "group_shape"], ["qg"]),
+              helper.make_node("Transpose", ["k_seen"], ["kt"], perm=[0, 1, 3, 2]),
+              helper.make_node("MatMul", ["qg", "kt"], ["s"]),
+              helper.make_node("Mul", ["s", "scale"], ["ss"]),
+              helper.make_node("Softmax", ["ss"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "v_seen"], ["og"]),
+              helper.make_node("Reshape", ["og", "out_shape"], ["out"])]
     cache = (nb, hkv, smax, hd)
     return onnx_model("gqa_decode_attention", nodes,
                       [("q", (nb, hq, hd)), ("k_new", (nb, hkv, hd)), ("v_new", (nb, hkv, hd)),
