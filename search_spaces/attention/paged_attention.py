@@ -271,9 +271,12 @@ def cuda_kv_head(sch, target, knobs):
 
 
 def onnx_graph(shape, dtype):
-    """Gather the pages through the table, lay them out per sequence, repeat the kv heads over
-    their groups, MatMul, mask from seq_lens (a constant position iota compared with each query's
-    last visible position), Softmax, MatMul."""
+    """Gather each sequence's pages through its block table (all max_pages entries: the table and
+    seq_lens are inputs, so a static graph, like the kernel, reads every entry and masks past the
+    sequence) and lay them out per K/V head; GQA without repeating K/V: q reshaped to (batch,
+    kv_heads, group x q_len, head_dim), so one MatMul per K/V head covers its query group; mask from
+    seq_lens (a constant position iota compared with each query's last visible position), Softmax,
+    MatMul."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -283,10 +286,13 @@ def onnx_graph(shape, dtype):
     i32 = onnx.TensorProto.INT32
     consts = {
         "kv_shape": np.array([B, KVH, C, D], np.int64),
-        "expand_shape": np.array([B, KVH, G, C, D], np.int64),
-        "head_shape": np.array([B, H, C, D], np.int64),
-        "axis2": np.array([2], np.int64),
-        "axes_1_3": np.array([1, 3], np.int64),
+        "q_split": np.array([B, Q, KVH, G, D], np.int64),
+        "q_rows": np.array([B, KVH, G * Q, D], np.int64),
+        "s_split": np.array([B, KVH, G, Q, C], np.int64),
+        "s_rows": np.array([B, KVH, G * Q, C], np.int64),
+        "o_split": np.array([B, KVH, G, Q, D], np.int64),
+        "o_shape": np.array([B, Q, H, D], np.int64),
+        "axes_1_2_4": np.array([1, 2, 4], np.int64),
         "lens_shape": np.array([B, 1], np.int64),
         "positions": np.arange(C, dtype=np.int32),                       # (C,)
         "query_offset": (np.arange(Q) - Q).astype(np.int32),             # t - Q, (Q,)
@@ -294,30 +300,34 @@ def onnx_graph(shape, dtype):
         "masked": np.array(-1e30, dtype),
     }
 
-    def heads(pages, name):
+    def cache(pages, name):
         return [
             helper.make_node("Gather", [pages, "block_table"], [f"{name}_g"], axis=0),       # (B,MP,KVH,PS,D)
             helper.make_node("Transpose", [f"{name}_g"], [f"{name}_t"], perm=[0, 2, 1, 3, 4]),
-            helper.make_node("Reshape", [f"{name}_t", "kv_shape"], [f"{name}_c"]),           # (B,KVH,C,D)
-            helper.make_node("Unsqueeze", [f"{name}_c", "axis2"], [f"{name}_u"]),
-            helper.make_node("Expand", [f"{name}_u", "expand_shape"], [f"{name}_e"]),
-            helper.make_node("Reshape", [f"{name}_e", "head_shape"], [name]),                # (B,H,C,D)
+            helper.make_node("Reshape", [f"{name}_t", "kv_shape"], [name]),                  # (B,KVH,C,D)
         ]
 
-    nodes = heads("k_pages", "k") + heads("v_pages", "v") + [
-        helper.make_node("Transpose", ["q"], ["qh"], perm=[0, 2, 1, 3]),                     # (B,H,Q,D)
+    nodes = cache("k_pages", "k") + cache("v_pages", "v") + [
+        # Query head kv * G + g of token t becomes row g * Q + t of K/V head kv.
+        helper.make_node("Reshape", ["q", "q_split"], ["q5"]),                                # (B,Q,KVH,G,D)
+        helper.make_node("Transpose", ["q5"], ["qg"], perm=[0, 2, 3, 1, 4]),                  # (B,KVH,G,Q,D)
+        helper.make_node("Reshape", ["qg", "q_rows"], ["qr"]),                                # (B,KVH,G*Q,D)
         helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
-        helper.make_node("MatMul", ["qh", "kt"], ["s_raw"]),                                  # (B,H,Q,C)
-        helper.make_node("Mul", ["s_raw", "scale"], ["s"]),
+        helper.make_node("MatMul", ["qr", "kt"], ["s_raw"]),                                  # (B,KVH,G*Q,C)
+        helper.make_node("Mul", ["s_raw", "scale"], ["s_rows_scaled"]),
+        helper.make_node("Reshape", ["s_rows_scaled", "s_split"], ["s"]),                     # (B,KVH,G,Q,C)
         # last[b, t] = seq_lens[b] - Q + t; key j visible when j <= last, i.e. not last < j.
         helper.make_node("Reshape", ["seq_lens", "lens_shape"], ["lens"]),
         helper.make_node("Add", ["lens", "query_offset"], ["last"]),                          # (B,Q)
-        helper.make_node("Unsqueeze", ["last", "axes_1_3"], ["last4"]),                       # (B,1,Q,1)
-        helper.make_node("Less", ["last4", "positions"], ["hidden"]),                         # (B,1,Q,C)
+        helper.make_node("Unsqueeze", ["last", "axes_1_2_4"], ["last5"]),                     # (B,1,1,Q,1)
+        helper.make_node("Less", ["last5", "positions"], ["hidden"]),                         # (B,1,1,Q,C)
         helper.make_node("Where", ["hidden", "masked", "s"], ["s_masked"]),
         helper.make_node("Softmax", ["s_masked"], ["p"], axis=-1),
-        helper.make_node("MatMul", ["p", "v"], ["oh"]),                                       # (B,H,Q,D)
-        helper.make_node("Transpose", ["oh"], ["o"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["p", "s_rows"], ["pr"]),                                 # (B,KVH,G*Q,C)
+        helper.make_node("MatMul", ["pr", "v"], ["or"]),                                      # (B,KVH,G*Q,D)
+        helper.make_node("Reshape", ["or", "o_split"], ["og"]),                               # (B,KVH,G,Q,D)
+        helper.make_node("Transpose", ["og"], ["ot"], perm=[0, 3, 1, 2, 4]),                  # (B,Q,KVH,G,D)
+        helper.make_node("Reshape", ["ot", "o_shape"], ["o"]),                                # (B,Q,H,D)
     ]
     graph = helper.make_graph(
         nodes, "paged_attention",
