@@ -186,6 +186,28 @@ class RelaxRule:
     priority: int = 0
 
 
+# What a RelaxRule's ``rewrite`` reads off the expressions it matched.
+
+def static_shape(expr) -> tuple[int, ...] | None:
+    """The static shape of a matched expression, or None when it is symbolic."""
+    shape = getattr(expr.ty, "shape", None)
+    if shape is None:
+        return None
+    try:
+        return tuple(int(d) for d in shape)
+    except (TypeError, ValueError):
+        return None
+
+
+def constant_value(expr):
+    """The numpy value of a matched constant (``is_const()``)."""
+    return expr.value.numpy()
+
+
+def dtype_of(expr) -> str:
+    return str(expr.ty.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class ShapeParam:
     name: str

@@ -19,7 +19,7 @@ from autofuse.target import parse_target
 from autofuse.accuracy import compare
 from autofuse.verify import check_module
 from conftest import run_cli
-from search_spaces.normalization.gelu_add_layernorm import EPS
+from search_spaces.lib.layernorm import EPS
 
 TARGET = parse_target("llvm")
 DEV = tvm.cpu()

@@ -15,6 +15,7 @@ import tvm
 from tvm import relax
 
 from ..errors import AutofuseError
+from ..pattern import constant_value, dtype_of, static_shape  # noqa: F401 (the rules' matching helpers)
 from ..registry import all_patterns
 
 MODES = ("none", "auto", "patterns")
@@ -107,22 +108,3 @@ def pattern_calls(mod: tvm.IRModule) -> dict[str, int]:
 def kernel_names(mod: tvm.IRModule) -> list[str]:
     return sorted(gv.name_hint for gv, f in mod.functions_items() if isinstance(f, tvm.tirx.PrimFunc))
 
-
-def static_shape(expr) -> tuple[int, ...] | None:
-    """The static shape of a matched expression, or None when it is symbolic."""
-    shape = getattr(expr.ty, "shape", None)
-    if shape is None:
-        return None
-    try:
-        return tuple(int(d) for d in shape)
-    except (TypeError, ValueError):
-        return None
-
-
-def constant_value(expr):
-    """The numpy value of a matched constant (``is_const()``)."""
-    return expr.value.numpy()
-
-
-def dtype_of(expr) -> str:
-    return str(expr.ty.dtype)

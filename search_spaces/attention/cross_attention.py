@@ -49,8 +49,8 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
-from search_spaces.attention.flash_attention import _CUDA_LOAD_LANES, _lanes, _vector_split
-from search_spaces.reduction.softmax_dropout import _exp, dtype_bytes
+from search_spaces.lib.attention import load_lanes, row_lanes, vector_split
+from search_spaces.lib.tir_math import dtype_bytes, exp_f32
 
 
 def _dims(shape):
@@ -86,7 +86,7 @@ def build(shape, dtype):
         for b, h, i, j in T.grid(nb, nh, sq, skv):
             with T.sblock("exp"):
                 vb, vh, vi, vj = T.axis.remap("SSSS", [b, h, i, j])
-                p[vb, vh, vi, vj] = _exp((s[vb, vh, vi, vj] - row_max[vb, vh, vi]) * T.float32(scale))
+                p[vb, vh, vi, vj] = exp_f32((s[vb, vh, vi, vj] - row_max[vb, vh, vi]) * T.float32(scale))
         for b, h, i, j in T.grid(nb, nh, sq, skv):
             with T.sblock("row_sum"):
                 vb, vh, vi, vj = T.axis.remap("SSSR", [b, h, i, j])
@@ -242,9 +242,8 @@ def cuda_query_rows(sch, target, knobs):
     seq_q, hd = int(sch.get(i).extent), int(sch.get(d).extent)
     seq_kv = int(sch.get(sch.get_loops(scores)[3]).extent)
     itemsize = dtype_bytes(sch.get(norm).writes[0].source.dtype)
-    lanes = _lanes(hd)
-    # Elements per thread in the tile loads: a vector that stays aligned at every row start.
-    vec = next(v for v in (_CUDA_LOAD_LANES, 2, 1) if hd % v == 0)
+    lanes = row_lanes(hd)
+    vec = load_lanes(hd)
     limit = int(target.attrs.get("max_shared_memory_per_block", 48 * 1024))
     kt, tiles = _cuda_plan(seq_q, seq_kv, hd, lanes, itemsize, limit)
     rows = knobs.choice(tiles, max(r for r in tiles if r <= _CUDA_ROWS))
@@ -286,7 +285,7 @@ def cuda_query_rows(sch, target, knobs):
     if hd <= 128:
         qc = sch.cache_read(scores, "q", "local")
         sch.compute_at(qc, si, preserve_unit_loops=True)
-        _vector_split(sch, sch.get_loops(qc)[-1], 4)
+        vector_split(sch, sch.get_loops(qc)[-1], 4)
 
     # Row max, exponentials and row sum: key j of the row to thread j % LANES; the max and sum
     # reduce each thread's keys, then across the row's threads (shuffles).
@@ -307,10 +306,10 @@ def cuda_query_rows(sch, target, knobs):
     vc = sch.cache_read(pv, "v", "shared")
     sch.compute_at(vc, pjo, preserve_unit_loops=True)
     fill(vc)
-    _vector_split(sch, pdj, 4)
+    vector_split(sch, pdj, 4)
     dtx, dj = sch.split(sch.get_loops(norm)[-1], [lanes, None])
     sch.bind(dtx, "threadIdx.x")
-    _vector_split(sch, dj, 4)
+    vector_split(sch, dj, 4)
 
     sch.set_scope(s_acc, 0, "shared")
     sch.set_scope(exp, 0, "shared")

@@ -99,8 +99,10 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
-from search_spaces.reduction.softmax_dropout import _exp, dtype_bytes
+from autofuse.pattern import (Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, onnx_model, static_shape,
+                              template)
+from search_spaces.lib.attention import CUDA_LOAD_LANES, annotate_read, row_lanes, vector_split
+from search_spaces.lib.tir_math import dtype_bytes, exp_f32
 
 KV_TILE = 64
 
@@ -115,11 +117,6 @@ def kv_tile(seq_kv):
     gets whole KV_TILE tiles, the last one padded, so that the tile stays a constant loop extent
     that templates split and vectorise; only the tile count is symbolic)."""
     return KV_TILE if _symbolic(seq_kv) else min(KV_TILE, seq_kv)
-
-
-def _lanes(kt):
-    """Partial results per row in the tile max/sum: the widest of 16, 8, 4, 2, 1 dividing kt."""
-    return next(w for w in (16, 8, 4, 2, 1) if kt % w == 0)
 
 
 def build(shape, dtype):
@@ -144,7 +141,7 @@ def build(shape, dtype):
     nt = (skv + kt - 1) // kt
     padded = nt * kt
     pad = dyn_kv or padded != skv
-    lanes = _lanes(kt)
+    lanes = row_lanes(kt)
     off = skv - sq
     scale = 1.0 / math.sqrt(d_)
     f32 = "float32"
@@ -235,16 +232,16 @@ def build(shape, dtype):
                 vb, vh, vi, vt = T.axis.remap("SSSR", [b, h, i, t])
                 # alpha (exp(m - m'), the factor that rescales l and acc) is written here, from
                 # the old m, so that no other block reads m before it is updated. On the first
-                # tile m is the float32 minimum and _exp clamps: alpha ~ 1e-38 times l = acc = 0.
+                # tile m is the float32 minimum and exp_f32 clamps: alpha ~ 1e-38 times l = acc = 0.
                 with T.init():
                     m[vb, vh, vi] = neg
                     alpha[vb, vh, vi] = T.float32(0)
-                alpha[vb, vh, vi] = _exp(m[vb, vh, vi] - T.max(m[vb, vh, vi], tile_max[vb, vh, vi]))
+                alpha[vb, vh, vi] = exp_f32(m[vb, vh, vi] - T.max(m[vb, vh, vi], tile_max[vb, vh, vi]))
                 m[vb, vh, vi] = T.max(m[vb, vh, vi], tile_max[vb, vh, vi])
             for c in T.serial(KT):
                 with T.sblock("prob"):
                     vb, vh, vi, vt, vc = T.axis.remap("SSSSS", [b, h, i, t, c])
-                    p[vb, vh, vi, vc] = masked(vi, vt * kt + vc, _exp(s[vb, vh, vi, vc] - m[vb, vh, vi]),
+                    p[vb, vh, vi, vc] = masked(vi, vt * kt + vc, exp_f32(s[vb, vh, vi, vc] - m[vb, vh, vi]),
                                                T.float32(0))
             for lane, c in T.grid(LANES, CHUNK):
                 with T.sblock("tile_sum_lanes"):
@@ -403,7 +400,6 @@ def flash_tiles(sch, target, knobs):
 # ---- CUDA ---------------------------------------------------------------------------------------
 
 _CUDA_QUERY_TILES = (1, 2, 4, 8, 16, 32, 64)   # query rows per thread block (threadIdx.y)
-_CUDA_LOAD_LANES = 4                  # elements per thread and instruction in the K/V tile loads
 
 
 def _cuda_plan(kt, d, lanes, itemsize, limit, seq_q):
@@ -424,24 +420,14 @@ def _cuda_plan(kt, d, lanes, itemsize, limit, seq_q):
     raise ValueError(f"no query tile fits {limit} bytes of shared memory at key tile {kt}")
 
 
-def _vector_split(sch, loop, width):
-    """``loop`` (a per-thread run of consecutive elements) as unrolled vectors of ``width``."""
-    extent = int(sch.get(loop).extent)
-    vec = 4 if extent % 4 == 0 else 2 if extent % 2 == 0 else 1
-    outer, inner = sch.split(loop, [None, min(vec, width)])
-    sch.unroll(outer)
-    sch.vectorize(inner)
-
-
 def _window_read(sch, pv, kt, seq_kv):
     """Declare ``pv``'s read of the staged V as the kt-key window of tile t (see cuda_flash)."""
-    from search_spaces.speculative.spec_verify_attention import _annotate_read
     index = [reg.source.name for reg in sch.get(pv).reads].index("v_shared")
     start = lambda vt: T.min(vt * kt, seq_kv - kt)  # noqa: E731
     block = sch.get(pv)
     v_shape = block.reads[index].source.shape
     group = int(block.iter_vars[1].dom.extent) // int(v_shape[1])  # query heads per K/V head
-    _annotate_read(sch, pv, index, lambda vb, vh, vi, vt, *_: [
+    annotate_read(sch, pv, index, lambda vb, vh, vi, vt, *_: [
         (vb, vb + 1), (vh // group, vh // group + 1), (start(vt), start(vt) + kt), (0, v_shape[3])])
 
 
@@ -492,7 +478,7 @@ def cuda_flash(sch, target, knobs):
     sch.bind(ptx, "threadIdx.x")
     even = d % lanes == 0
     if even:
-        _vector_split(sch, pdj, 4)
+        vector_split(sch, pdj, 4)
     djs = []
     for name in ("run_acc", "out"):
         dtx, dj = sch.split(sch.get_loops(sch.get_sblock(name))[-1], [lanes, None])
@@ -522,7 +508,7 @@ def cuda_flash(sch, target, knobs):
         sch.storage_align(kts, 0, axis=-2, factor=32, offset=1)
         kd, kj = sch.get_loops(kts)[-2:]
         sch.reorder(kj, kd)
-        _, fy, fx, fv = sch.split(sch.fuse(kj, kd), [None, rows, lanes, _CUDA_LOAD_LANES])
+        _, fy, fx, fv = sch.split(sch.fuse(kj, kd), [None, rows, lanes, CUDA_LOAD_LANES])
         sch.bind(fy, "threadIdx.y")
         sch.bind(fx, "threadIdx.x")
         sch.vectorize(fv)
@@ -547,7 +533,7 @@ def cuda_flash(sch, target, knobs):
         # trace tuned there and replayed on a symbolic seq_kv (64-key tiles) must not alias keys.
         sch.transform_layout(vs, ("write", 0), lambda b_, h_, j_, d_: (j_ % KV_TILE, d_),
                              assume_injective_transform=True)
-        _, fy, fx, fv = sch.split(sch.fuse(*sch.get_loops(vs)[-2:]), [None, rows, lanes, _CUDA_LOAD_LANES])
+        _, fy, fx, fv = sch.split(sch.fuse(*sch.get_loops(vs)[-2:]), [None, rows, lanes, CUDA_LOAD_LANES])
         sch.bind(fy, "threadIdx.y")
         sch.bind(fx, "threadIdx.x")
         sch.vectorize(fv)
@@ -555,7 +541,7 @@ def cuda_flash(sch, target, knobs):
         # The query row in registers for the whole kernel (every thread of the row reads all of it).
         qc = sch.cache_read(qk, "q", "local")
         sch.compute_at(qc, i1)
-        _vector_split(sch, sch.get_loops(qc)[-1], 4)
+        vector_split(sch, sch.get_loops(qc)[-1], 4)
 
     # Inits split out of every reduction that is not across threads (after the bindings: an
     # update block without its init is neither complete nor a reduction, and bind refuses it).
@@ -572,7 +558,7 @@ def cuda_flash(sch, target, knobs):
         sch.unroll(sch.get_loops(pv)[-1])
     for dj in djs:
         if even:
-            _vector_split(sch, dj, 4)
+            vector_split(sch, dj, 4)
         else:
             sch.unroll(dj)
     # The running state initialised once per query row, before the key-tile loop (as
@@ -648,7 +634,6 @@ def _relax_pattern():
 
 def _kv_heads(matched, name, batch, heads, seq, head_dim):
     """K/V heads behind a matched K or V: its own heads, or those a GQA repeat started from."""
-    from autofuse.model.fusion import static_shape
     plain = matched.get(f"{name}_plain")
     if plain is not None:
         return static_shape(plain) == (batch, heads, seq, head_dim) and heads
@@ -672,7 +657,6 @@ def _relax_rewrite(matched, kernel):
     float32 tensors; k and v may be GQA-repeated from fewer heads (then the kernel gets the
     unrepeated ones). The mask must be the end-aligned causal one (0 visible, <= -1e4 hidden);
     any other mask, scale or softmax axis leaves the graph alone."""
-    from autofuse.model.fusion import constant_value, dtype_of, static_shape
     q, scale = matched["q"], matched["scale"]
     qs = static_shape(q)
     if qs is None or len(qs) != 4 or dtype_of(q) != "float32":

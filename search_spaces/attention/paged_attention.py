@@ -47,8 +47,8 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, template
-from search_spaces.attention.gqa_decode_attention import cuda_decode_attention
-from search_spaces.reduction.softmax_dropout import _exp
+from search_spaces.lib.attention import cuda_decode_attention
+from search_spaces.lib.tir_math import exp_f32
 
 
 def _dims(shape):
@@ -98,7 +98,7 @@ def build(shape, dtype):
                 vb, vt, vh, vj = T.axis.remap("SSSS", [b, t, h, j])
                 probs[vb, vt, vh, vj] = T.Select(
                     vj + (Q - vt) <= seq_lens[vb],
-                    _exp((scores[vb, vt, vh, vj] - row_max[vb, vt, vh]) * T.float32(scale)), T.float32(0))
+                    exp_f32((scores[vb, vt, vh, vj] - row_max[vb, vt, vh]) * T.float32(scale)), T.float32(0))
         for b, t, h, j in T.grid(B, Q, H, C):
             with T.sblock("exp_sum"):
                 vb, vt, vh, vj = T.axis.remap("SSSR", [b, t, h, j])

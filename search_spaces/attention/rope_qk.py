@@ -41,7 +41,7 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
-from search_spaces.gemm.linear_bias_relu import cuda_tile_output, cuda_unroll, cuda_vector_lanes
+from search_spaces.lib.cuda_gemm import cuda_tile_output, cuda_unroll, cuda_vector_lanes
 
 BASE = 10000.0
 

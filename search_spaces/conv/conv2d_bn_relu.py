@@ -33,8 +33,8 @@ half-precision tolerance is stated at ``PATTERN``.)
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
-from search_spaces.gemm.linear_bias_relu import cuda_unroll
+from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, onnx_model, static_shape, template
+from search_spaces.lib.cuda_gemm import cuda_unroll
 
 
 def _dims(shape):
@@ -252,7 +252,6 @@ def _relax_rewrite(matched, kernel):
     k//2) in float32; batch norm (and bias) become bn_scale/bn_shift as Relax arithmetic on their
     inputs, which FoldConstant folds when they are constants."""
     from tvm import relax
-    from autofuse.model.fusion import dtype_of, static_shape
     x, w, conv, bn = matched["x"], matched["w"], matched["conv"], matched["bn"]
     params = [matched[k] for k in ("gamma", "beta", "mean", "var")]
     bias = matched.get("bias")

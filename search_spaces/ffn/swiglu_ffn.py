@@ -35,13 +35,14 @@ read back, beyond ``bytes`` (g, u and the down accumulator never leave registers
 """
 
 import numpy as np
-from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
-from search_spaces.gemm.linear_bias_relu import (cuda_fetch_shared, cuda_pipeline, cuda_split_k, cuda_tile_output,
-                                                  cuda_unroll, cuda_vector_lanes)
-from search_spaces.reduction.softmax_dropout import SEED, _exp, _seed_mix, _threshold, dropout_mask, hash_keep
+from autofuse.pattern import (Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, onnx_model, static_shape,
+                              template)
+from search_spaces.lib.cuda_gemm import (cuda_fetch_shared, cuda_pipeline, cuda_split_k, cuda_tile_output, cuda_unroll,
+                                         cuda_vector_lanes)
+from search_spaces.lib.tir_math import DROPOUT_SEED as SEED
+from search_spaces.lib.tir_math import dropout_mask, dropout_threshold, exp_f32, hash_keep, seed_mix
 
 
 def _p(shape):
@@ -57,8 +58,8 @@ def build_with(shape, dtype, p, seed):
     tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
     if tokens * hidden >= 1 << 31:
         raise ValueError("tokens*hidden must fit the int32 flat index the mask hashes")
-    mix = _seed_mix(seed)
-    thresh = _threshold(p)
+    mix = seed_mix(seed)
+    thresh = dropout_threshold(p)
     keep_scale = 1.0 / (1.0 - p)
 
     @T.prim_func(s_tir=True)
@@ -87,7 +88,7 @@ def build_with(shape, dtype, p, seed):
                 vt, vn = T.axis.remap("SS", [t, n])
                 a: T.let = g[vt, vn]
                 # e = exp(-|a|) in (0, 1]: sigmoid(a) = (a < 0 ? e : 1) / (1 + e), never overflowing.
-                e: T.let = _exp(-T.fabs(a))
+                e: T.let = exp_f32(-T.fabs(a))
                 h[vt, vn] = a * T.Select(a < T.float32(0), e, T.float32(1)) / (T.float32(1) + e) * u[vt, vn]
         for t, m, n in T.grid(tokens, hidden, inter):
             with T.sblock("down"):
@@ -272,7 +273,6 @@ def _relax_rewrite(matched, kernel):
     """r + (silu(x @ w1) * (x @ w3)) @ w2, float32, x and r of the same shape, any rank >= 2
     (leading axes are tokens); no dropout (inference) or exactly this pattern's mask."""
     from tvm import relax
-    from autofuse.model.fusion import constant_value, dtype_of, static_shape
     x, w1, w3, w2, r = (matched[k] for k in ("x", "w1", "w3", "w2", "r"))
     xs = static_shape(x)
     if xs is None or len(xs) < 2 or static_shape(r) != xs:

@@ -72,8 +72,8 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, fit_tiles, onnx_model, template
-from search_spaces.gemm.linear_bias_relu import cuda_vector_lanes
-from search_spaces.reduction.softmax_dropout import _exp
+from search_spaces.lib.cuda_gemm import cuda_vector_lanes
+from search_spaces.lib.tir_math import exp_f32
 
 # Rows of an expert's token list per skip test (and the register tile of the expert GEMMs).
 ROW_TILE = 8
@@ -132,11 +132,11 @@ def build(shape, dtype):
                 with T.init():
                     sel[vt, vj] = 0
                 sel[vt, vj] = sel[vt, vj] + T.Select(rank[vt, ve] == vj, ve, 0)
-        # sel[t, 0] holds the largest logit, so every exponent is <= 0 (what _exp needs).
+        # sel[t, 0] holds the largest logit, so every exponent is <= 0 (what exp_f32 needs).
         for t, j in T.grid(NT, K):
             with T.sblock("gate_exp"):
                 vt, vj = T.axis.remap("SS", [t, j])
-                ex[vt, vj] = _exp(logits[vt, sel[vt, vj]] - logits[vt, sel[vt, 0]])
+                ex[vt, vj] = exp_f32(logits[vt, sel[vt, vj]] - logits[vt, sel[vt, 0]])
         for t, j in T.grid(NT, K):
             with T.sblock("gate_sum"):
                 vt, vj = T.axis.remap("SR", [t, j])

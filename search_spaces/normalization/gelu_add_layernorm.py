@@ -32,33 +32,14 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
-from search_spaces.reduction.softmax_dropout import (CudaRows, dtype_bytes, row_keeping,
-                                                     unroll_chunks, vector_load, vector_store)
+from search_spaces.lib.cpu_rows import rfactor_lanes, vectorize_rf
+from search_spaces.lib.cuda_rows import CudaRows, row_keeping, unroll_chunks, vector_load, vector_store
+from search_spaces.lib.layernorm import EPS, layernorm
+from search_spaces.lib.layernorm import residual_inputs as make_inputs
+from search_spaces.lib.tir_math import dtype_bytes, erf_f32
 
-EPS = 1e-5
 ERF = "rational"
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
-# erf(x) ~ x * P(x^2) / Q(x^2) on [-4, 4], highest power first (topi.fast_erf's coefficients).
-_ERF_ALPHA = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
-              -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
-              -1.60960333262415e-02)
-_ERF_BETA = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
-             -7.37332916720468e-03, -1.42647390514189e-02)
-
-
-def erf_f32(v):
-    """erf(v) for float32 as one vectorisable expression: the clamped rational approximation of
-    ``topi.fast_erf`` (Eigen's), max abs error 4.4e-7 against ``math.erf`` (measured on a 2M-point
-    grid over [-6, 6]; float32 rounding alone is 3e-8)."""
-    c = tirx.max(tirx.min(v, tirx.const(4.0, "float32")), tirx.const(-4.0, "float32"))
-    c2 = c * c
-    p = tirx.const(_ERF_ALPHA[0], "float32")
-    for a in _ERF_ALPHA[1:]:
-        p = c2 * p + tirx.const(a, "float32")
-    q = tirx.const(_ERF_BETA[0], "float32")
-    for b in _ERF_BETA[1:]:
-        q = c2 * q + tirx.const(b, "float32")
-    return c * p / q
 
 
 def build(shape, dtype):
@@ -123,25 +104,9 @@ def gelu_exact(x):
     return 0.5 * x * (1.0 + _erf(x * _INV_SQRT2).astype(np.float64))
 
 
-def layernorm(h, gamma, beta, eps=EPS):
-    h = np.asarray(h, dtype=np.float64)
-    mu = h.mean(axis=-1, keepdims=True)
-    var = ((h - mu) ** 2).mean(axis=-1, keepdims=True)
-    return (h - mu) / np.sqrt(var + eps) * gamma.astype(np.float64) + beta.astype(np.float64)
-
-
 def reference(x, r, gamma, beta):
     h = gelu_exact(x) + r.astype(np.float64)
     return layernorm(h, gamma, beta).astype(x.dtype)
-
-
-def make_inputs(shape, dtype, seed):
-    rng = np.random.default_rng(seed)
-    rows, hidden = shape["rows"], shape["hidden"]
-    # Drawn as float32 and cast: a half-precision run gets the float32 run's inputs, rounded.
-    arrays = [rng.standard_normal((rows, hidden)), rng.standard_normal((rows, hidden)),
-              1.0 + 0.1 * rng.standard_normal(hidden), 0.1 * rng.standard_normal(hidden)]
-    return [a.astype(np.float32).astype(dtype) for a in arrays]
 
 
 def flops(shape):
@@ -152,27 +117,6 @@ def flops(shape):
 def nbytes(shape, dtype):
     rows, hidden = shape["rows"], shape["hidden"]
     return np.dtype(dtype).itemsize * (3 * rows * hidden + 2 * hidden)
-
-
-def rfactor_lanes(sch, knobs, name, default_lanes):
-    """Split the block's hidden (reduction) loop into (outer, lanes) and rfactor the lanes into a
-    per-row partial-sum buffer: the rf block's lane axis is spatial, so it can be vectorised.
-    rfactor must run before any compute_at (it needs the block alone under its loops).
-    Returns (rf block, final block)."""
-    block = sch.get_sblock(name)
-    _, k = sch.get_loops(block)
-    _, lanes = sch.split(k, knobs.tile(k, 2, [default_lanes], max_innermost_factor=64))
-    return sch.rfactor(lanes, factor_axis=1), block
-
-
-def vectorize_rf(sch, rf):
-    """After compute_at (or reverse_compute_at) the rf block sits under (lanes, unit row, k_outer),
-    in block-iter order, whatever the sampled factors:
-    put lanes innermost, vectorise them (spatial in the rf block) and split the init out."""
-    lanes, unit, k_outer = sch.get_loops(rf)[-3:]
-    sch.reorder(k_outer, unit, lanes)
-    sch.vectorize(lanes)
-    sch.decompose_reduction(rf, k_outer)
 
 
 def _row_fused(sch, knobs, recompute):

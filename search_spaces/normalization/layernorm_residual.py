@@ -26,10 +26,12 @@ import math
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, RelaxRule, ShapeParam, onnx_model, template
-from search_spaces.normalization.gelu_add_layernorm import EPS, layernorm, make_inputs, rfactor_lanes, vectorize_rf
-from search_spaces.reduction.softmax_dropout import (CudaRows, dtype_bytes, row_keeping,
-                                                     unroll_chunks, vector_load, vector_store)
+from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, onnx_model, static_shape, template
+from search_spaces.lib.cpu_rows import rfactor_lanes, vectorize_rf
+from search_spaces.lib.cuda_rows import CudaRows, row_keeping, unroll_chunks, vector_load, vector_store
+from search_spaces.lib.layernorm import EPS, layernorm
+from search_spaces.lib.layernorm import residual_inputs as make_inputs
+from search_spaces.lib.tir_math import dtype_bytes
 
 
 def build(shape, dtype):
@@ -189,7 +191,6 @@ def _relax_rewrite(matched, kernel):
     needs a rewrite over several bindings (``rewrite_bindings``), not ``rewrite_call``.
     """
     from tvm import relax
-    from autofuse.model.fusion import dtype_of, static_shape
     a, b, gamma, beta, call = (matched[k] for k in ("a", "b", "gamma", "beta", "call"))
     shape = static_shape(a)
     if shape is None or len(shape) < 1 or static_shape(b) != shape:

@@ -66,18 +66,13 @@ zero-pointed operands (the frontend subtracts the zero point before the matmul, 
 matches), a scale that varies along m, non-float32 epilogues, symbolic shapes.
 """
 
-import importlib
-import importlib.util
-import os
-import sys
-
 import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
-from autofuse.pattern import Pattern, RelaxRule, ShapeParam, template
-from search_spaces.gemm.linear_bias_relu import (cuda_drop_acc, cuda_fetch_shared, cuda_pipeline, cuda_split_k,
-                                                 cuda_tile_output, cuda_unroll, cuda_vector_lanes)
+from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, static_shape, template
+from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_pipeline, cuda_split_k, cuda_tile_output,
+                                         cuda_unroll, cuda_vector_lanes, dp4a_intrin)
 
 
 def _relu_flag(shape):
@@ -205,36 +200,6 @@ def int8_dot(sch, target, knobs):
 
 # ---- CUDA ------------------------------------------------------------------------------------
 
-_DP4A_MODULE = "tvm.s_tir.tensor_intrin.dot_product_common"
-
-
-def _dp4a_intrin():
-    """Name of TVM's ``dp4a_s8s8s32`` tensor intrinsic (int8x4 . int8x4 + int32 -> ``__dp4a``),
-    registered by ``tvm.s_tir.tensor_intrin.dot_product_common``.
-
-    Importing that module the usual way first runs its package's ``__init__``, which registers
-    every CUDA intrinsic (about 40 s on 2 cores, once per process). Where the package is not loaded
-    yet, only this one file is loaded, under its own module name: a later import of the package
-    (MetaSchedule's TuneContext does one) then finds it in ``sys.modules`` and does not register
-    the same intrinsics twice."""
-    if _DP4A_MODULE not in sys.modules:
-        package = _DP4A_MODULE.rsplit(".", 1)[0]
-        if package in sys.modules:
-            importlib.import_module(_DP4A_MODULE)
-        else:
-            import tvm.s_tir
-            path = os.path.join(os.path.dirname(tvm.s_tir.__file__), "tensor_intrin", "dot_product_common.py")
-            spec = importlib.util.spec_from_file_location(_DP4A_MODULE, path)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[_DP4A_MODULE] = module
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[_DP4A_MODULE]
-                raise
-    return sys.modules[_DP4A_MODULE].DP4A_S8S8S32_INTRIN
-
-
 @template("cuda_tiled_dp4a", target_kinds=("cuda",))
 def cuda_tiled_dp4a(sch, target, knobs):
     """linear_bias_relu's cuda_tiled_epilogue for int8: one block per output tile, x_q and w_q
@@ -259,7 +224,7 @@ def cuda_tiled_dp4a(sch, target, knobs):
     if lanes == 4:
         # The innermost loop is 4 consecutive k of one shared row of x_q and one of w_q, 4-byte
         # aligned (k-tile and row stride multiples of 4): exactly dp4a's operands.
-        sch.tensorize(sch.get_loops(mm)[-1], _dp4a_intrin())
+        sch.tensorize(sch.get_loops(mm)[-1], dp4a_intrin())
     cuda_pipeline(sch, k0, fetches)
     cuda_unroll(sch, knobs, bx)
 
@@ -283,7 +248,6 @@ def _relax_rewrite(relu):
         broadcasts along n (scalar, (1,), (n,) or (1, n)), plus b (n,) [, Relu]; x_q of any rank
         >= 2 (leading axes are rows)."""
         from tvm import relax
-        from autofuse.model.fusion import dtype_of, static_shape
         x_q, w_kn, scale, b = matched["x_q"], matched["w_kn"], matched["scale"], matched["b"]
         xs, ws, ss, bs = (static_shape(e) for e in (x_q, w_kn, scale, b))
         if None in (xs, ws, ss, bs) or len(xs) < 2 or len(ws) != 2 or xs[-1] != ws[0]:

@@ -60,7 +60,7 @@ from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
 from autofuse.pattern import Pattern, ShapeParam, template
-from search_spaces.gemm.linear_bias_relu import cuda_vector_lanes
+from search_spaces.lib.cuda_gemm import cuda_vector_lanes
 
 
 class ShapeError(AutofuseError, ValueError):

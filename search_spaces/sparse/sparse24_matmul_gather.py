@@ -67,7 +67,7 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, template
-from search_spaces.gemm.linear_bias_relu import cuda_fetch_shared, cuda_pipeline, cuda_tile_output, cuda_unroll
+from search_spaces.lib.cuda_gemm import cuda_fetch_shared, cuda_pipeline, cuda_tile_output, cuda_unroll
 
 
 def _dims(shape):

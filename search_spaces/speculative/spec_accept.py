@@ -82,7 +82,8 @@ from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
 from autofuse.pattern import Pattern, ShapeParam, template
-from search_spaces.reduction.softmax_dropout import CudaRows, _exp, unroll_chunks, vector_load
+from search_spaces.lib.cuda_rows import CudaRows, unroll_chunks, vector_load
+from search_spaces.lib.tir_math import exp_f32
 
 # make_inputs keeps every decision at least this far from its tie: |u[i] - p/q| > ACCEPT_MARGIN,
 # and the threshold u[k] * sum(w) more than SAMPLE_MARGIN * sum(w) from every cumulative-sum
@@ -116,7 +117,7 @@ def build(shape, dtype):
 
 def _prob(x, m, s):
     """p = exp(x - max) / sum as the kernel computes it everywhere (one reciprocal, one multiply)."""
-    return _exp(x - m) * (T.float32(1) / s)
+    return exp_f32(x - m) * (T.float32(1) / s)
 
 
 def _build_sampling(B, K, V):
@@ -143,7 +144,7 @@ def _build_sampling(B, K, V):
                 vb, vi, vj = T.axis.remap("SSR", [b, i, j])
                 with T.init():
                     ssum[vb, vi] = T.float32(0)
-                ssum[vb, vi] = ssum[vb, vi] + _exp(logits[vb, vi, vj] - mx[vb, vi])
+                ssum[vb, vi] = ssum[vb, vi] + exp_f32(logits[vb, vi, vj] - mx[vb, vi])
         for b, i in T.grid(B, K):
             with T.sblock("first_reject"):
                 vb, vi = T.axis.remap("SR", [b, i])

@@ -92,10 +92,9 @@ import math
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.measure import param_buffers
-from autofuse.pattern import Pattern, ShapeParam, template
-from search_spaces.attention.flash_attention import _CUDA_LOAD_LANES, _lanes, _vector_split
-from search_spaces.reduction.softmax_dropout import _exp, dtype_bytes
+from autofuse.pattern import Pattern, ShapeParam, param_buffers, template
+from search_spaces.lib.attention import annotate_read, load_lanes, row_lanes, vector_split
+from search_spaces.lib.tir_math import dtype_bytes, exp_f32
 
 KV_TILE = 64
 
@@ -196,12 +195,12 @@ def build(shape, dtype):
                         with T.init():
                             m[vb, vh, vr] = neg
                             alpha[vb, vh, vr] = T.float32(0)
-                        alpha[vb, vh, vr] = _exp(m[vb, vh, vr] - T.max(m[vb, vh, vr], tile_max[vb, vh, vr]))
+                        alpha[vb, vh, vr] = exp_f32(m[vb, vh, vr] - T.max(m[vb, vh, vr], tile_max[vb, vh, vr]))
                         m[vb, vh, vr] = T.max(m[vb, vh, vr], tile_max[vb, vh, vr])
                 for c, r in T.grid(kt, rows):
                     with T.sblock("prob"):
                         vb, vh, vt, vc, vr = T.axis.remap("SSSSS", [b, hk, t, c, r])
-                        p[vb, vh, vc, vr] = masked(vt * kt + vc, _exp(s[vb, vh, vc, vr] - m[vb, vh, vr]),
+                        p[vb, vh, vc, vr] = masked(vt * kt + vc, exp_f32(s[vb, vh, vc, vr] - m[vb, vh, vr]),
                                                    T.float32(0))
                 for c, r in T.grid(kt, rows):
                     with T.sblock("tile_sum"):
@@ -247,12 +246,12 @@ def build(shape, dtype):
             for r in T.serial(rows):
                 with T.sblock("rescale"):
                     vb, vh, vr = T.axis.remap("SSS", [b, hk, r])
-                    beta[vb, vh, vr] = _exp(m[vb, vh, vr] - md[vb, vh, vr])
+                    beta[vb, vh, vr] = exp_f32(m[vb, vh, vr] - md[vb, vh, vr])
             for j, r in T.grid(kd, rows):
                 with T.sblock("draft_prob"):
                     vb, vh, vj, vr = T.axis.remap("SSSS", [b, hk, j, r])
                     pd[vb, vh, vj, vr] = T.Select(keep[vb, vh, vj, vr] > T.float32(0.5),
-                                                  _exp(sd[vb, vh, vj, vr] - md[vb, vh, vr]), T.float32(0))
+                                                  exp_f32(sd[vb, vh, vj, vr] - md[vb, vh, vr]), T.float32(0))
             for j, r in T.grid(kd, rows):
                 with T.sblock("draft_sum"):
                     vb, vh, vj, vr = T.axis.remap("SSRS", [b, hk, j, r])
@@ -441,18 +440,6 @@ def _cuda_plan(kt, hd, kd, rows, lanes, itemsize, limit):
     raise ValueError(f"cuda_verify_rows: no row tile fits {limit} bytes of shared memory")
 
 
-def _annotate_read(sch, block, index, region):
-    """``sch.annotate_buffer_access`` of read ``index`` as ``region(*iterators)``, a (begin, end)
-    per buffer dimension. TVM 0.27's Python wrapper wants one range per block iterator, so it
-    refuses a buffer of another rank; the schedule instruction itself does not."""
-    from tvm.s_tir.schedule import _ffi_api
-    from tvm.tirx.function import IndexMap
-
-    iters = [iv.var for iv in sch.get(block).iter_vars]
-    bounds = [x for rng in region(*iters) for x in rng]
-    _ffi_api.ScheduleAnnotateBufferAccess(sch, block, index, 0, IndexMap(iters, bounds, None))
-
-
 @template("cuda_verify_rows", target_kinds=("cuda",))
 def cuda_verify_rows(sch, target, knobs):
     """A thread block per (batch, K/V head, row tile), a query row (group member x draft) per
@@ -469,9 +456,8 @@ def cuda_verify_rows(sch, target, knobs):
     kd = int(sch.get(sch.get_loops(dq)[-3]).extent)
     smax = int(param_buffers(sch.mod["main"])[1].shape[2])   # k_cache's capacity, max_seq
     itemsize = dtype_bytes(sch.get(get("out")).writes[0].source.dtype)
-    lanes = _lanes(hd)
-    # Elements per thread in the tile loads: a vector that stays aligned at every row start.
-    vec = next(v for v in (_CUDA_LOAD_LANES, 2, 1) if hd % v == 0)
+    lanes = row_lanes(hd)
+    vec = load_lanes(hd)
     limit = int(target.attrs.get("max_shared_memory_per_block", 48 * 1024))
     q_regs, stage_k, stage_v, tiles = _cuda_plan(kt, hd, kd, rows, lanes, itemsize, limit)
     # Default 8 rows a block: measured on the H200 at the default shape (4 (batch, K/V head)
@@ -514,7 +500,7 @@ def cuda_verify_rows(sch, target, knobs):
         # Rows of the window past cache_len are loaded and never used.
         cache = sch.cache_read(block, name, "shared")
         index = [reg.source.name for reg in sch.get(block).reads].index(name + "_shared")
-        _annotate_read(sch, block, index, lambda vb, vh, vt, *_: [
+        annotate_read(sch, block, index, lambda vb, vh, vt, *_: [
             (vb, vb + 1), (vh, vh + 1), (T.min(vt * kt, smax - kt), T.min(vt * kt, smax - kt) + kt), (0, hd)])
         sch.compute_at(cache, t, preserve_unit_loops=True)
         return cache
@@ -533,7 +519,7 @@ def cuda_verify_rows(sch, target, knobs):
     sch.reorder(qr, qd)
     rows_of(qr)
     if q_regs:
-        _vector_split(sch, qd, 4)
+        vector_split(sch, qd, 4)
     else:
         columns_of(qd)
     # The tree mask is read where it is used (a 0/1 per draft pair, from L1), not materialised.
@@ -616,7 +602,7 @@ def cuda_verify_rows(sch, target, knobs):
         sch.storage_align(blk, 0, axis=-2, factor=32, offset=1)
 
     for loop in (pdj, qdj, adj, odj):
-        _vector_split(sch, loop, 4)
+        vector_split(sch, loop, 4)
     # Inits split out of every reduction that is not across threads (after the bindings and
     # vectorising: an update block without its init is neither complete nor a reduction).
     sch.decompose_reduction(qk, cc)

@@ -11,7 +11,7 @@ from cuda_support import assert_one_extent_per_thread_tag, template_named
 from autofuse.errors import AutofuseError
 from autofuse.pattern import TEMPLATE_ANNOTATION
 from autofuse.registry import get_pattern
-from search_spaces.attention.gqa_decode_attention import KEY_PAD
+from search_spaces.lib.attention import KEY_PAD
 
 require_nvcc()
 

@@ -9,7 +9,7 @@ from cuda_support import assert_one_extent_per_thread_tag, template_named as _te
 
 from autofuse.pattern import TEMPLATE_ANNOTATION
 from autofuse.registry import get_pattern
-from search_spaces.gemm.linear_bias_relu import cuda_vector_lanes
+from search_spaces.lib.cuda_gemm import cuda_vector_lanes
 
 require_nvcc()
 

@@ -95,12 +95,12 @@ def test_int8_without_four_aligned_k_multiplies_bytes():
 def test_dp4a_intrinsic_does_not_import_every_cuda_intrinsic():
     from tvm.s_tir import TensorIntrin
 
-    from search_spaces.quant.int8_matmul_dequant import _dp4a_intrin
+    from search_spaces.lib.cuda_gemm import dp4a_intrin
 
     loaded = "tvm.s_tir.tensor_intrin" in sys.modules
-    name = _dp4a_intrin()
+    name = dp4a_intrin()
     assert name == "dp4a_s8s8s32" and TensorIntrin.get(name) is not None
-    assert _dp4a_intrin() == name
+    assert dp4a_intrin() == name
     if not loaded:  # another test may have imported the package (tens of seconds) already
         assert "tvm.s_tir.tensor_intrin" not in sys.modules
 

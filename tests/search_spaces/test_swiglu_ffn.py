@@ -8,7 +8,7 @@ import tvm
 
 from autofuse.target import parse_target
 from search_spaces.ffn import swiglu_ffn as sf
-from search_spaces.reduction.softmax_dropout import dropout_mask
+from search_spaces.lib.tir_math import dropout_mask
 
 TARGET = parse_target("llvm")
 DEV = tvm.cpu()

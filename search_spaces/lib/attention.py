@@ -1,0 +1,222 @@
+"""Attention building blocks shared by the attention patterns: the lane counts and vector splits of
+their CUDA kernels, a read-region annotation for staged K/V windows, and ``cuda_decode_attention``,
+the decode kernel (a thread block per (batch, K/V head)) that gqa_decode_attention and
+paged_attention schedule onto their stages."""
+
+from autofuse.errors import AutofuseError
+from search_spaces.lib.cuda_rows import VECTOR_BYTES
+from search_spaces.lib.tir_math import dtype_bytes
+
+CUDA_LOAD_LANES = 4     # elements per thread and instruction in the K/V tile loads
+
+
+def row_lanes(n):
+    """Threads (or partials) per row sharing a reduction over ``n``: the widest of 16, 8, 4, 2, 1
+    dividing it."""
+    return next(w for w in (16, 8, 4, 2, 1) if n % w == 0)
+
+
+def load_lanes(n):
+    """Elements per thread in a tile load along a row of ``n``: a vector aligned at every row start."""
+    return next(v for v in (CUDA_LOAD_LANES, 2, 1) if n % v == 0)
+
+
+def vector_split(sch, loop, width):
+    """``loop`` (a per-thread run of consecutive elements) as unrolled vectors of ``width``."""
+    extent = int(sch.get(loop).extent)
+    vec = 4 if extent % 4 == 0 else 2 if extent % 2 == 0 else 1
+    outer, inner = sch.split(loop, [None, min(vec, width)])
+    sch.unroll(outer)
+    sch.vectorize(inner)
+
+
+def annotate_read(sch, block, index, region):
+    """``sch.annotate_buffer_access`` of read ``index`` as ``region(*iterators)``, a (begin, end)
+    per buffer dimension. TVM 0.27's Python wrapper wants one range per block iterator, so it
+    refuses a buffer of another rank; the schedule instruction itself does not."""
+    from tvm.s_tir.schedule import _ffi_api
+    from tvm.tirx.function import IndexMap
+
+    iters = [iv.var for iv in sch.get(block).iter_vars]
+    bounds = [x for rng in region(*iters) for x in rng]
+    _ffi_api.ScheduleAnnotateBufferAccess(sch, block, index, 0, IndexMap(iters, bounds, None))
+
+
+# ---- CUDA decode: a thread block per (batch, K/V head) ------------------------------------------
+#
+# The six stages (q.k, row max, exp, row sum, P*V, normalise) over (query rows, keys), scheduled by
+# ``cuda_decode_attention`` given the stage names and a function that brings each stage's loop nest
+# into the form (head, row, ...).
+
+DECODE_LANES = (1, 2, 4, 8, 16, 32)     # threads sharing one key row's head_dim (threadIdx.x)
+DECODE_SLOTS = (1, 2, 4, 8, 16, 32)     # key rows in flight per block (threadIdx.y)
+DECODE_UNROLL = (1, 2, 4)               # key rows per thread and step: loads in flight
+DECODE_THREADS = 256                    # default threads per attention block
+KEY_PAD = max(DECODE_SLOTS) * max(DECODE_UNROLL)   # score rows padded to this many keys
+DECODE_SLACK = 1024                     # shared bytes left to the cross-warp reductions
+
+
+class DecodeShapeError(AutofuseError, ValueError):
+    """Score rows too long for a thread block's shared memory."""
+
+
+def decode_vector(dtype, head_dim):
+    """Elements per vector access along head_dim: at most 16 bytes and 4 elements (the float32
+    partial sums are vectors of as many elements, and TVM 0.27's CUDA codegen has no 8-lane
+    float32 vectors)."""
+    lanes = min(4, max(1, VECTOR_BYTES // dtype_bytes(dtype)))
+    while head_dim % lanes:
+        lanes //= 2
+    return lanes
+
+
+def pad_keys(sch, block):
+    """Pad the key axis of ``block``'s output (the scores) to a multiple of KEY_PAD. TVM 0.27
+    lowers a cross-thread reduction's write-back without the block's predicate: the lane sums of
+    keys past the last one (the key loop is split by slots x unroll, which need not divide it)
+    are stored anyway, and land in this padding instead of the next row. Nothing reads it."""
+    def padded(*idx):
+        return (*idx[:-1], idx[-1] // KEY_PAD, idx[-1] % KEY_PAD)
+    # The map is injective; the flag waives the pad value TVM would otherwise demand (and the
+    # block writing it).
+    sch.transform_layout(block, ("write", 0), padded, assume_injective_transform=True)
+
+
+def cuda_decode_attention(sch, target, knobs, stages, head_rows, row_index):
+    """A thread block per (batch, K/V head) for the six stages named by ``stages`` (q.k, max,
+    exp, sum, P*V, normalise); ``head_rows(sch, block)`` rewrites a stage's loop nest as (head,
+    row, ...), rows being the query rows that share the head's K/V, and ``row_index(*idx)`` maps
+    the leading indices of the stages' buffers (all but head_dim or key) to the row's indices
+    within its head. Blocks of other stages are the caller's. Threads: ``lanes`` (threadIdx.x)
+    share a key row's head_dim, ``slots`` (threadIdx.y) key rows are in flight; the knobs are
+    lanes, slots and keys per slot and step."""
+    blocks = [sch.get_sblock(name) for name in stages]
+    scores, row_max, exp, row_sum, pv, out = blocks
+    dtype = sch.get(out).writes[0].source.dtype
+    for blk in blocks:
+        head_rows(sch, blk)
+    _, row, d_loop = sch.get_loops(out)
+    rows, d = int(sch.get(row).extent), int(sch.get(d_loop).extent)
+    keys = int(sch.get(sch.get_loops(pv)[-1]).extent)
+    vec = decode_vector(dtype, d)
+
+    # Shared memory holds the score rows (padded), the probabilities and the P*V partials of
+    # every slot; slot counts that overflow it are not offered (a shape fact).
+    limit = int(target.attrs.get("max_shared_memory_per_block", 48 * 1024)) - DECODE_SLACK
+    row_bytes = 4 * rows * (-(-keys // KEY_PAD) * KEY_PAD + keys)
+    slot_fit = [c for c in DECODE_SLOTS if c <= keys and row_bytes + 4 * c * rows * d <= limit]
+    if not slot_fit:
+        raise DecodeShapeError(f"CUDA decode attention: the scores and probabilities of {rows} query "
+                               f"rows x {keys} keys ({row_bytes} bytes) do not fit a thread block's "
+                               f"shared memory ({limit} bytes)")
+    lane_fit = [c for c in DECODE_LANES if (d // vec) % c == 0]
+    lanes = knobs.choice(lane_fit, max(lane_fit))
+    slots = knobs.choice(slot_fit, max([c for c in slot_fit if c * max(lane_fit) <= DECODE_THREADS]
+                                       or [min(slot_fit)]))
+    unroll = knobs.choice(list(DECODE_UNROLL), 2)
+
+    # q.k: head_dim split (lane, chunk, vector), a lane owning chunks x vectors consecutive
+    # elements; the partial dot products of lane x vector (an rfactor) are summed by shuffles.
+    dd = sch.get_loops(scores)[-1]
+    tx, chunk, v = sch.split(dd, [lanes, None, vec])
+    sch.reorder(chunk, tx, v)
+    score_rf = sch.rfactor(sch.fuse(tx, v), factor_axis=len(sch.get(scores).writes[0].source.shape))
+    # P*V: keys dealt round-robin to the slots, a partial accumulator per slot (rfactor). Slots <=
+    # keys: every slot's first key exists, so its accumulator is initialised (TVM 0.27's rfactor
+    # leaves a slot that gets no key uninitialised).
+    _, pk = sch.split(sch.get_loops(pv)[-1], [None, slots])
+    pv_rf = sch.rfactor(pk, factor_axis=0)
+
+    # A slot computes the lane partials of `unroll` keys for all rows (each K chunk loaded once
+    # for the whole row group), then the lanes reduce them row by row.
+    _, row, j, lane = sch.get_loops(scores)
+    j_step, j_slot, j_unroll = sch.split(j, [None, slots, unroll])
+    sch.reorder(j_step, j_slot, j_unroll, row, lane)
+    sch.compute_at(score_rf, j_slot, preserve_unit_loops=True)
+    pad_keys(sch, scores)
+
+    # One kernel: the stages' head loops merged (compute_at would regenerate the P*V partials'
+    # loops without their key predicate) and bound to blocks.
+    head = sch.merge(*[sch.get_loops(b)[0] for b in (scores, row_max, exp, row_sum, pv_rf, pv, out)])
+    sch.bind(head, "blockIdx.x")
+    sch.bind(j_slot, "threadIdx.y")
+    # compute_at made a loop per iteration variable of the rf block: lane, (batch, heads, rows),
+    # key, chunk. Each K vector is loaded once per key and chunk and used for every row.
+    lane, *middle, key, rf_chunk = sch.get_loops(score_rf)[3:]
+    tx, v = sch.split(lane, [lanes, vec])
+    sch.reorder(tx, rf_chunk, key, *middle, v)
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(v)
+    for loop in (rf_chunk, key, *middle):
+        sch.unroll(loop)
+    tx, _ = sch.split(sch.get_loops(scores)[-1], [lanes, vec])
+    sch.bind(tx, "threadIdx.x")
+    # q in registers for the whole kernel: a lane's chunks of every row, vector loads.
+    q_local = sch.cache_read(score_rf, "q", "local")
+    sch.compute_at(q_local, head, preserve_unit_loops=True)
+    *q_rows, qd = sch.get_loops(q_local)[1:]
+    tx, q_chunk, v = sch.split(qd, [lanes, None, vec])
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(v)
+    for loop in (*q_rows, q_chunk):
+        sch.unroll(loop)
+
+    # Max, exponentials and sum: keys over all the block's threads (coalesced shared reads), rows
+    # serial; max and sum are block-wide reductions (shuffles, then across warps).
+    for blk in (row_max, exp, row_sum):
+        _, row, j = sch.get_loops(blk)
+        step, ty, tx = sch.split(j, [None, slots, lanes])
+        sch.reorder(row, ty, tx, step)
+        sch.bind(ty, "threadIdx.y")
+        sch.bind(tx, "threadIdx.x")
+
+    # P*V partials: slot (threadIdx.y) x head_dim chunks (threadIdx.x) as in q.k, every row per
+    # V vector; `unroll` keys per step.
+    _, row, dd, j_step, j_slot = sch.get_loops(pv_rf)
+    tx, chunk, v = sch.split(dd, [lanes, None, vec])
+    pv_step, j_unroll = sch.split(j_step, [None, unroll])
+    sch.reorder(j_slot, tx, pv_step, j_unroll, chunk, row, v)
+    sch.bind(j_slot, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(v)
+    for loop in (j_unroll, chunk, row):
+        sch.unroll(loop)
+
+    for blk, scope in ((scores, "shared"), (exp, "shared"), (row_max, "shared"), (row_sum, "shared"),
+                       (score_rf, "local"), (pv_rf, "local"), (pv, "local")):
+        sch.set_scope(blk, 0, scope)
+    # The slots' partials through shared memory (each thread stores its own), then summed over
+    # the slots by whichever thread writes that output vector: one barrier, not a tree per element.
+    stage = sch.cache_read(pv, 0, "shared")
+    # Laid out by (slot, row in the head, head_dim): its readers' rows are split by the slot
+    # count, and the predicated rest would otherwise size it by up to `slots` rows per head.
+    # Distinct within a thread block, which is all the buffer serves.
+    sch.transform_layout(stage, ("write", 0), lambda k, *idx: (k, *row_index(*idx[:-1]), idx[-1]),
+                         assume_injective_transform=True)
+    slot, *middle, sd = sch.get_loops(stage)[1:]
+    tx, chunk, v = sch.split(sd, [lanes, None, vec])
+    sch.reorder(slot, tx, chunk, *middle, v)
+    sch.bind(slot, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(v)
+    for loop in (chunk, *middle):
+        sch.unroll(loop)
+    # Output: rows over threadIdx.y, head_dim vectors over threadIdx.x, the slot sum and the
+    # division by the row sum at each output vector. (Rows and head_dim not fused: compute_at then
+    # makes (row, head_dim) bindings that TVM 0.27 does not take for affine.)
+    _, row, dd = sch.get_loops(out)
+    row_step, ty = sch.split(row, [None, slots])
+    d_step, tx, v = sch.split(dd, [None, lanes, vec])
+    sch.reorder(row_step, d_step, ty, tx, v)
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    sch.vectorize(v)
+    sch.compute_at(pv, tx, preserve_unit_loops=True)
+    slot_sum, *_, pv_vec = sch.get_loops(pv)[len(sch.get_loops(out)) - 1:]
+    sch.vectorize(pv_vec)
+
+    # Inits last, P*V partials first: in TVM 0.27 decomposing a reduction under the merged loop
+    # marks the predicated rf blocks beside it non-affine, after which they no longer decompose.
+    sch.decompose_reduction(pv_rf, pv_step)
+    sch.decompose_reduction(pv, slot_sum)
+    sch.decompose_reduction(score_rf, rf_chunk)

@@ -1,0 +1,32 @@
+"""CPU row reductions vectorised through rfactor: a reduction's innermost loop split into (outer,
+lanes) and the lanes rfactored into a partial per lane, a spatial axis that vectorises; after the
+compute-at moves the lanes go innermost and the init is split out."""
+
+
+def rfactor_lanes(sch, knobs, name, default_lanes, factor_axis=1, max_lanes=64):
+    """Split block ``name``'s innermost (reduction) loop into (outer, lanes), ``default_lanes`` wide
+    untuned, and rfactor the lanes to axis ``factor_axis`` of the partials buffer. rfactor must run
+    before any compute_at (it needs the reduction as the first child of its loop).
+    Returns (rf block, final block)."""
+    block = sch.get_sblock(name)
+    loop = sch.get_loops(block)[-1]
+    _, lanes = sch.split(loop, knobs.tile(loop, 2, [default_lanes], max_innermost_factor=max_lanes))
+    return sch.rfactor(lanes, factor_axis=factor_axis), block
+
+
+def vectorize_rf(sch, rf):
+    """An rf block under its row loop (compute_at or reverse_compute_at) sits under (lanes, unit
+    row, k_outer), in block-iter order, whatever the sampled factors: lanes go innermost and
+    vectorised, the init above k_outer."""
+    lanes, unit, k_outer = sch.get_loops(rf)[-3:]
+    sch.reorder(k_outer, unit, lanes)
+    sch.vectorize(lanes)
+    sch.decompose_reduction(rf, k_outer)
+
+
+def lanes_innermost(sch, rf, lanes, loops):
+    """The rf block's ``lanes`` loop moved below ``loops`` (its loops from the row on, the outer
+    reduction last) and vectorised, the init split out above that reduction loop."""
+    sch.reorder(*loops, lanes)
+    sch.vectorize(lanes)
+    sch.decompose_reduction(rf, loops[-1])

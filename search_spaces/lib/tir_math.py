@@ -1,0 +1,99 @@
+"""Scalar TensorIR math the kernels share: a polynomial exp and a rational erf that vectorise (LLVM
+lowers ``T.exp``/``T.erf`` on x86 to a scalar libm call per lane), the hashed dropout mask (the TIR
+keep test and its numpy twin), and dtype sizes."""
+
+import numpy as np
+from tvm import DataType, tirx
+
+DROPOUT_P = 0.1               # the patterns' default dropout probability
+DROPOUT_SEED = 42             # and the mask seed of their kernels
+_GOLDEN = 0x9E3779B9          # seed spreading constant (2**32 / golden ratio)
+_FMIX_C1 = 0x85EBCA6B         # murmur3 fmix32 multipliers
+_FMIX_C2 = 0xC2B2AE35
+
+# Cephes expf: exp(x) = 2**n * e**f, n = round(x*log2(e)), |f| <= ln2/2, e**f a degree-7 polynomial.
+_LOG2E = 1.44269504088896341
+_LN2 = 0.6931471805599453
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1,
+             5.0000001201e-1)
+
+# erf(x) ~ x * P(x^2) / Q(x^2) on [-4, 4], highest power first (topi.fast_erf's coefficients).
+_ERF_ALPHA = (-2.72614225801306e-10, 2.77068142495902e-08, -2.10102402082508e-06,
+              -5.69250639462346e-05, -7.34990630326855e-04, -2.95459980854025e-03,
+              -1.60960333262415e-02)
+_ERF_BETA = (-1.45660718464996e-05, -2.13374055278905e-04, -1.68282697438203e-03,
+             -7.37332916720468e-03, -1.42647390514189e-02)
+
+
+def dtype_bytes(dtype) -> int:
+    return DataType(str(dtype)).bits // 8
+
+
+def exp_f32(v):
+    """exp(v) for float32 v <= 0 as plain arithmetic, so a vectorised loop stays vectorised: the
+    polynomial of topi's ``fast_exp`` (relative error below 3.1e-7 on [-87, 0]). v is clamped below
+    at -87, where 2**n is still a normal float (topi's -88.376 can round n + 127 to -1 under
+    another FMA contraction), so anything lower gives exp(-87) ~ 1.6e-38."""
+    f32 = "float32"
+    # Plain sub-expressions rather than Let bindings: MetaSchedule's FLOP estimator has no rule for
+    # a Let expression; TIR's CSE pass shares the repeats again.
+    x = tirx.max(tirx.min(v, tirx.const(88.3762626647950, f32)), tirx.const(-87.0, f32))
+    n = tirx.floor(x * tirx.const(_LOG2E, f32) + tirx.const(0.5, f32))
+    f = x - n * tirx.const(_LN2, f32)
+    poly = tirx.const(_EXP_POLY[0], f32)
+    for c in _EXP_POLY[1:]:
+        poly = poly * f + tirx.const(c, f32)
+    poly = poly * f * f + f + tirx.const(1.0, f32)
+    two_n = tirx.reinterpret(f32, tirx.Cast("int32", n + tirx.const(127.0, f32)) << tirx.const(23, "int32"))
+    return two_n * poly
+
+
+def erf_f32(v):
+    """erf(v) for float32 as one vectorisable expression: the clamped rational approximation of
+    ``topi.fast_erf`` (Eigen's), max abs error 4.4e-7 against ``math.erf``."""
+    c = tirx.max(tirx.min(v, tirx.const(4.0, "float32")), tirx.const(-4.0, "float32"))
+    c2 = c * c
+    p = tirx.const(_ERF_ALPHA[0], "float32")
+    for a in _ERF_ALPHA[1:]:
+        p = c2 * p + tirx.const(a, "float32")
+    q = tirx.const(_ERF_BETA[0], "float32")
+    for b in _ERF_BETA[1:]:
+        q = c2 * q + tirx.const(b, "float32")
+    return c * p / q
+
+
+def seed_mix(seed):
+    return (int(seed) * _GOLDEN) & 0xFFFFFFFF
+
+
+def dropout_threshold(p):
+    """The keep threshold of the top 24 hash bits for dropout probability ``p``."""
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), not {p}")
+    return int(round(p * (1 << 24)))
+
+
+def _mul_wrap(a, c):
+    """a * c mod 2**32 for a uint32 expression a. TVM emits a uint32 multiply as LLVM ``mul nuw``,
+    so a wrapping multiply is poison and LLVM may fold the keep test to a constant; the product of
+    the zero-extended operands cannot wrap in 64 bits, and LLVM narrows it back to a 32-bit mul."""
+    return tirx.Cast("uint32", tirx.Cast("uint64", a) * tirx.const(c, "uint64"))
+
+
+def hash_keep(flat_index, mix: int, thresh: int):
+    """The dropout keep test in TIR: murmur3's fmix32 of ``uint32(flat_index) ^ mix``, kept when its
+    top 24 bits reach ``thresh``. Wrapping uint32 arithmetic, so ``dropout_mask`` agrees bit for bit."""
+    h0 = tirx.Cast("uint32", flat_index) ^ tirx.const(mix, "uint32")
+    h1 = _mul_wrap(h0 ^ (h0 >> tirx.const(16, "uint32")), _FMIX_C1)
+    h2 = _mul_wrap(h1 ^ (h1 >> tirx.const(13, "uint32")), _FMIX_C2)
+    h3 = h2 ^ (h2 >> tirx.const(16, "uint32"))
+    return (h3 >> tirx.const(8, "uint32")) >= tirx.const(thresh, "uint32")
+
+
+def dropout_mask(rows, cols, p=DROPOUT_P, seed=DROPOUT_SEED):
+    """The keep mask (bool, rows x cols) ``hash_keep`` computes over row-major flat indices, in numpy."""
+    h = np.arange(rows * cols, dtype=np.uint32).reshape(rows, cols) ^ np.uint32(seed_mix(seed))
+    h = (h ^ (h >> np.uint32(16))) * np.uint32(_FMIX_C1)
+    h = (h ^ (h >> np.uint32(13))) * np.uint32(_FMIX_C2)
+    h = h ^ (h >> np.uint32(16))
+    return (h >> np.uint32(8)) >= np.uint32(dropout_threshold(p))
