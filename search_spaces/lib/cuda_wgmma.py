@@ -1,0 +1,331 @@
+"""Hopper (sm_90a) tensor-core GEMM kernels: C = act(A @ B^T + bias), and the SwiGLU pair.
+
+TVM 0.27's schedule primitives reach the H200's tensor cores only through WMMA / mma.sync, far from
+cuBLAS; the H200 needs TMA bulk copies into swizzled shared memory, mbarrier rings and asynchronous
+warpgroup MMAs (wgmma), which the tirx script can express. So these are kernel templates: functions
+``(shape, dtype, knobs) -> PrimFunc`` written in the tirx script, built with
+``tvm.compile(IRModule, target=TARGET, tir_pipeline="tirx")`` (``build``).
+
+Operands: A (M, K), B (N, K) (both K-major, as a linear layer's x and W), bias (N,), C (M, N); float16
+or bfloat16 in and out, float32 accumulation, the epilogue in float32 and C rounded once.
+
+The kernel (not warp-specialized). Each CTA computes one BM x BN tile of C with ``warpgroups``
+warpgroups of 128 threads, BM = 64 per warpgroup. Thread 0 issues TMA copies (128-byte swizzle) of
+BK-wide K slices of A and B into a ring of ``stages`` shared-memory slots, each with an mbarrier that
+completes when the slot's bytes have landed. For every K slice each warpgroup waits on the slot's
+barrier and issues BK/16 ``wgmma.mma_async m64nBNk16`` reading its 64 rows of A and all BN rows of B
+from shared memory into BN/2 float32 accumulator registers per thread. ``wait_depth`` 1 keeps the
+slice's wgmma group in flight while the CTA syncs and thread 0 refills the slot of the previous
+slice (retired by then in every warpgroup); 0 retires each group before its own slot is refilled.
+The epilogue (bias, activation, cast) runs on the accumulator registers and stores C directly.
+
+Knobs (``KNOBS``; ``DEFAULT_KNOBS`` is the configuration measured best at 4096^3 on the H200):
+``block_n`` BN (128 or 256: the wgmma N), ``warpgroups`` (1 or 2: BM 64 or 128), ``stages`` (ring
+depth, 2-5), ``block_k`` BK (64 only: one 128-byte swizzle row of 2-byte elements per TMA box),
+``wait_depth`` (0 or 1). A configuration needs M % BM == N % BN == K % BK == 0 and at most
+``SHARED_MEMORY_LIMIT`` bytes of shared memory; anything else raises ValueError (callers fall back).
+
+``swiglu`` computes out = silu(A @ Wg^T) * (A @ Wu^T): both weight tiles of a slice share the A tile
+and its barrier, and each warpgroup issues two wgmmas per k step into two accumulators; BN 128 so
+that both (64 float32 registers each) fit where one BN 256 accumulator does.
+
+Functions carry ``autofuse.tirx`` = True (a mixed Relax pipeline sends them through the tirx
+lowering) and ``tirx.is_scheduled`` = True (dlight leaves them alone).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from tvm.script import tirx as T
+
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+SHARED_MEMORY_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum of dynamic shared memory
+
+KNOBS = {"block_n": (128, 256), "warpgroups": (1, 2), "stages": (2, 3, 4, 5), "block_k": (64,), "wait_depth": (0, 1)}
+DEFAULT_KNOBS = {"block_n": 256, "warpgroups": 2, "stages": 4, "block_k": 64, "wait_depth": 1}
+SWIGLU_KNOBS = {**KNOBS, "block_n": (128,)}
+SWIGLU_DEFAULT_KNOBS = {**DEFAULT_KNOBS, "block_n": 128}
+
+# wgmma operand type per storage dtype
+DTYPES = {"float16": "f16", "bfloat16": "bf16"}
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_SQRT_HALF = math.sqrt(0.5)
+
+
+def _silu(x):
+    return x / (T.float32(1) + T.exp(-x))
+
+
+# Epilogue activations on a float32 expression.
+ACTIVATIONS = {
+    "none": lambda x: x,
+    "relu": lambda x: T.max(x, T.float32(0)),
+    "gelu_tanh": lambda x: T.float32(0.5) * x * (T.float32(1) + T.tanh(
+        T.float32(_SQRT_2_OVER_PI) * (x + T.float32(0.044715) * x * x * x))),
+    "gelu_erf": lambda x: T.float32(0.5) * x * (T.float32(1) + T.erf(x * T.float32(_SQRT_HALF))),
+    "silu": _silu,
+}
+
+_SWIZZLE_128B = 3  # CUtensorMapSwizzle and the wgmma descriptor's layout code for 128-byte swizzle
+_TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+
+
+def resolve_knobs(knobs: dict | None, space: dict = KNOBS, default: dict = DEFAULT_KNOBS) -> dict:
+    """``knobs`` over ``default``, every value checked against ``space``."""
+    out = dict(default)
+    for name, value in (knobs or {}).items():
+        if name not in space:
+            raise ValueError(f"unknown knob {name!r}; knobs are {', '.join(space)}")
+        out[name] = value
+    for name, value in out.items():
+        if value not in space[name]:
+            raise ValueError(f"knob {name}={value!r} is not one of {list(space[name])}")
+    return out
+
+
+def tile_shape(knobs: dict) -> tuple[int, int, int]:
+    """(BM, BN, BK) of a CTA."""
+    return 64 * knobs["warpgroups"], knobs["block_n"], knobs["block_k"]
+
+
+def shared_memory_bytes(knobs: dict, dtype: str = "float16", weights: int = 1) -> int:
+    """Dynamic shared memory of a configuration: the ring of A and ``weights`` B tiles, plus a
+    barrier per slot."""
+    bm, bn, bk = tile_shape(knobs)
+    itemsize = 2  # both DTYPES
+    return knobs["stages"] * ((bm + weights * bn) * bk * itemsize + 8)
+
+
+def check(shape: dict, dtype: str, knobs: dict | None = None, *, space: dict = KNOBS,
+          default: dict = DEFAULT_KNOBS, weights: int = 1) -> tuple[int, int, int, dict]:
+    """(m, n, k, resolved knobs) when the kernel can compute ``shape`` ({"m", "n", "k"}) in
+    ``dtype`` with ``knobs``; ValueError saying why not otherwise."""
+    if dtype not in DTYPES:
+        raise ValueError(f"wgmma kernels take {' or '.join(DTYPES)}, not {dtype}")
+    knobs = resolve_knobs(knobs, space, default)
+    try:
+        m, n, k = (int(shape[key]) for key in ("m", "n", "k"))
+    except (KeyError, TypeError):
+        raise ValueError(f"shape needs integer m, n, k; got {shape!r}") from None
+    bm, bn, bk = tile_shape(knobs)
+    for name, size, tile in (("m", m, bm), ("n", n, bn), ("k", k, bk)):
+        if size <= 0 or size % tile:
+            raise ValueError(f"{name}={size} is not a positive multiple of the tile's {tile} "
+                             f"(block_n={knobs['block_n']}, warpgroups={knobs['warpgroups']}, block_k={bk})")
+    if m * n >= 1 << 31 or max(m, n) * k >= 1 << 31:
+        raise ValueError(f"m={m}, n={n}, k={k}: operands over 2^31 elements (int32 indices)")
+    smem = shared_memory_bytes(knobs, dtype, weights)
+    if smem > SHARED_MEMORY_LIMIT:
+        raise ValueError(f"{smem} bytes of shared memory (stages={knobs['stages']}, tile {bm}x{bn}x{bk}) "
+                         f"exceed the {SHARED_MEMORY_LIMIT} a CTA may have")
+    return m, n, k, knobs
+
+
+def configs(shape: dict, dtype: str, space: dict = KNOBS, default: dict = DEFAULT_KNOBS,
+            weights: int = 1) -> list[dict]:
+    """Every configuration of ``space`` that ``check`` accepts for ``shape``, in product order."""
+    out = []
+    for values in itertools.product(*space.values()):
+        knobs = dict(zip(space, values))
+        try:
+            check(shape, dtype, knobs, space=space, default=default, weights=weights)
+        except ValueError:
+            continue
+        out.append(knobs)
+    return out
+
+
+def _tensor_map_args(rows: int, k: int, box_rows: int, box_k: int) -> list[int]:
+    """cuTensorMapEncodeTiled's arguments after (map, dtype, rank, pointer) for a row-major
+    (rows, k) 2-byte matrix read in (box_rows, box_k) boxes: dims and box innermost first."""
+    return [k, rows, k * 2, box_k, box_rows, 1, 1, 0, _SWIZZLE_128B, 0, 0]
+
+
+# The pipelined main loop shared by both kernels. Not hygienic: it reads the names of the kernel
+# body it is expanded in (tensor maps, shared buffers, accumulators, block and thread indices) and
+# the configuration constants that each kernel binds with T.meta_var before expanding it.
+@T.macro(hygienic=False)
+def _main_loop():
+    if tx == 0:
+        for s in T.unroll(STAGES):
+            T.ptx.mbarrier.init.shared.b64(T.address_of(bars[s]), T.uint32(1))
+    T.ptx.fence.proxy.async_.shared__cta()
+    T.cuda.cta_sync()
+    if tx == 0:
+        for s in T.unroll(PROLOGUE):
+            _load_slice(s, s)
+    for i in T.serial(NACC):
+        acc[i] = T.float32(0)
+        if TWO_WEIGHTS:
+            acc_up[i] = T.float32(0)
+    for kt in T.serial(KT):
+        T.cuda.mbarrier_wait(T.address_of(bars[kt % STAGES]), kt // STAGES % 2)
+        T.ptx.wgmma.fence.sync.aligned()
+        for kk in T.unroll(BK // 16):
+            # K-major operands with 128-byte swizzle: leading offset 1, stride 64 (8 rows of 128 B), in 16 B units
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), As.ptr_to([kt % STAGES, wg * 64, kk * 16]), 1, 64, SWIZZLE)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), Bs.ptr_to([kt % STAGES, 0, kk * 16]), 1, 64, SWIZZLE)
+            T.ptx[MMA](*[acc[i] for i in range(NACC)], desc_a, desc_b, True, 1, 1, 0, 0)
+            if TWO_WEIGHTS:
+                T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), Bs.ptr_to([kt % STAGES, BN, kk * 16]), 1, 64, SWIZZLE)
+                T.ptx[MMA](*[acc_up[i] for i in range(NACC)], desc_a, desc_b, True, 1, 1, 0, 0)
+        T.ptx.wgmma.commit_group.sync.aligned()
+        if WAIT_DEPTH == 1:
+            # slice kt's group stays in flight; slice kt-1's has retired in every warpgroup once
+            # all have passed the barrier, so its slot takes slice kt-1+STAGES
+            T.ptx.wgmma.wait_group.sync.aligned(1)
+            T.cuda.cta_sync()
+            if tx == 0:
+                if kt >= 1 and kt - 1 + STAGES < KT:
+                    _load_slice((kt - 1) % STAGES, kt - 1 + STAGES)
+        else:
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            T.cuda.cta_sync()
+            if tx == 0:
+                if kt + STAGES < KT:
+                    _load_slice(kt % STAGES, kt + STAGES)
+    T.ptx.wgmma.wait_group.sync.aligned(0)
+
+
+@T.macro(hygienic=False)
+def _load_slice(slot, kslice):
+    # TMA copies of K slice `kslice` of the CTA's A rows and B (and Wu) rows into ring slot `slot`;
+    # the slot's barrier completes when all STAGE_BYTES have arrived
+    T.ptx[TMA](As.ptr_to([slot, 0, 0]), T.address_of(A_map), kslice * BK, by * BM, T.address_of(bars[slot]))
+    T.ptx[TMA](Bs.ptr_to([slot, 0, 0]), T.address_of(B_map), kslice * BK, bx * BN, T.address_of(bars[slot]))
+    if TWO_WEIGHTS:
+        T.ptx[TMA](Bs.ptr_to([slot, BN, 0]), T.address_of(U_map), kslice * BK, bx * BN, T.address_of(bars[slot]))
+    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[slot]), T.uint32(STAGE_BYTES))
+
+
+def _mark(func, name: str):
+    return (func.with_attr("global_symbol", name).with_attr("autofuse.tirx", True)
+            .with_attr("tirx.is_scheduled", True))
+
+
+def gemm_bias_act(shape: dict, dtype: str = "float16", knobs: dict | None = None, act: str = "relu"):
+    """The tirx PrimFunc ``(A, B, bias, C)`` computing C = act(A @ B^T + bias) for ``shape``
+    {"m", "n", "k"}; its global symbol is ``gemm_bias_<act>``. ValueError when the shape, dtype,
+    knobs or ``act`` (one of ``ACTIVATIONS``) do not fit."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation {act!r} is not one of {', '.join(ACTIVATIONS)}")
+    activation = ACTIVATIONS[act]
+    m, n, k, knobs = check(shape, dtype, knobs)
+    bm, bn, bk = tile_shape(knobs)
+    stages = knobs["stages"]
+    threads = 128 * knobs["warpgroups"]
+    mma_name = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{DTYPES[dtype]}.{DTYPES[dtype]}"
+    a_box = _tensor_map_args(m, k, bm, bk)
+    b_box = _tensor_map_args(n, k, bn, bk)
+
+    @T.prim_func
+    def gemm(a: T.handle, b: T.handle, bias: T.handle, c: T.handle):
+        A = T.match_buffer(a, (m, k), dtype, align=16)
+        B = T.match_buffer(b, (n, k), dtype, align=16)
+        Bias = T.match_buffer(bias, (n,), dtype, align=16)
+        C = T.match_buffer(c, (m, n), dtype, align=16)
+        A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, dtype, 2, A.data, *a_box)
+        B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, dtype, 2, B.data, *b_box)
+        T.device_entry()
+        bx, by = T.cta_id([n // bn, m // bm])
+        tx = T.thread_id([threads])
+        pool = T.SMEMPool()
+        As = pool.alloc((stages, bm, bk), dtype, align=1024)
+        Bs = pool.alloc((stages, bn, bk), dtype, align=1024)
+        bars = pool.alloc((stages,), "uint64", align=8)
+        pool.commit()
+        desc_a: T.uint64
+        desc_b: T.uint64
+        acc = T.alloc_buffer((bn // 2,), "float32", scope="local")
+        wg = T.meta_var(tx // 128)
+        BM, BN, BK, KT, STAGES, NACC = T.meta_var((bm, bn, bk, k // bk, stages, bn // 2))
+        PROLOGUE = T.meta_var(min(stages, k // bk))
+        STAGE_BYTES = T.meta_var((bm + bn) * bk * 2)
+        MMA, TMA, SWIZZLE = T.meta_var((mma_name, _TMA_LOAD, _SWIZZLE_128B))
+        TWO_WEIGHTS = T.meta_var(False)
+        WAIT_DEPTH = T.meta_var(knobs["wait_depth"])
+        _main_loop()
+        # accumulator of m64nN: warp w of the warpgroup holds rows 16w + lane/4 (and +8), columns
+        # 8j + 2(lane%4) (and +1) in acc[4j .. 4j+3]: (r, c), (r, c+1), (r+8, c), (r+8, c+1)
+        for j in T.unroll(bn // 8):
+            for half in T.unroll(2):
+                for pair in T.unroll(2):
+                    row = T.meta_var(by * bm + wg * 64 + tx % 128 // 32 * 16 + tx % 32 // 4 + half * 8)
+                    col = T.meta_var(bx * bn + j * 8 + tx % 4 * 2 + pair)
+                    C[row, col] = T.Cast(dtype, activation(acc[j * 4 + half * 2 + pair] + T.Cast("float32", Bias[col])))
+
+    return _mark(gemm, f"gemm_bias_{act}")
+
+
+def swiglu(shape: dict, dtype: str = "float16", knobs: dict | None = None):
+    """The tirx PrimFunc ``(A, Wg, Wu, C)`` computing C = silu(A @ Wg^T) * (A @ Wu^T), Wg and Wu
+    (N, K), for ``shape`` {"m", "n", "k"}; global symbol ``gemm_swiglu``. Knobs from
+    ``SWIGLU_KNOBS`` (BN 128). ValueError when the shape, dtype or knobs do not fit."""
+    m, n, k, knobs = check(shape, dtype, knobs, space=SWIGLU_KNOBS, default=SWIGLU_DEFAULT_KNOBS, weights=2)
+    bm, bn, bk = tile_shape(knobs)
+    stages = knobs["stages"]
+    threads = 128 * knobs["warpgroups"]
+    mma_name = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{DTYPES[dtype]}.{DTYPES[dtype]}"
+    a_box = _tensor_map_args(m, k, bm, bk)
+    w_box = _tensor_map_args(n, k, bn, bk)
+
+    @T.prim_func
+    def gemm(a: T.handle, wg_: T.handle, wu_: T.handle, c: T.handle):
+        A = T.match_buffer(a, (m, k), dtype, align=16)
+        Wg = T.match_buffer(wg_, (n, k), dtype, align=16)
+        Wu = T.match_buffer(wu_, (n, k), dtype, align=16)
+        C = T.match_buffer(c, (m, n), dtype, align=16)
+        A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, dtype, 2, A.data, *a_box)
+        B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, dtype, 2, Wg.data, *w_box)
+        U_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", U_map, dtype, 2, Wu.data, *w_box)
+        T.device_entry()
+        bx, by = T.cta_id([n // bn, m // bm])
+        tx = T.thread_id([threads])
+        pool = T.SMEMPool()
+        As = pool.alloc((stages, bm, bk), dtype, align=1024)
+        # rows 0..BN-1 of a slot: the Wg tile; BN..2BN-1: the Wu tile
+        Bs = pool.alloc((stages, 2 * bn, bk), dtype, align=1024)
+        bars = pool.alloc((stages,), "uint64", align=8)
+        pool.commit()
+        desc_a: T.uint64
+        desc_b: T.uint64
+        acc = T.alloc_buffer((bn // 2,), "float32", scope="local")
+        acc_up = T.alloc_buffer((bn // 2,), "float32", scope="local")
+        wg = T.meta_var(tx // 128)
+        BM, BN, BK, KT, STAGES, NACC = T.meta_var((bm, bn, bk, k // bk, stages, bn // 2))
+        PROLOGUE = T.meta_var(min(stages, k // bk))
+        STAGE_BYTES = T.meta_var((bm + 2 * bn) * bk * 2)
+        MMA, TMA, SWIZZLE = T.meta_var((mma_name, _TMA_LOAD, _SWIZZLE_128B))
+        TWO_WEIGHTS = T.meta_var(True)
+        WAIT_DEPTH = T.meta_var(knobs["wait_depth"])
+        _main_loop()
+        for j in T.unroll(bn // 8):
+            for half in T.unroll(2):
+                for pair in T.unroll(2):
+                    row = T.meta_var(by * bm + wg * 64 + tx % 128 // 32 * 16 + tx % 32 // 4 + half * 8)
+                    col = T.meta_var(bx * bn + j * 8 + tx % 4 * 2 + pair)
+                    C[row, col] = T.Cast(dtype, _silu(acc[j * 4 + half * 2 + pair]) * acc_up[j * 4 + half * 2 + pair])
+
+    return _mark(gemm, "gemm_swiglu")
+
+
+def build(func):
+    """``func`` compiled for ``TARGET`` through the tirx pipeline (an Executable; ``.mod`` is the
+    runtime module, callable on a GPU, whose CUDA source ``cuda_source`` reads anywhere)."""
+    import tvm
+
+    name = func.attrs["global_symbol"]
+    return tvm.compile(tvm.IRModule({name: func}), target=tvm.target.Target(TARGET), tir_pipeline="tirx")
+
+
+def cuda_source(executable) -> str:
+    """The CUDA C source of a ``build`` result."""
+    return executable.mod.imports[0].inspect_source()

@@ -1,0 +1,129 @@
+"""The Hopper wgmma kernel templates (search_spaces/lib/cuda_wgmma.py) build to CUDA source for
+sm_90a with every knob configuration, keep the pipeline's invariants visible in that source (one
+barrier byte count equal to the bytes a slot's TMA copies bring, one load per ring slot and a
+refill, the wait depth asked for), refuse shapes and knobs they cannot compute, and compile with
+nvcc without spills. Nothing runs here (no GPU): benchmarks/gpu_gemm.py measures them on an H200."""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from search_spaces.lib import cuda_wgmma as W
+
+SHAPE = {"m": 256, "n": 512, "k": 512}  # 8 K slices: more than any ring, so every config refills
+
+
+def _kernel_body(source: str) -> str:
+    """The kernel's definition (the helpers before it define the PTX wrappers)."""
+    return source.split('extern "C" __global__')[-1]
+
+
+def _source(func) -> str:
+    return W.cuda_source(W.build(func))
+
+
+def _expect_tx_bytes(body: str) -> list[int]:
+    return [int(n) for n in re.findall(r"arrive_expect_tx_shared_b64\(.*\(uint\)(\d+)\);", body)]
+
+
+@pytest.mark.parametrize("knobs", W.configs(SHAPE, "float16"), ids=lambda k: "-".join(f"{v}" for v in k.values()))
+def test_every_config_builds_with_its_pipeline(knobs):
+    bm, bn, bk = W.tile_shape(knobs)
+    body = _kernel_body(_source(W.gemm_bias_act(SHAPE, "float16", knobs, "relu")))
+    assert f"__launch_bounds__({128 * knobs['warpgroups']})" in body
+    assert f"wgmma_f16_ss_mma_async_sync_aligned_m64n{bn}k16_f32_f16_f16" in body
+    # the prologue fills every slot, and one refill site follows; each waits for a slot's bytes
+    assert _expect_tx_bytes(body) == [(bm + bn) * bk * 2] * (knobs["stages"] + 1)
+    assert body.count("cp_async_bulk_tensor_g2s") == 2 * (knobs["stages"] + 1)
+    assert ("wait_group_sync_aligned_1()" in body) == (knobs["wait_depth"] == 1)
+    assert "max((acc_ptr[0] + ((float)Bias_ptr[" in body  # bias + ReLU on the accumulator
+
+
+def test_the_config_space():
+    configs = W.configs(SHAPE, "float16")
+    assert W.DEFAULT_KNOBS in configs
+    assert all(W.shared_memory_bytes(k) <= W.SHARED_MEMORY_LIMIT for k in configs)
+    too_big = {**W.DEFAULT_KNOBS, "stages": 5}  # 5 x 48 KiB slots of a 128x256 tile
+    assert too_big not in configs and W.shared_memory_bytes(too_big) > W.SHARED_MEMORY_LIMIT
+    # n = 128 drops every BN 256 config
+    assert {k["block_n"] for k in W.configs({**SHAPE, "n": 128}, "float16")} == {128}
+
+
+MARKERS = {"relu": "max(", "gelu_tanh": "tanhf(", "gelu_erf": "erff(", "silu": "expf("}
+
+
+@pytest.mark.parametrize("act", list(W.ACTIVATIONS))
+def test_activations_in_the_epilogue(act):
+    body = _kernel_body(_source(W.gemm_bias_act(SHAPE, "bfloat16", {"block_n": 128}, act)))
+    assert "wgmma_bf16_ss_mma_async_sync_aligned_m64n128k16_f32_bf16_bf16" in body
+    stores = [line for line in body.splitlines() if "C_ptr[" in line]
+    assert len(stores) == 4 * 128 // 8 and all("(nv_bfloat16)" in line for line in stores)
+    for name, marker in MARKERS.items():
+        assert (marker in stores[0]) == (name == act), (name, stores[0][-200:])
+
+
+def test_fewer_k_slices_than_stages():
+    # k = 128: two slices for a 4-slot ring: two loads, nothing to refill
+    body = _kernel_body(_source(W.gemm_bias_act({**SHAPE, "k": 128}, "float16")))
+    assert len(_expect_tx_bytes(body)) == 2
+
+
+def test_swiglu_shares_the_a_tile():
+    knobs = W.SWIGLU_DEFAULT_KNOBS
+    bm, bn, bk = W.tile_shape(knobs)
+    func = W.swiglu(SHAPE, "float16")
+    body = _kernel_body(_source(func))
+    assert _expect_tx_bytes(body) == [(bm + 2 * bn) * bk * 2] * (knobs["stages"] + 1)
+    assert body.count("cp_async_bulk_tensor_g2s") == 3 * (knobs["stages"] + 1)
+    assert "U_map" in body and "acc_up_ptr[63]" in body
+    assert "expf(" in body and "* acc_up_ptr[0]" in body
+    with pytest.raises(ValueError, match="block_n=256"):
+        W.swiglu(SHAPE, "float16", {"block_n": 256})
+
+
+def test_marked_for_the_mixed_pipeline():
+    func = W.gemm_bias_act(SHAPE, "float16", None, "gelu_erf")
+    assert func.attrs["global_symbol"] == "gemm_bias_gelu_erf"
+    assert bool(func.attrs["autofuse.tirx"]) and bool(func.attrs["tirx.is_scheduled"])
+    assert W.swiglu(SHAPE).attrs["global_symbol"] == "gemm_swiglu"
+
+
+@pytest.mark.parametrize("shape, dtype, knobs, act, message", [
+    ({"m": 200, "n": 512, "k": 512}, "float16", None, "relu", "m=200 is not a positive multiple of the tile's 128"),
+    ({"m": 64, "n": 512, "k": 512}, "float16", None, "relu", "m=64"),
+    ({"m": 256, "n": 384, "k": 512}, "float16", None, "relu", "n=384 is not a positive multiple of the tile's 256"),
+    ({"m": 256, "n": 512, "k": 96}, "float16", None, "relu", "k=96"),
+    ({"m": 256, "n": 512}, "float16", None, "relu", "shape needs integer m, n, k"),
+    (SHAPE, "float32", None, "relu", "float16 or bfloat16, not float32"),
+    (SHAPE, "float16", {"stages": 5}, "relu", "shared memory"),
+    (SHAPE, "float16", {"stages": 7}, "relu", r"stages=7 is not one of \[2, 3, 4, 5\]"),
+    (SHAPE, "float16", {"bm": 64}, "relu", "unknown knob 'bm'"),
+    (SHAPE, "float16", None, "tanh", "activation 'tanh' is not one of"),
+])
+def test_what_it_cannot_compute_raises(shape, dtype, knobs, act, message):
+    with pytest.raises(ValueError, match=message):
+        W.gemm_bias_act(shape, dtype, knobs, act)
+
+
+def test_a_smaller_tile_takes_what_the_default_refuses():
+    shape = {"m": 64, "n": 384, "k": 512}
+    W.gemm_bias_act(shape, "float16", {"block_n": 128, "warpgroups": 1})
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("make", [lambda: W.gemm_bias_act({"m": 4096, "n": 4096, "k": 4096}, "float16"),
+                                  lambda: W.swiglu({"m": 4096, "n": 4096, "k": 4096}, "bfloat16")],
+                         ids=["gemm_default", "swiglu_default"])
+def test_nvcc_compiles_without_spills(make, tmp_path):
+    src = tmp_path / "kernel.cu"
+    src.write_text(_source(make()))
+    result = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-Xptxas", "-v",
+                             "-o", str(tmp_path / "kernel.cubin"), str(src)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ptxas = result.stdout + result.stderr
+    assert "0 bytes spill stores" in ptxas and "0 bytes spill loads" in ptxas, ptxas[-2000:]
+    assert "serialized" not in ptxas  # ptxas's warning when wgmmas cannot overlap
+    assert (tmp_path / "kernel.cubin").stat().st_size > 0
