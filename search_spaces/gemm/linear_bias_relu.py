@@ -26,6 +26,7 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, onnx_model, static_shape, template
+from search_spaces.lib.cpu_gemm import schedule_packed_gemm
 from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_outputs_per_thread, cuda_pipeline,
                                          cuda_split_k, cuda_tile_output, cuda_unroll, cuda_vector_lanes,
                                          cuda_wmma_fetch, cuda_wmma_group, cuda_wmma_stage_out, cuda_wmma_tensorize,
@@ -79,6 +80,14 @@ def flops(shape):
 def nbytes(shape, dtype):
     m, n, k = shape["m"], shape["n"], shape["k"]
     return np.dtype(dtype).itemsize * (m * k + n * k + n + m * n)
+
+
+@template("packed_tile")
+def packed_tile(sch, target, knobs):
+    """BLIS-style GEMM (``search_spaces.lib.cpu_gemm``): W packed into NR-column panels, an
+    MR x NR register tile sized from the target's vectors, bias + ReLU on the tile."""
+    schedule_packed_gemm(sch, sch.get_sblock("matmul"), knobs, target,
+                         epilogue_blocks=[sch.get_sblock("bias_relu")], weight_read=1)
 
 
 @template("tiled_epilogue")
@@ -223,6 +232,6 @@ PATTERN = Pattern(
     flops=flops,
     bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
-    templates=[tiled_epilogue, cuda_tiled_epilogue, cuda_wmma],
+    templates=[packed_tile, tiled_epilogue, cuda_tiled_epilogue, cuda_wmma],
     relax_rules=[RelaxRule("matmul_add_relu", _relax_pattern, _relax_rewrite)],
 )

@@ -1,0 +1,195 @@
+"""CPU GEMM in the manner of BLIS/Goto, as schedule primitives on a GEMM-shaped TensorIR block.
+
+A block ``C[i, j] += A[i, k] * W[j, k]`` (iterators spatial i, spatial j, reduction k, in that
+order; casts around the operands are fine) becomes:
+
+- W packed into panels ``Wp[j // NR, k, j % NR]`` (``NR`` columns, contiguous along k) by a
+  ``cache_read`` copy annotated ``meta_schedule.layout_rewrite_preproc``: MetaSchedule's builder
+  (``RemoveWeightLayoutRewriteBlock``) and Relax's layout rewrite turn that copy into a one-time
+  packing of a constant weight; a plain ``tvm.tirx.build`` keeps it, and the kernel then packs W
+  at every call (the copy is parallel).
+- An ``MR x NR`` register tile of accumulators: per k step one broadcast of x per row and
+  ``NR / lanes`` vector FMAs per row, ``MR`` unrolled, ``NR`` split into vectors, ``KU`` k steps
+  unrolled. The tile is sized from the target's vector width and register count
+  (``register_tile``), not a knob: the target is fixed per tuning task.
+- Cache blocking: MC rows x NC columns per parallel task, tasks over the M x N blocks fused into
+  one parallel loop.
+- The epilogue blocks (bias, activation, ...) run on the register tile right after its k loop,
+  so the accumulator tile is stored once, through them.
+
+Rows (columns) that are not a multiple of MR (NR): ``pad_einsum`` pads the block's domain, so the
+micro-kernel has no predicate (one in its k loop costs 2-3x); x (W) is then copied once into the
+zero-padded buffer and only the epilogue is predicated. Padded columns also lose the
+layout-rewrite annotation (the padding copy is no plain copy), so W is packed at every call.
+
+Knobs (``autofuse.pattern.Knobs``): tiles of the MR-row and NR-column tile counts (MC, NC) and
+of k (KU). They only feed ``split``; every Python branch depends on shapes and the target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tvm import tirx
+from tvm.target import Target, codegen
+
+LAYOUT_REWRITE = "meta_schedule.layout_rewrite_preproc"
+
+
+@dataclasses.dataclass(frozen=True)
+class VectorUnit:
+    """fp32 lanes of one vector register and how many such registers the ISA has."""
+    lanes: int
+    registers: int
+
+
+def vector_unit(target: Target) -> VectorUnit:
+    """The target's vector unit, from the features its mcpu/mattr give LLVM."""
+    def has(feature):
+        return bool(codegen.target_has_features(feature, target))
+    if has("avx512f"):
+        return VectorUnit(16, 32)
+    if has("avx"):
+        return VectorUnit(8, 16)
+    if has("neon") or has("sve"):
+        return VectorUnit(4, 32)
+    return VectorUnit(4, 16)  # SSE2: what LLVM assumes for x86-64 without mcpu
+
+
+@dataclasses.dataclass(frozen=True)
+class RegisterTile:
+    rows: int        # MR
+    cols: int        # NR, a multiple of lanes
+    lanes: int
+
+
+def register_tile(unit: VectorUnit, m: int, n: int) -> RegisterTile:
+    """MR x NR: NR of ``vectors`` registers (4 with 32 registers, 2 with 16), MR rows so that the
+    MR * vectors accumulators, one row of W vectors and a broadcast fit the registers (6x64 on
+    AVX-512, 6x16 on AVX2, 6x16 on NEON); fewer rows when m is smaller. Where n is no multiple of
+    NR, the widest smaller multiple of the lanes that divides n (with MR grown to fill the
+    registers again), else NR and n padded."""
+    top = 4 if unit.registers >= 32 else 2
+    for vectors in range(top, 0, -1):
+        if n % (vectors * unit.lanes) == 0 or vectors == 1 and n % unit.lanes:
+            break
+    if n % (vectors * unit.lanes):
+        vectors = top  # none divides n: pad it
+    rows = min(8, (unit.registers - vectors - 1) // vectors)
+    # A smaller multiple of the lanes may need more rows than the 6 of the full tile; 8 is plenty.
+    return RegisterTile(rows=max(1, min(rows, m)), cols=vectors * unit.lanes, lanes=unit.lanes)
+
+
+def _extent(sch, loop) -> int:
+    extent = sch.get(loop).extent
+    if not isinstance(extent, tirx.IntImm):
+        raise ValueError("the packed CPU GEMM needs static loop extents")
+    return int(extent.value)
+
+
+def _root_allocated(sch, buffer) -> bool:
+    root = sch.get(sch.get_sblock("root"))
+    return any(buf.same_as(buffer) for buf in root.alloc_buffers)
+
+
+def _vectorize_cols(sch, loop, tile: RegisterTile):
+    """NR columns as NR/lanes unrolled vectors of lanes: one wide vector spills."""
+    if tile.cols > tile.lanes:
+        outer, inner = sch.split(loop, [None, tile.lanes])
+        sch.unroll(outer)
+        sch.vectorize(inner)
+    else:
+        sch.vectorize(loop)
+
+
+def _tile_loops(sch, block, tile: RegisterTile):
+    """Unroll the rows and vectorize the columns of the last two loops of ``block``."""
+    rows, cols = sch.get_loops(block)[-2:]
+    sch.unroll(rows)
+    _vectorize_cols(sch, cols, tile)
+
+
+def _parallel_copy(sch, block):
+    """A copy block (packing or padding) parallel over its outer loop; LLVM vectorizes the rest."""
+    loops = sch.get_loops(block)
+    sch.parallel(loops[0])
+
+
+def _divisor_below(count: int, want: int) -> int:
+    """Largest divisor of ``count`` not above ``want``."""
+    return max(d for d in range(1, max(1, min(want, count)) + 1) if count % d == 0)
+
+
+def default_blocking(row_tiles: int, col_tiles: int, tile: RegisterTile, cores: int) -> tuple[int, int]:
+    """Untuned (MC, NC) in register tiles: NC up to 4 panels and 128 columns (64 on AVX2, 128 on
+    AVX-512), MC all rows, split only where fewer than two blocks per core would be left."""
+    nc = _divisor_below(col_tiles, max(1, min(4, 128 // tile.cols)))
+    row_blocks = -(-2 * cores // (col_tiles // nc))
+    mc = _divisor_below(row_tiles, -(-row_tiles // row_blocks))
+    return mc, nc
+
+
+def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(), weight_read: int = 1,
+                         cores: int | None = None):
+    """Schedule ``matmul`` (see the module docstring) and its ``epilogue_blocks``, consumers of its
+    output in order (e.g. the bias + ReLU block), at the register tile. ``weight_read``: index in
+    the block's reads of W, read as ``W[j, k]``. Returns the register tile used."""
+    i, j, k = sch.get_loops(matmul)
+    m, n = _extent(sch, i), _extent(sch, j)
+    tile = register_tile(vector_unit(target), m, n)
+    cores = cores or int(target.attrs.get("num-cores", 1) or 1)
+    pad_rows, pad_cols = m % tile.rows != 0, n % tile.cols != 0
+    epilogue_blocks = list(epilogue_blocks)
+    if pad_rows or pad_cols:
+        sch.pad_einsum(matmul, [tile.rows if pad_rows else 1, tile.cols if pad_cols else 1, 1])
+        # The copy of the padded accumulator's valid part joins the epilogue, first.
+        epilogue_blocks = [c for c in sch.get_consumers(matmul)] + epilogue_blocks
+        for producer in sch.get_producers(matmul):
+            _parallel_copy(sch, producer)
+
+    # W panels [n/NR][k][NR]: a plain copy the layout rewrite can take over, or the padding copy.
+    nr = tile.cols
+    packing = None
+    if not pad_cols:
+        packing = sch.cache_read(matmul, weight_read, "global")
+        sch.annotate(packing, LAYOUT_REWRITE, 1)
+    sch.transform_layout(matmul, ("read", weight_read), index_map=lambda jj, kk: (jj // nr, kk, jj % nr))
+
+    i, j, k = sch.get_loops(matmul)
+    m, n = _extent(sch, i), _extent(sch, j)
+    row_tiles, col_tiles = m // tile.rows, n // tile.cols
+    io, ir = sch.split(i, [row_tiles, tile.rows])
+    jo, jr = sch.split(j, [col_tiles, tile.cols])
+    mc, nc = default_blocking(row_tiles, col_tiles, tile, cores)
+    i0, i1 = sch.split(io, knobs.tile(io, 2, [mc], max_innermost_factor=max(1, row_tiles)))
+    j0, j1 = sch.split(jo, knobs.tile(jo, 2, [nc], max_innermost_factor=16))
+    ko, ku = sch.split(k, knobs.tile(k, 2, [4], max_innermost_factor=8))
+    sch.reorder(i0, j0, i1, j1, ko, ku, ir, jr)
+    outer = sch.fuse(i0, j0)
+    sch.parallel(outer)
+
+    # Accumulators in a local tile; the write-back and the epilogue at the tile.
+    # (reindex + set_scope: cache_write of a buffer the function declares by a statement, as
+    # T.alloc_buffer does, defines the local buffer twice in TVM 0.27.)
+    write_back = sch.reindex(matmul, ("write", 0))
+    sch.set_scope(matmul, 0, "local")
+    sch.reverse_compute_at(write_back, j1, preserve_unit_loops=True)
+    for block in epilogue_blocks:
+        sch.reverse_compute_at(block, j1, preserve_unit_loops=True)
+    written = sch.get(write_back).writes[0].source
+    if epilogue_blocks and _root_allocated(sch, written):
+        sch.compute_inline(write_back)
+        write_back = None
+
+    # Vectorize/unroll before decompose_reduction: after it the update block is no longer a
+    # complete reduction block and vectorize refuses it.
+    sch.unroll(ir)
+    _vectorize_cols(sch, jr, tile)
+    sch.unroll(ku)
+    init = sch.decompose_reduction(matmul, ko)
+    _tile_loops(sch, init, tile)
+    for block in ([write_back] if write_back is not None else []) + epilogue_blocks:
+        _tile_loops(sch, block, tile)
+    if packing is not None:
+        _parallel_copy(sch, packing)
+    return tile
