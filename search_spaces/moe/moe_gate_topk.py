@@ -476,29 +476,75 @@ def cuda_routed(sch, target, knobs):
     _cuda_combine(sch, target, knobs)
 
 def onnx_graph(shape, dtype):
-    """MatMul router, Softmax, TopK(k), the chosen probabilities divided by their sum and scattered
-    (ScatterElements) into a zero (tokens, experts) gate matrix; every expert on every token as
-    batched MatMuls over an Unsqueezed x (broadcast against W1's expert axis), Relu, MatMul; Einsum
-    combine. TopK ranks float32 probabilities where the kernel ranks logits: the same order but for
-    near ties that rounding merges, which make_inputs' random floats do not produce."""
+    """The routed layer with static shapes, each expert's FFN on its routed tokens only, in row
+    tiles of ROW_TILE as the kernel pads them: MatMul router, Softmax, TopK(k), the chosen
+    probabilities divided by their sum; each (token, choice) gets its row in an expert-sorted
+    buffer (its expert's start, from a CumSum of the experts' token counts rounded up to whole
+    tiles, plus its rank among that expert's choices, an exclusive CumSum of the one-hot choices),
+    the token ids are ScatterElements'd into those rows and x Gathered through them; each tile's
+    expert (how many expert segments end at or before it) Gathers that expert's W1 and W2, batched
+    MatMul, Relu, MatMul; each token Gathers back its k rows and sums them weighted. The tile count
+    is the static bound on sum(ceil(count / ROW_TILE)); tiles past the last used one compute rows
+    nobody reads. ONNX has no grouped GEMM, so the per-tile weights are copies (see ``more_work``).
+    TopK ranks float32 probabilities where the kernel ranks logits: the same order but for near
+    ties that rounding merges, which make_inputs' random floats do not produce."""
     from onnx import helper
     NT, H, I, E, K = _dims(shape)
+    R, A = ROW_TILE, NT * K
+    tiles = min((A + min(E, A) * (R - 1)) // R, E * -(-NT // R))
     nodes = [helper.make_node("MatMul", ["x", "wg"], ["logits"]),
              helper.make_node("Softmax", ["logits"], ["probs"], axis=-1),
              helper.make_node("TopK", ["probs", "k"], ["top_p", "top_e"], axis=-1, largest=1, sorted=1),
              helper.make_node("ReduceSum", ["top_p", "last_axis"], ["top_sum"], keepdims=1),
              helper.make_node("Div", ["top_p", "top_sum"], ["top_w"]),
-             helper.make_node("ScatterElements", ["zeros", "top_e", "top_w"], ["gates"], axis=1),
-             helper.make_node("Unsqueeze", ["x", "first_axis"], ["x3"]),
-             helper.make_node("MatMul", ["x3", "w1"], ["h"]),
+             # Choice a = t * K + j of token t goes to row start[e] + rank of a among e's choices.
+             helper.make_node("Reshape", ["top_e", "flat"], ["choice_e"]),                     # (A,)
+             helper.make_node("Unsqueeze", ["choice_e", "last_axis"], ["choice_e2"]),           # (A,1)
+             helper.make_node("Equal", ["choice_e2", "expert_ids"], ["is_e"]),
+             helper.make_node("Cast", ["is_e"], ["one_hot"], to=7),                             # (A,E) int64
+             helper.make_node("CumSum", ["one_hot", "zero"], ["before"], exclusive=1),
+             helper.make_node("GatherElements", ["before", "choice_e2"], ["rank2"], axis=1),     # (A,1)
+             helper.make_node("Reshape", ["rank2", "flat"], ["rank"]),
+             helper.make_node("ReduceSum", ["one_hot", "first_axis"], ["counts"], keepdims=0),  # (E,)
+             helper.make_node("Add", ["counts", "tile_round"], ["counts_up"]),
+             helper.make_node("Div", ["counts_up", "tile_rows"], ["expert_tiles"]),
+             helper.make_node("Mul", ["expert_tiles", "tile_rows"], ["padded"]),
+             helper.make_node("CumSum", ["padded", "zero"], ["start"], exclusive=1),
+             helper.make_node("CumSum", ["padded", "zero"], ["end"]),
+             helper.make_node("Gather", ["start", "choice_e"], ["choice_start"], axis=0),
+             helper.make_node("Add", ["choice_start", "rank"], ["row"]),                        # (A,)
+             helper.make_node("ScatterElements", ["no_tokens", "row", "choice_token"], ["row_token"], axis=0),
+             # Tile i belongs to the expert whose segment holds row i * R (past the last: any).
+             helper.make_node("LessOrEqual", ["end", "tile_first_row"], ["ended"]),             # (tiles,E)
+             helper.make_node("Cast", ["ended"], ["ended_i"], to=7),
+             helper.make_node("ReduceSum", ["ended_i", "last_axis"], ["tile_e_raw"], keepdims=0),
+             helper.make_node("Min", ["tile_e_raw", "last_expert"], ["tile_e"]),                # (tiles,)
+             helper.make_node("Gather", ["x", "row_token"], ["x_rows"], axis=0),                 # (P,H)
+             helper.make_node("Reshape", ["x_rows", "tile_shape"], ["x_tiles"]),                 # (tiles,R,H)
+             helper.make_node("Gather", ["w1", "tile_e"], ["w1_tiles"], axis=0),                 # (tiles,H,I)
+             helper.make_node("Gather", ["w2", "tile_e"], ["w2_tiles"], axis=0),                 # (tiles,I,H)
+             helper.make_node("MatMul", ["x_tiles", "w1_tiles"], ["h"]),
              helper.make_node("Relu", ["h"], ["a"]),
-             helper.make_node("MatMul", ["a", "w2"], ["ye"]),
-             helper.make_node("Einsum", ["gates", "ye"], ["y"], equation="te,eth->th")]
+             helper.make_node("MatMul", ["a", "w2_tiles"], ["y_tiles"]),
+             helper.make_node("Reshape", ["y_tiles", "rows_shape"], ["y_rows"]),                 # (P,H)
+             helper.make_node("Reshape", ["row", "choices_shape"], ["token_rows"]),              # (NT,K)
+             helper.make_node("Gather", ["y_rows", "token_rows"], ["y_chosen"], axis=0),         # (NT,K,H)
+             helper.make_node("Unsqueeze", ["top_w", "last_axis"], ["top_w3"]),
+             helper.make_node("Mul", ["y_chosen", "top_w3"], ["y_weighted"]),
+             helper.make_node("ReduceSum", ["y_weighted", "one_axis"], ["y"], keepdims=0)]
+    i64 = np.int64
     return onnx_model("moe_gate_topk", nodes,
                       [("x", (NT, H)), ("wg", (H, E)), ("w1", (E, H, I)), ("w2", (E, I, H))],
                       [("y", (NT, H))], dtype,
-                      {"k": np.array([K], np.int64), "last_axis": np.array([-1], np.int64),
-                       "first_axis": np.array([0], np.int64), "zeros": np.zeros((NT, E), dtype)})
+                      {"k": np.array([K], i64), "last_axis": np.array([-1], i64),
+                       "first_axis": np.array([0], i64), "one_axis": np.array([1], i64),
+                       "zero": np.array(0, i64), "flat": np.array([A], i64),
+                       "expert_ids": np.arange(E, dtype=i64), "tile_round": np.array(R - 1, i64),
+                       "tile_rows": np.array(R, i64), "last_expert": np.array(E - 1, i64),
+                       "no_tokens": np.zeros(tiles * R, i64), "choice_token": np.arange(A, dtype=i64) // K,
+                       "tile_first_row": (np.arange(tiles, dtype=i64) * R)[:, None],
+                       "tile_shape": np.array([tiles, R, H], i64), "rows_shape": np.array([tiles * R, H], i64),
+                       "choices_shape": np.array([NT, K], i64)})
 
 
 PATTERN = Pattern(
