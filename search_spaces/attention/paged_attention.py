@@ -297,7 +297,7 @@ def onnx_graph(shape, dtype):
         "positions": np.arange(C, dtype=np.int32),                       # (C,)
         "query_offset": (np.arange(Q) - Q).astype(np.int32),             # t - Q, (Q,)
         "scale": np.array(1.0 / math.sqrt(D), dtype),
-        "masked": np.array(-1e30, dtype),
+        "masked": np.array(-np.inf, dtype),               # every row sees a key
     }
 
     def cache(pages, name):
