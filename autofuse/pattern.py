@@ -249,6 +249,13 @@ class Pattern:
     # The numerical check's scaled error bound per dtype, where autofuse.accuracy's dtype-derived
     # one does not describe this computation (rarely).
     error_bounds: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The same computation through torch's scaled_dot_product_attention (the torch-sdpa baseline):
+    # ``sdpa(torch, shape, *inputs)`` gets make_inputs' arrays as torch tensors and returns the
+    # outputs in the reference's order; torch is passed in, a pattern file never imports it.
+    sdpa: Callable[..., Sequence[Any]] | None = None
+    # Baselines doing more work than this pattern's kernel: contender name (or "onnx_graph": every
+    # contender running onnx_graph) -> why. compare shows them labelled, outside ours / best.
+    more_work: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def run_reference(self, inputs, shape: Shape) -> list[np.ndarray]:
         import inspect

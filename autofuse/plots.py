@@ -7,7 +7,14 @@ import os
 
 from .errors import AutofuseError
 
-MARKERS = {"autofuse": "*", "tvm-untuned": "v", "tvm-auto": "s", "onnxruntime": "o", "xla": "D"}
+MARKERS = {"autofuse": "*", "tvm-untuned": "v", "tvm-auto": "s", "onnxruntime": "o", "xla": "D", "torch-eager": "^",
+           "torch-compile": "P", "torch-sdpa": "X"}
+
+
+def _where(report: dict) -> str:
+    if report.get("device") == "cuda":
+        return (report.get("machine", {}).get("gpu") or {}).get("name", "GPU")
+    return f"{report.get('threads', '?')} threads"
 
 
 def _pyplot():
@@ -52,7 +59,7 @@ def latency_bars(report: dict, path: str) -> None:
     ax.set_xticks(range(len(subjects)))
     ax.set_xticklabels([s["name"] for s in subjects], rotation=20, ha="right")
     ax.set_ylabel("latency, ms (median, p10-p90)")
-    ax.set_title(f"autofuse vs baselines, {report.get('device_label') or str(report.get('threads', '?')) + ' threads'}")
+    ax.set_title(f"autofuse vs baselines, {_where(report)}")
     ax.legend(fontsize=8)
     _save(fig, plt, path)
 

@@ -7,9 +7,10 @@
 For each pattern (default shape; ``--small``: small shape) and each template that applies to the
 h200 target (the pattern's own CUDA templates, or the dlight fallback where it has none), the
 template is applied with ``tunable=False``, built with ``tvm.tirx.build``, run once on the pattern's
-seeded inputs on ``tvm.cuda(0)`` and compared with ``pattern.run_reference`` at the pattern's
-tolerance for the dtype, then timed with ``time_evaluator`` (median of ``--repeat`` runs, each
-averaging calls over 50 ms: warm caches, no L2 flush; benchmarks/gpu.py is the careful timing).
+seeded inputs on ``tvm.cuda(0)`` and checked against ``pattern.run_reference`` (``autofuse.accuracy``
+at the pattern's ``check_args``: the dtype's bound for the kernel's accumulation length), then timed with ``time_evaluator`` (median
+of ``--repeat`` runs, each averaging calls over 50 ms: warm caches, no L2 flush; ``autofuse compare
+--target h200`` is the careful timing, against the baselines).
 One line per pattern and template: ok, FAIL (ran, numbers wrong), error (did not build or run),
 skip (the pattern has no such dtype). ``--knobs`` adds rows for a template under fixed knob values
 (a sweep of, say, GEMM tile sizes without a tuner; the inputs and numpy result are computed once). With ``--out`` the rows are also written as JSON, rewritten
@@ -36,8 +37,9 @@ import tvm  # noqa: E402
 from autofuse.measure import empty_outputs, time_function, to_device  # noqa: E402
 from autofuse.registry import resolve_patterns  # noqa: E402
 from autofuse.target import device_for, parse_target  # noqa: E402
-from autofuse.verify import compare  # noqa: E402
-from gpu import shapes_by_pattern  # noqa: E402
+from autofuse.accuracy import compare  # noqa: E402
+from autofuse.compare import code_commit, pattern_shapes  # noqa: E402
+from autofuse.report import machine_info  # noqa: E402
 
 SCHEMA = "autofuse.gpu_check_templates/1"
 
@@ -86,11 +88,11 @@ def check_template(pattern, template, shape, dtype, target, dev, repeat: int,
         rt(*args)
         dev.sync()
         stage = "check"
-        rtol, atol = pattern.tolerance_for(dtype)
-        check = compare([o.numpy() for o in outputs], expected, rtol, atol)
-        row["max_abs_err"] = check.max_abs_err
+        check = compare([o.numpy() for o in outputs], expected, **pattern.check_args(shape, dtype, func))
+        row.update(max_abs_err=check.max_abs_err, scaled_err=check.scaled_err, bound=check.bound)
         stage = "time"
-        row["ms"] = time_function(rt, args, dev, repeat=repeat).median_secs * 1e3
+        timing = time_function(rt, args, dev, repeat=repeat)
+        row["ms"], row["samples_ms"] = timing.median_secs * 1e3, [s * 1e3 for s in timing.samples_secs]
         row["status"] = "ok" if check.ok else "FAIL"
         row["message"] = check.message
     except Exception as err:  # a row per failure; the run goes on
@@ -129,7 +131,8 @@ def main() -> int:
     if not dev.exist:
         print(f"no {target.kind.name} device here", file=sys.stderr)  # e.g. no GPU on this machine
         return 2
-    shapes = shapes_by_pattern(args.shape)
+    patterns = resolve_patterns(args.patterns)
+    shapes = pattern_shapes(args.shape, patterns)
     sweeps = {}
     for spec in args.knobs:
         name, _, values = spec.partition("=")
@@ -140,10 +143,10 @@ def main() -> int:
             return 2
     wanted = {t.strip() for t in args.templates.split(",") if t.strip()}
     report = {"schema": SCHEMA, "target": args.target, "device": getattr(dev, "device_name", ""),
-              "host": platform.node(), "dtype": args.dtype, "shape": "small" if args.small else "default",
-              "rows": []}
+              "host": platform.node(), "code": code_commit(), "command": sys.argv, "machine": machine_info(dev),
+              "dtype": args.dtype, "shape": "small" if args.small else "default", "rows": []}
     bad = 0
-    for pattern in resolve_patterns(args.patterns):
+    for pattern in patterns:
         shape = pattern.resolve_shape(shapes.get(pattern.name), "small" if args.small else "default")
         reference = Reference(pattern, shape, args.dtype)
         for template in pattern.templates_for(target):

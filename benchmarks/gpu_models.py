@@ -68,8 +68,12 @@ def main(argv=None) -> int:
     except AutofuseError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    report = {"schema": "autofuse.gpu_models/1", "target": str(target), "args": vars(args),
-              "commit": os.environ.get("AUTOFUSE_COMMIT"), "models": {}}
+    from autofuse.compare import code_commit
+    from autofuse.report import machine_info
+    from autofuse.target import device_for
+
+    report = {"schema": "autofuse.gpu_models/1", "target": str(target), "args": vars(args), "code": code_commit(),
+              "command": sys.argv, "machine": machine_info(device_for(target)), "models": {}}
     with tempfile.TemporaryDirectory(prefix="autofuse-gpu-models-") as work:
         for model in args.models.split(","):
             path = os.path.join(ROOT, "models", f"{model}.onnx")

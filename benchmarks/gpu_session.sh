@@ -1,18 +1,28 @@
 #!/usr/bin/env bash
 # One device-tool call's worth of GPU measurement (each stage under 10 minutes on one H200), run
 # from a snapshot of the repository on the GPU machine after TVM's bundle is unpacked there
-# (../shared/gpu/tvm-bundle.sh, two calls). Writes JSON under $OUT; commit it under
-# benchmarks/results/h200/.
-#   bash benchmarks/gpu_session.sh measure   GEMM tile sweeps, then the patterns at LLM-scale
-#                                            shapes in float32 (and the row patterns in float16)
-#   bash benchmarks/gpu_session.sh tune      first tuning on the GPU: 16 trials each of
-#                                            linear_bias_relu and softmax_dropout, large shapes
-#   bash benchmarks/gpu_session.sh check     XLA-GPU on the patterns it gained ops for; the
-#                                            templates changed since (uneven rows, padded keys)
-# Every step has its own timeout, so a slow one cannot take the others' JSON with it.
+# (../shared/gpu/tvm-bundle.sh, two calls). Every comparison is `autofuse compare` itself, the
+# same pipeline and report (report.json/.md, and the plots where matplotlib is installed) as on a
+# CPU; this script only names the shapes and the contenders. Writes under $OUT; commit the
+# reports under benchmarks/results/h200/.
+#
+# The snapshot has no .git: pass the commit it was taken from, or the reports say "unknown":
+#   AUTOFUSE_COMMIT=$(git rev-parse HEAD)   (here, on a clean tree, before the call)
+#   source /opt/autofuse-gpu/env.sh && AUTOFUSE_COMMIT=<sha> bash benchmarks/gpu_session.sh measure
+#
+#   measure   GEMM tile sweeps, then the patterns at LLM-scale shapes in float32 (and the row
+#             patterns in float16) against every GPU baseline
+#   tune      first tuning on the GPU: 16 trials each of linear_bias_relu and softmax_dropout,
+#             large shapes, then compared
+#   check     XLA on the GPU on the patterns it gained ops for; the templates changed since
+#             (uneven rows, padded keys); attention against torch SDPA
+# Every step has its own timeout, so a slow one cannot take the others' reports with it; a
+# compare rewrites its report.json after every pattern, so a cut one keeps what it measured.
 set -u
 OUT=${OUT:-out}
+DB=${DB:-/tmp/autofuse-db}
 mkdir -p "$OUT"
+COMPARE=(python3 -m autofuse.cli compare --target h200 --no-progress)
 LINEAR=linear_bias_relu:m=2048,n=2048,k=2048
 SWIGLU=swiglu_ffn:tokens=512,hidden=1024,inter=2816
 SOFTMAX=softmax_dropout:rows=16384,cols=4096
@@ -35,27 +45,29 @@ measure)
     --knobs 'cuda_two_gemms=[[8],[8]]' --knobs 'cuda_two_gemms=[[16],[4]]' --knobs 'cuda_two_gemms=[[8],[8],[16],[2]]' \
     --knobs 'cuda_two_gemms=[null,null,null,null,null,null,[8],[8]]' \
     --knobs 'cuda_two_gemms=[[8],[8],null,null,null,null,[8],[8]]'
-  timeout 200 python3 benchmarks/gpu.py --patterns softmax_dropout,layernorm_residual,gelu_add_layernorm,linear_bias_relu,swiglu_ffn \
-    "${ROWS[@]}" --shape "$LINEAR" --shape "$SWIGLU" --repeat 20 --budget-secs 170 --out "$OUT/gpu-large2-float32.json"
-  timeout 120 python3 benchmarks/gpu.py --patterns softmax_dropout,layernorm_residual,gelu_add_layernorm --dtype float16 \
-    "${ROWS[@]}" --contenders autofuse,tvm-auto,torch-eager,torch-compile,xla-gpu --repeat 20 --budget-secs 90 \
-    --out "$OUT/gpu-large-float16.json"
+  timeout 240 "${COMPARE[@]}" --db none --pattern softmax_dropout,layernorm_residual,gelu_add_layernorm,linear_bias_relu,swiglu_ffn \
+    "${ROWS[@]}" --shape "$LINEAR" --shape "$SWIGLU" --repeat 20 --report "$OUT/compare-large-float32"
+  timeout 150 "${COMPARE[@]}" --db none --pattern softmax_dropout,layernorm_residual,gelu_add_layernorm --dtype float16 \
+    "${ROWS[@]}" --baselines tvm-auto,torch-eager,torch-compile,xla --repeat 20 --report "$OUT/compare-large-float16"
   ;;
 tune)
-  timeout 270 python3 benchmarks/gpu.py --patterns linear_bias_relu --shape "$LINEAR" --trials 16 \
-    --contenders autofuse,torch-eager --repeat 20 --out "$OUT/gpu-tuned-linear.json"
-  timeout 270 python3 benchmarks/gpu.py --patterns softmax_dropout --shape "$SOFTMAX" --trials 16 \
-    --contenders autofuse,tvm-auto,torch-compile --repeat 20 --out "$OUT/gpu-tuned-softmax.json"
+  # Ours tuned (union space) and tvm-auto (generic space) with the same 16 trials, then compared.
+  timeout 270 "${COMPARE[@]}" --db "$DB" --pattern linear_bias_relu --shape m=2048,n=2048,k=2048 --trials 16 \
+    --baselines tvm-auto,torch-eager --repeat 20 --report "$OUT/compare-tuned-linear"
+  timeout 270 "${COMPARE[@]}" --db "$DB" --pattern softmax_dropout --shape rows=16384,cols=4096 --trials 16 \
+    --baselines tvm-auto,torch-compile --repeat 20 --report "$OUT/compare-tuned-softmax"
   ;;
 check)
-  # The XLA baseline on the three patterns it could not translate before; the row kernels that
-  # changed thread counts (spec_accept at vocab 32000, softmax rows no power of two divides) and
-  # cuda_flash with a padded last key tile, checked and timed.
-  timeout 80 python3 benchmarks/gpu.py --patterns moe_gate_topk,int8_matmul_dequant,spec_accept \
-    --contenders autofuse,torch-compile,xla-gpu --repeat 30 --out "$OUT/gpu-xla-float32.json"
+  # XLA on the three patterns it could not translate before; the row kernels that changed thread
+  # counts (spec_accept at vocab 32000, softmax rows no power of two divides) and cuda_flash with
+  # a padded last key tile, checked and timed; the attention patterns against SDPA in float16.
+  timeout 120 "${COMPARE[@]}" --db none --pattern moe_gate_topk,int8_matmul_dequant,spec_accept \
+    --baselines torch-compile,xla --repeat 30 --report "$OUT/compare-xla-float32"
   timeout 60 python3 benchmarks/gpu_check_templates.py --patterns spec_accept,softmax_dropout,flash_attention \
     --templates cuda_rows_then_batch,cuda_rows,cuda_rows_reread,cuda_flash --shape softmax_dropout:rows=4096,cols=1000 \
     --shape flash_attention:seq_q=1000,seq_kv=1000 --out "$OUT/check-uneven-float32.json"
+  timeout 150 "${COMPARE[@]}" --db none --pattern flash_attention,cross_attention,gqa_decode_attention --dtype float16 \
+    --baselines torch-eager,torch-compile,torch-sdpa,xla --repeat 30 --report "$OUT/compare-attention-float16"
   ;;
 *)
   echo "usage: $0 measure|tune|check" >&2

@@ -1,9 +1,11 @@
 """Baselines autofuse is compared against, one module per contender, behind one small interface.
 
 A contender turns a ``Subject`` (a pattern at a shape, or an ONNX model) into a ``Prepared``: a
-call that runs the computation once on the subject's seeded inputs and a way to read the outputs.
-A contender that cannot run here (optional package missing, op it cannot express) raises
-``Unavailable`` with the reason; the compare report says so instead of failing.
+way to launch one run of the computation on the subject's seeded inputs, to wait for it, and to
+read the outputs. A contender that cannot run here (optional package missing, op it cannot
+express, no such device) raises ``Unavailable`` with the reason; the compare report says so
+instead of failing. Each name means the same on a CPU and on a GPU: the contender runs on the
+compare context's device (``Context.device``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,12 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 # Everything autofuse is compared against, in report order.
-BASELINES = ("tvm-untuned", "tvm-auto", "onnxruntime", "xla")
+BASELINES = ("tvm-untuned", "tvm-auto", "onnxruntime", "xla", "torch-eager", "torch-compile", "torch-sdpa")
+# Those that count for "ours / best": not tvm-untuned, which nobody would deploy.
+RIVALS = ("tvm-auto", "onnxruntime", "xla", "torch-eager", "torch-compile", "torch-sdpa")
+# Whose result in the subject's dtype sets how accurate a contender must be (compare's validity rule):
+# what a user of that device runs today.
+FRAMEWORK = {"cpu": "onnxruntime", "cuda": "torch-eager"}
 
 
 class Unavailable(Exception):
@@ -33,7 +40,13 @@ class Subject:
     shape: dict | None = None       # patterns only
     dtype: str = "float32"
     pattern: Any = None             # the Pattern, for patterns
-    tolerance: tuple[float, float] = (1e-4, 1e-4)
+    # How the outputs are checked (autofuse.accuracy.compare): the longest reduction behind an
+    # output, and a bound overriding the dtype-derived one (None: derived).
+    accumulation: int = 1
+    bound: float | None = None
+    # Contenders that do more work than ours on this subject: name (or "onnx_graph": every contender
+    # running the ONNX graph) -> why. They are reported, labelled, and left out of ours / best.
+    more_work: dict = dataclasses.field(default_factory=dict)
 
     @property
     def feeds(self) -> dict[str, np.ndarray]:
@@ -49,16 +62,43 @@ class Context:
     db: Any = None                  # TuningDatabase, or None for contenders that need no records
     work_dir: str = "."
 
+    @property
+    def device(self) -> str:
+        """"cuda" or "cpu": where every contender runs."""
+        return "cuda" if self.target.kind.name == "cuda" else "cpu"
+
 
 @dataclasses.dataclass
 class Prepared:
-    call: Callable[[], None]                    # one complete run (synchronised), as timed
-    outputs: Callable[[], list[np.ndarray]]     # the outputs of the last call, as numpy
+    launch: Callable[[], None]                  # start one complete run (on a GPU it may return early)
+    wait: Callable[[], None]                    # block until the last launch is done
+    outputs: Callable[[], list[np.ndarray]]     # the outputs of the last run, as numpy
     info: dict = dataclasses.field(default_factory=dict)   # records applied, trials, kernels, ...
+    # On a GPU: the work runs on torch's current stream, so CUDA events recorded there bracket it.
+    same_stream: bool = True
+
+    def call(self) -> None:
+        self.launch()
+        self.wait()
 
 
 class Contender(Protocol):
     name: str
     description: str
+    runs_onnx_graph: bool           # runs the subject's ONNX graph (see Subject.more_work)
 
     def prepare(self, subject: Subject, ctx: Context) -> Prepared: ...
+
+
+def contenders() -> dict:
+    """Every contender by name, ours first."""
+    from .ort import OnnxRuntime
+    from .torch_compile import TorchCompile
+    from .torch_eager import TorchEager
+    from .torch_sdpa import TorchSdpa
+    from .tuned import Autofuse
+    from .tvm_auto import TvmAuto
+    from .tvm_untuned import TvmUntuned
+    from .xla import Xla
+    return {c.name: c for c in (Autofuse(), TvmUntuned(), TvmAuto(), OnnxRuntime(), Xla(), TorchEager(),
+                                TorchCompile(), TorchSdpa())}

@@ -1,6 +1,7 @@
 """An ONNX graph through Relax in one of autofuse's fusion modes, records applied from a database,
 built and wrapped as a ``Prepared``: the shared path of autofuse's model contender, tvm-untuned
-and tvm-auto."""
+and tvm-auto. On a GPU every kernel without a record gets its default schedule (pattern
+templates, dlight's rules for the rest), as ``autofuse build`` does."""
 
 from __future__ import annotations
 
@@ -25,12 +26,11 @@ def prepare_relax(subject: Subject, ctx: Context, fusion: str, db) -> tuple[Prep
     args = [tvm.runtime.tensor(x, ctx.dev) for x in subject.inputs]
     last = {}
 
-    def call():
+    def launch():
         last["out"] = main(*args)
-        ctx.dev.sync()
 
     info = {"fusion": fusion, "kernels": len(decisions), "matches": dict(prepared.matches),
             "records_applied": sum(d.applied == "record" for d in decisions),
             "records": sum(d.records for d in decisions),
             "decisions": [dataclasses.asdict(d) for d in decisions]}
-    return Prepared(call, lambda: model_build._flatten(last["out"]), info), mod
+    return Prepared(launch, ctx.dev.sync, lambda: model_build._flatten(last["out"]), info), mod

@@ -14,6 +14,7 @@ from .relax_vm import prepare_relax
 class Autofuse:
     name = "autofuse"
     description = "autofuse: pattern fusion, best checked records (template default otherwise)"
+    runs_onnx_graph = False
 
     def prepare(self, subject: Subject, ctx: Context) -> Prepared:
         if subject.kind == "pattern":
@@ -37,12 +38,8 @@ class Autofuse:
         args = to_device(subject.inputs, ctx.dev)
         outs = empty_outputs(job.pattern.output_specs(job.func), ctx.dev)
 
-        def call():
-            rt(*args, *outs)
-            ctx.dev.sync()
-
         valid, total = ctx.db.count(job.func) if ctx.db is not None else (0, 0)
-        return Prepared(call, lambda: [o.numpy() for o in outs],
+        return Prepared(lambda: rt(*args, *outs), ctx.dev.sync, lambda: [o.numpy() for o in outs],
                         {"source": choice.source, "records": total, "valid_records": valid,
                          "record_ms": choice.record_secs * 1e3 if choice.record_secs else None,
                          "rejected": rejected})

@@ -10,6 +10,7 @@ from .relax_vm import prepare_relax
 class TvmAuto:
     name = "tvm-auto"
     description = "TVM Relax, FuseOps auto-fusion, generic-space records from the database"
+    runs_onnx_graph = True
 
     def prepare(self, subject: Subject, ctx: Context) -> Prepared:
         prepared = prepare_relax(subject, ctx, "auto", ctx.db)[0]

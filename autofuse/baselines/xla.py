@@ -1,5 +1,7 @@
-"""xla: the same ONNX graph as a JAX function (``onnx_to_jax``) under ``jax.jit`` on the CPU —
-XLA's automatic fusion as a baseline, run on exactly the computation onnxruntime runs."""
+"""xla: the same ONNX graph as a JAX function (``onnx_to_jax``) under ``jax.jit`` on the compare
+device — XLA's automatic fusion as a baseline, run on exactly the computation onnxruntime runs.
+On a GPU (jax with CUDA) float32 matmuls run at 'highest' precision, no TF32, like every
+contender; XLA runs on streams of its own."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ from . import Context, Prepared, Subject, Unavailable
 
 class Xla:
     name = "xla"
-    description = "jax.jit on CPU (XLA fusion) of the same ONNX graph"
+    description = "jax.jit (XLA fusion) of the same ONNX graph, on the compare device"
+    runs_onnx_graph = True
 
     def prepare(self, subject: Subject, ctx: Context) -> Prepared:
         try:
@@ -24,15 +27,34 @@ class Xla:
 
         from .onnx_to_jax import jax_function
 
+        device = _device(jax, ctx)
         try:
             fn = jax.jit(jax_function(onnx.load(subject.onnx_path)))
         except AutofuseError as err:
             raise Unavailable(str(err)) from None
-        cpu = jax.devices("cpu")[0]
-        args = [jax.device_put(x, cpu) for x in subject.inputs]
+        args = [jax.device_put(x, device) for x in subject.inputs]
         last = {}
 
-        def call():
-            last["out"] = jax.block_until_ready(fn(*args))
+        def launch():
+            last["out"] = fn(*args)
 
-        return Prepared(call, lambda: [np.asarray(o) for o in last["out"]], {"version": jax.__version__})
+        return Prepared(launch, lambda: jax.block_until_ready(last["out"]),
+                        lambda: [np.asarray(o) for o in last["out"]],
+                        {"version": jax.__version__, "device": str(device)}, same_stream=ctx.device == "cpu")
+
+
+def _device(jax, ctx: Context):
+    if ctx.device == "cpu":
+        return jax.devices("cpu")[0]
+    jax.config.update("jax_default_matmul_precision", "highest")
+    try:
+        gpus = [d for d in jax.devices() if d.platform in ("gpu", "cuda")]
+    except RuntimeError:
+        gpus = []
+    if not gpus:
+        try:
+            seen = ", ".join(sorted({d.platform for d in jax.devices()}))
+        except RuntimeError:
+            seen = "none"
+        raise Unavailable(f"jax sees no CUDA device (platforms: {seen}; pip install 'jax[cuda12]')")
+    return gpus[min(ctx.dev.index, len(gpus) - 1)]

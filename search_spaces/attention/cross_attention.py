@@ -340,6 +340,11 @@ def onnx_graph(shape, dtype):
                       {"scale": np.asarray(1.0 / math.sqrt(hd), dtype=dtype)})
 
 
+def sdpa(torch, shape, q, k, v):
+    """The torch-sdpa baseline: torch's scaled_dot_product_attention on the same tensors."""
+    return [torch.nn.functional.scaled_dot_product_attention(q, k, v)]
+
+
 PATTERN = Pattern(
     name="cross_attention",
     family="attention",
@@ -357,4 +362,5 @@ PATTERN = Pattern(
     bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     templates=[query_tile, cuda_query_rows],
+    sdpa=sdpa,
 )

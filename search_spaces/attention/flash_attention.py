@@ -696,6 +696,16 @@ def _relax_rewrite(matched, kernel):
     return kernel(shape, "float32", [q, k, v])
 
 
+def sdpa(torch, shape, q, k, v):
+    """The torch-sdpa baseline: torch's scaled_dot_product_attention on the same tensors."""
+    mask, causal = None, bool(shape.get("causal", 0))
+    if causal and shape["seq_q"] != shape["seq_kv"]:  # ours aligns the mask at the end, is_causal at the start
+        from torch.nn.attention.bias import causal_lower_right
+        mask, causal = causal_lower_right(shape["seq_q"], shape["seq_kv"]), False
+    return [torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                             enable_gqa=shape["kv_heads"] != shape["heads"])]
+
+
 PATTERN = Pattern(
     name="flash_attention",
     family="attention",
@@ -716,6 +726,7 @@ PATTERN = Pattern(
     bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     templates=[flash_tiles, cuda_flash],
+    sdpa=sdpa,
     # Before softmax_dropout's rule, which would otherwise take the softmax out of the attention.
     relax_rules=[RelaxRule("attention", _relax_pattern, _relax_rewrite, priority=10)],
 )

@@ -345,6 +345,19 @@ def onnx_graph(shape, dtype):
                       initializers)
 
 
+def sdpa(torch, shape, q, k_new, v_new, k_cache, v_cache):
+    """The torch-sdpa baseline: the caches copied with the new row at cache_len (outputs, as ours),
+    then torch's scaled_dot_product_attention over positions 0..cache_len."""
+    length = shape["cache_len"]
+    k_out, v_out = k_cache.clone(), v_cache.clone()
+    k_out[:, :, length] = k_new
+    v_out[:, :, length] = v_new
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q.unsqueeze(2), k_out[:, :, :length + 1], v_out[:, :, :length + 1],
+        enable_gqa=shape["num_heads"] != shape["num_kv_heads"])
+    return [o.squeeze(2), k_out, v_out]
+
+
 PATTERN = Pattern(
     name="gqa_decode_attention",
     family="attention",
@@ -364,5 +377,6 @@ PATTERN = Pattern(
     bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     templates=[kv_head, cuda_kv_head],
+    sdpa=sdpa,
     num_outputs=3,
 )

@@ -1,0 +1,85 @@
+"""torch-eager: the same ONNX graph as torch ops (``onnx_to_torch``), run eagerly on the compare
+device. On a GPU its matmuls are cuBLAS calls (float32 without TF32, like every contender) and
+it is the framework's own result that sets the accuracy a contender must reach; on a CPU it runs
+torch's CPU kernels on the compare run's threads.
+
+torch is optional: without it the torch contenders are ``Unavailable``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..errors import AutofuseError
+from . import Context, Prepared, Subject, Unavailable
+
+
+def import_torch():
+    try:
+        import torch
+    except ImportError:
+        raise Unavailable("torch is not installed (pip install torch)") from None
+    return torch
+
+
+def torch_device(torch, ctx: Context) -> str:
+    """torch's name for the compare device, with torch set up the way every contender runs."""
+    if ctx.device == "cpu":
+        torch.set_num_threads(ctx.threads)
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise Unavailable("this torch has no CUDA (a CPU build?)")
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 means float32 for every contender
+    torch.backends.cudnn.allow_tf32 = False
+    return f"cuda:{ctx.dev.index}"
+
+
+def graph_function(subject: Subject, device: str) -> Callable:
+    if subject.onnx_path is None:
+        raise Unavailable(f"{subject.name} has no ONNX graph")
+    import onnx
+
+    from .onnx_to_torch import torch_function
+    try:
+        return torch_function(onnx.load(subject.onnx_path), device)
+    except AutofuseError as err:  # an op without translation
+        raise Unavailable(str(err)) from None
+
+
+def torch_prepared(torch, call: Callable[[], list], device: str, info: dict) -> Prepared:
+    """``call()`` runs on torch's current stream (a GPU's) or synchronously (the CPU)."""
+    from .onnx_to_torch import to_numpy
+
+    last = {}
+
+    def launch():
+        last["out"] = call()
+
+    wait = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    return Prepared(launch, wait, lambda: [to_numpy(t) for t in last["out"]],
+                    {"version": torch.__version__, "device": device, **info})
+
+
+def torch_inputs(subject: Subject, device: str) -> list:
+    from .onnx_to_torch import to_torch
+    return [to_torch(x, device) for x in subject.inputs]
+
+
+class TorchEager:
+    name = "torch-eager"
+    description = "torch eager of the same ONNX graph (cuBLAS matmuls on a GPU)"
+    runs_onnx_graph = True
+
+    def prepare(self, subject: Subject, ctx: Context) -> Prepared:
+        torch = import_torch()
+        device = torch_device(torch, ctx)
+        fn = graph_function(subject, device)
+        args = torch_inputs(subject, device)
+        return torch_prepared(torch, no_grad_call(torch, lambda: fn(*args)), device, {})
+
+
+def no_grad_call(torch, call: Callable[[], list]) -> Callable[[], list]:
+    def run():
+        with torch.no_grad():
+            return call()
+    return run
