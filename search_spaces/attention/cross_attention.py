@@ -1,46 +1,11 @@
 """cross_attention: out = softmax(q k^T / sqrt(head_dim)) v, decoder queries over encoder keys.
 
-q is (batch, heads, seq_q, head_dim), k and v are (batch, heads, seq_kv, head_dim) with seq_kv
-the encoder length (in general != seq_q); there is no mask. Six sblocks: ``scores`` (q k^T, raw
-dot products, float32), ``row_max``, ``exp`` (p = exp((s - max) * scale), the 1/sqrt(head_dim)
-scale folded in here rather than into every multiply-add, valid because scale > 0), ``row_sum``,
-``pv`` (p v, float32 accumulator) and ``normalise`` (divide by the row sum once per output element
-rather than once per probability).
-
-Unfused, the seq_q x seq_kv score matrix of every head is written to memory and read back three
-times (max, exp/sum, P*V) plus once more for the probabilities. The ``query_tile`` template
-parallelises over (batch, head, query tile) and computes every stage at the query tile, so the
-scores and probabilities of only tile x seq_kv floats live in per-thread scratch (compacted to
-that size; the full matrix is never allocated). For the score stage, vectorised along the key
-axis, the tile first copies K^T of its head into scratch (a cache_read with a transposed layout:
-K rows are head_dim apart, so key-axis lanes of K itself would be a gather); that copy is
-seq_kv x head_dim per tile, 1/tile of the score stage's multiply-adds. The max and sum are
-vectorised along the key axis through an rfactor over a lane tile, P*V along head_dim with the
-tile's query rows as an inner register block that reuses each V row.
-
-Template ``cuda_query_rows`` (CUDA, SIMT FMAs, no tensor cores). This TensorIR is the two-pass
-softmax over whole score rows, not flash_attention's online recurrence, so the GPU schedule keeps a
-query tile's score rows whole, in shared memory (rows x seq_kv float32), instead of streaming them
-through a running state. A thread block per (batch, head, query tile), a query row per threadIdx.y
-(the tile a knob: 1..32 rows, at most seq_q), LANES threads per row (flash_attention's lane rule: 16
-at head_dim 64). Scores: over key tiles of up to 64 keys, the block stages K^T of the tile in shared
-memory (rows padded by one against bank conflicts; vector loads along head_dim); a thread computes
-keys c = LANES * j + lane of its row from the q row held in registers, each into a register
-accumulator, then stores it to the score row. Row max and sum: each thread's keys, then warp
-shuffles across the row's threads; the exponentials overwrite the score row in place (TVM merges the
-two buffers). P.V: V tiles staged the same way, each thread accumulating head_dim / LANES output
-columns in registers (vector loads of V), the probabilities broadcast from the shared row; the
-output written as vectors. Shared memory bounds the query tile: at seq_kv beyond ~5000 (float32,
-head_dim 64) not even one row fits and the template does not apply. Checked on the H200
-as benchmarks/gpu_check_templates.py checks (against the reference in float32/float16/bfloat16;
-default, small and edge shapes; replayed knob samples); time_evaluator medians, default shape: 0.018 ms float32 and
-0.016 ms float16 (query tiles of 8 rows; 4, 16 and 32 rows measured 0.021, 0.024 and 0.039 ms),
-against 0.55 ms for dlight's fallback schedule of the same TensorIR; 0.50 ms at a Whisper-sized
-float16 shape (20 heads, 448 queries, 1500 encoder keys).
-
-Precision: float32, float16 or bfloat16 inputs and outputs; scores, softmax statistics and the P*V
-accumulator are float32 in every dtype, and each output is rounded to the dtype once. (The
-half-precision tolerance is stated at ``PATTERN``.)
+No mask; seq_q != seq_kv in general. Six sblocks: ``scores``, ``row_max``, ``exp`` (the scale
+folded in here, valid as it is > 0), ``row_sum``, ``pv`` and ``normalise`` (one division per output
+rather than per probability). Unfused, the score matrix goes to memory and is read back four times;
+the templates keep a query tile's score rows on chip: ``query_tile`` (CPU, per-thread scratch, K^T
+staged per tile so the key axis vectorises) and ``cuda_query_rows`` (the two-pass softmax over whole
+score rows in shared memory, which therefore bounds seq_kv). float32 accumulation in every dtype.
 """
 
 import math

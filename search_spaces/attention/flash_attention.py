@@ -1,96 +1,23 @@
 """flash_attention: o = softmax(q k^T * scale [+ causal mask]) v in one kernel, FlashAttention style.
 
-scale = 1/sqrt(head_dim). Causal masking is aligned at the end, as in decoding with a KV cache:
-key j is visible to query i when ``j <= i + (seq_kv - seq_q)``. Grouped-query: q and o have
-``heads`` heads, k and v ``kv_heads`` (dividing heads; 1 is multi-query attention), and query head
-h reads K/V head ``h // (heads // kv_heads)``.
+scale = 1/sqrt(head_dim); the causal mask is aligned at the end (key j visible to query i when
+j <= i + seq_kv - seq_q, as in decoding with a KV cache); grouped-query: query head h reads K/V head
+h // (heads // kv_heads). Unfused, the score matrix is written and read back three times; here it
+never exists: keys go by in tiles of ``KV_TILE`` (fixed at build time; a padded last tile is
+masked) with the online-softmax recurrence per query row (running max m, rescale alpha, sum l,
+output acc; o = acc / l after the last tile).
 
-Unfused (what the ONNX baselines run), the batch*heads*seq_q*seq_kv score matrix is written by
-the first MatMul, read and written again by the scale/mask/Softmax ops and read once more by the
-second MatMul: at seq 256, 8 heads, head_dim 64, 2 MiB per pass, as much as q, k, v and o
-together.
-Here it never exists. Keys are processed in tiles of ``KV_TILE`` (fixed at build time, see below)
-with the online-softmax recurrence, per query row:
+How the recurrence fits TensorIR: every buffer has one writer, and the running state is written
+only by reduction blocks over the tile index ``t`` (``T.init`` is the state before the first tile),
+so TVM takes the nest as compact dataflow and its loops can be scheduled. The per-tile blocks bind
+``t`` as a spatial axis indexing no buffer: their KV_TILE-wide scratch is overwritten per tile,
+right only because no template parallelises or reorders ``t``. seq_q and seq_kv may be int64
+``tirx.Var``s, one function for every run-time length (``autofuse.dynamic``).
 
-    s   = q_i . k_tile^T * scale                     (KV_TILE scores, masked)
-    m'  = max(m, max(s));  alpha = exp(m - m')        (running max; rescale factor)
-    p   = exp(s - m');     l = l * alpha + sum(p)     (running denominator)
-    acc = acc * alpha + p . v_tile                    (unnormalised output row)
-    after the last tile: o_i = acc / l
-
-Blocks, one per stage. First ``k_scaled_t``: k * scale transposed to (head_dim, keys) and
-padded to whole tiles, so that a score tile is a row of a small GEMM, vectorisable along keys
-(a prologue nest reading K once: O(seq_kv * head_dim) per K/V head, not a score-sized buffer,
-shared by the query heads of its group). Then, all under the loops ``b, h, i, t`` (batch, head,
-query row, key tile): ``qk`` (the score tile
-s), ``tile_max_lanes`` + ``tile_max`` (the tile's row max in two steps, one partial per lane:
-an rfactor written out, as rfactor itself wants the reduction to be first in its loop nest),
-``run_max`` (m, and alpha = exp(m - m') from the old m), ``prob`` (p, 0 where masked),
-``tile_sum_lanes`` + ``tile_sum``, ``run_sum`` (l), ``pv`` (p . v_tile), ``run_acc`` (acc) and
-``out`` (o = acc / l, under the predicate ``t >= last tile``).
-
-How the recurrence fits TensorIR: every buffer has exactly one writer, and the running state
-(m with alpha, l, acc) is written only by reduction blocks whose reduction axis is the tile index
-``t``, ``T.init`` giving the state before the first tile; no block reads a state buffer before
-its writer in the loop body (alpha comes out of ``run_max`` for that reason). TVM then accepts
-the nest as "compact dataflow", so its loops can be split, reordered, parallelised and
-vectorised, and it places the state buffers above the ``t`` loop. The per-tile blocks bind ``t``
-as a spatial axis that indexes no output: each tile overwrites the same KV_TILE-wide scratch
-(s, p), which is only right because ``t`` stays a serial loop (no template parallelises,
-vectorises or reorders it against other tiles). A KV_TILE-wide row of scores per query row is all
-of the score matrix that ever lives in memory.
-
-The key tile is fixed at build time (``KV_TILE`` = 64, or seq_kv when smaller): the tile index
-is a loop of the TIR, not a split a template can choose. seq_kv need not be a multiple of it:
-the last tile is padded, its key index clamped to seq_kv - 1 for the loads and its scores masked
-out, so there is no divisibility rule. The shape rules (a ValueError in ``build``): kv_heads
-divides heads, and with ``causal=1``, seq_q <= seq_kv, so that every query row sees at least one
-key (otherwise its softmax is over an empty set). With ``causal=1``, the two products skip a key
-tile wholly above a row's diagonal (an ``if`` in their body; their inits still zero s and pv).
-
-Dynamic lengths (continuous batching): seq_q and/or seq_kv may be int64 ``tirx.Var``s, giving one
-function for every run-time length (``autofuse.dynamic`` builds and checks such kernels). A
-symbolic seq_kv always gets KV_TILE-key tiles, the last padded and masked, and a tile count
-``ceildiv(seq_kv, KV_TILE)``; every other extent turns int64 with it, so no index mixes widths.
-The causal rule is then the caller's to keep at run time. A ``flash_tiles`` trace tuned at a
-static shape replays on it with the same decisions when that shape had seq_kv >= KV_TILE (a
-shorter seq_kv is one shorter key tile: TVM swaps a sampled split of it for one that fits, and a
-fixed one does not replay). Measured once on 2 cores (shared), default shape, causal, template
-defaults: static 2.6 ms, symbolic 2.3 ms; at seq_q=1 (decode) 0.15 ms and 0.17 ms.
-
-Template ``flash_tiles``: query rows split into tiles (knob), the loops reordered to (batch,
-head, query tile, key tile, row in tile) with the first three fused and parallel. Each thread
-keeps the running state of its query tile (m, l: a row each; acc: rows x head_dim) while it
-streams K/V tiles, so a K/V tile (2 x 16 KiB at head_dim 64) is fetched once per query tile and
-then reused from L1/L2 by every row of it, instead of once per row. The query tile is a choice
-of 8/16/32/64 rows with the last tile predicated, not a perfect tiling of seq_q, so that a
-schedule tuned at one static length replays on the symbolic function. The score tile is
-vectorised along keys and P.V along head_dim (a split of each is a knob: the inner part is the
-vector, its accumulators stay in registers across the reduction); the lane partials of the tile
-max and sum are vectorised; the running-state inits are hoisted out of the key-tile loop. The
-parallel axes are not a knob: (batch, head, query tile) fused is always the outer loop, and the
-query-tile knob sets how many parallel chunks it has.
-Measured once on 2 cores (znver4, default shape, with another job sharing the machine):
-unscheduled 32 ms, ``flash_tiles`` defaults 2.2 ms (causal=0: 63 ms and 3.0 ms). On one thread the
-defaults reach ~54 GFLOP/s at causal=0, about half of a core's FMA peak: the two products are
-4-register FMA chains with the K/V operand loaded from cache.
-
-Template ``cuda_flash`` (CUDA, SIMT FMAs, no tensor cores): the FlashAttention-2 scheme. A thread
-block per (batch, head, query tile), a query row per threadIdx.y (query tile a knob: 1..64 rows,
-the last tile predicated, so that it also schedules a symbolic seq_q), LANES threads per row
-(the tile max/sum lane count: 16 at KT = 64). Per key tile, serial: the block stages K (scaled,
-transposed, float32) and V (the dtype) in shared memory with vector loads; each thread computes
-the scores of keys c = thread + LANES * j of its row from the query row held in registers, the
-tile max and sum are shuffles across the row's threads, P goes through shared memory (a row's
-threads exchange it), and each thread accumulates P.V for its head_dim / LANES output columns;
-m, l and acc stay in registers across the key tiles. Where K and V do not both fit in 48 KiB of
-shared memory, V is read through L1 instead (head_dim 128), and past that K too, scaled and
-transposed into memory by a kernel of its own (head_dim 256). Builds and compiles here
-(nvcc, sm_90) for static and symbolic lengths; not yet run on a GPU.
-
-Precision: float32, float16 or bfloat16 inputs and outputs; the scores, running max/sum and output
-accumulator are float32 in every dtype, and each output is rounded to the dtype once. (The
-half-precision tolerance is stated at ``PATTERN``.)
+Templates: ``flash_tiles`` (CPU: query tiles in parallel, each K/V tile reused from L1 by a tile's
+rows) and ``cuda_flash`` (FlashAttention-2 on SIMT cores: a block per (batch, head, query tile),
+K/V tiles in shared memory, the running state in registers). Scores, statistics and acc are float32
+in every dtype.
 """
 
 import math
@@ -339,7 +266,7 @@ def flash_tiles(sch, target, knobs):
     qk = sch.get_sblock("qk")
     b, h, i, t, c, dd = sch.get_loops(qk)
     # Default 32 rows: acc is 32 x head_dim floats (8 KiB at 64) per thread and each K/V tile
-    # serves 32 rows. 8 to 64 measured within the noise of a shared machine at the default shape.
+    # serves 32 rows.
     # A categorical knob and an imperfect split (the last query tile predicated) rather than a
     # perfect tile: a decision of sample_perfect_tile only replays on the extent it was drawn for,
     # this one also on a symbolic seq_q, so a schedule tuned at one length serves all of them.

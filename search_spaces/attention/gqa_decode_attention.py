@@ -1,57 +1,15 @@
 """gqa_decode_attention: one decode step of grouped-query attention over a KV cache.
 
-Each sequence brings one new token: q (batch, num_heads, head_dim) and its key/value rows k_new,
-v_new (batch, num_kv_heads, head_dim). num_heads query heads share num_kv_heads K/V heads in groups
-of ``group = num_heads / num_kv_heads`` (query head ``hk * group + g`` uses K/V head ``hk``;
-num_kv_heads = 1 is multi-query attention). The kernel appends k_new/v_new to the caches at
-position ``cache_len`` (a shape parameter, so the attended length cache_len + 1 is static) and
-returns softmax(q k^T / sqrt(head_dim)) v over positions 0..cache_len.
+Each sequence brings one token: q (batch, num_heads, head_dim) and its k_new, v_new rows; query head
+hk * group + g uses K/V head hk. The kernel appends k_new/v_new at position ``cache_len`` (a shape
+parameter, so the attended length cache_len + 1 is static) and attends over positions 0..cache_len.
+The caches are outputs (k_cache_out, v_cache_out), not updated in place: a TIR function that writes
+an input cannot be checked against a reference. The copy is counted in ``bytes``.
 
-The caches are outputs, not updated in place: a TIR function that writes an input cannot be
-checked against a reference, so k_cache_out and v_cache_out are the input caches with row
-cache_len replaced. That copy (2 x batch x num_kv_heads x max_seq x head_dim floats read and
-written) is part of this kernel's cost, counted in ``bytes``, and at the default shape it is most
-of the traffic (2 x 8 MiB read and written against 2 x 4 MiB of attended rows); an in-place
-kernel would write only the new row. The default batch is 2, not 4: at 4 the copy alone (64 MiB
-of traffic) takes longer than 5 ms on the 2-core development machine.
-
-Stages (one sblock each): ``append`` (both output caches in one block: whole rows copied, row
-cache_len taken from k_new/v_new), ``scores`` (q k^T over the new cache, float32), ``row_max``,
-``exp`` (p = exp((s - max) * scale), scale folded in here since it is > 0), ``row_sum``, ``pv``
-(p v, float32) and ``normalise`` (divide by the sum once per output element). The attention reads
-the appended cache, so the new row needs no special case.
-
-Unfused, the copy and the attention each stream the caches from memory, and scores and
-probabilities of every head round-trip through memory. The ``kv_head`` template parallelises over
-(batch, K/V head): under each iteration it copies that head's K and V slabs and then runs every
-attention stage for the whole query group, so the slabs are read back from cache, not DRAM, and
-each K/V row loaded serves all ``group`` query heads (the group is the inner axis of the score and
-P*V tiles). Scores are dot products along head_dim, vectorised through an rfactor over a lane tile
-of head_dim; max and sum through an rfactor along the key axis; exp along keys; P*V along head_dim.
-
-CUDA template ``cuda_kv_head`` (SIMT, two kernels). The copy is a kernel of its own, a thread per
-vector of a cache row (vector loads and stores): the attention reads the copied rows back, and
-within one kernel TVM puts no barrier between a thread block's global writes and other threads'
-reads. The attention is a thread block per (batch, K/V head), so each K/V row is loaded once for the
-whole query group: ``lanes`` threads (threadIdx.x) split a key row's head_dim in vectors of up to 4
-elements and ``slots`` rows of them (threadIdx.y) take keys round-robin, ``unroll`` keys per step in
-flight; q stays in registers. A slot's lanes multiply each K vector into every query row of the
-group and sum their partial dot products by warp shuffles; scores and probabilities live in shared
-memory, the row max and sum are block-wide reductions (shuffles, then across warps through shared
-memory); for P*V each slot accumulates its keys' rows in registers (the same lane split of
-head_dim), the slots' partials meet in shared memory after one barrier and each output vector sums
-them and divides by the row sum. Knobs: lanes, slots, keys per step, threads of the copy. Shared
-memory holds the score and probability rows (4 x group x 2 x (cache_len + 1) bytes, rows padded), so
-very long caches do not fit (a ``DecodeShapeError``: past about 1400 positions at group 4). With
-only batch x num_kv_heads thread blocks (16 at the default shape) the attention reads K/V from few
-SMs; splitting the keys over blocks (flash-decoding) would need the softmax combined across blocks,
-not this TensorIR. TVM 0.27 pitfalls the schedule steers around are noted where they bite. Compiled
-here (nvcc, sm_90) and checked against the reference by emulating the generated CUDA on the CPU; not
-yet run on a GPU.
-
-Precision: float32, float16 or bfloat16 inputs and outputs; scores, softmax statistics and the P*V
-accumulator are float32 in every dtype, and each output is rounded to the dtype once. (The
-half-precision tolerance is stated at ``PATTERN``.)
+Fused, each K/V row serves the whole query group while in cache: ``kv_head`` (CPU, parallel over
+(batch, K/V head), the copy in the same loop) and ``cuda_kv_head`` (the copy a kernel of its own,
+since TVM puts no barrier between a block's global writes and other threads' reads, then
+``lib.attention.cuda_decode_attention``). float32 scores and accumulators in every dtype.
 """
 
 import math

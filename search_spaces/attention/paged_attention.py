@@ -1,44 +1,15 @@
-"""paged_attention: attention over a KV cache kept in fixed-size pages addressed through a block
-table (vLLM's layout), for decode (``q_len`` = 1) and chunked prefill (``q_len`` > 1, causal).
+"""paged_attention: attention over a KV cache in fixed-size pages addressed through a block table
+(vLLM's layout), for decode (``q_len`` = 1) and chunked prefill (``q_len`` > 1, causal).
 
-``k_pages``/``v_pages`` are a pool of ``num_pages`` physical pages, each (num_kv_heads, page_size,
-head_dim). ``block_table[b, i]`` is the physical page holding logical page i of sequence b, and
-``seq_lens[b]`` its context length; both are int32 *inputs*, so the kernel gathers K and V through
-the table: key position j of sequence b lives at
-``k_pages[block_table[b, j // page_size], kv_head, j % page_size, :]``. The queries are the last
-``q_len`` tokens of each sequence: query t sits at position ``seq_lens[b] - q_len + t`` and sees the
-keys at positions up to its own, which also keeps it inside the sequence. Decode and prefill are one
-pattern: ``q_len`` is a shape parameter. Heads are grouped (GQA): head h reads kv head
-``h // (num_heads // num_kv_heads)``.
-
-Stages, one sblock each, per (batch, query token, head) row, over the maximum context
-``max_pages * page_size`` with everything past the row's last visible position masked:
-``qk`` (q.k dot products through the table), ``row_max`` (max of the visible scores), ``probs``
-(exp((s - max) * scale) where visible, exactly 0 elsewhere: a ``Select``, so a masked key adds
-nothing however large its stale score), ``exp_sum``, ``pv`` (probabilities times the gathered V)
-and ``out`` (divide by the sum). Unfused, the scores, the probabilities and the unnormalised
-output each round-trip through memory (batch * q_len * heads * context floats twice); an
-unfused baseline also first materialises the gathered, group-expanded K and V. Fused, one row's
-scores and probabilities live in a context-long scratch row that stays in L1, and K/V are read
-straight from their pages.
-
-The template runs rows in parallel (batch x query tokens x heads fused), puts every stage inside
-the row loop, vectorises the dot products along head_dim (an rfactor over lanes), the max and sum
-along the key axis (rfactors again), the exponentials along the key axis, and P*V along head_dim.
-The exponential is ``_exp`` from ``softmax_dropout`` (a polynomial; ``T.exp`` is a scalar call per
-lane on x86).
-
-CUDA template ``cuda_kv_head``: gqa_decode_attention's attention kernel (``cuda_decode_attention``,
-imported from there), a thread block per (batch, K/V head) whose rows are that head's query
-heads x query tokens, so each K/V page row fetched through the block table serves all of them:
-lanes split a key row's head_dim (vector loads), slots of lanes take keys round-robin, the lanes'
-partial dot products meet by warp shuffles, scores and probabilities sit in shared memory, max and
-sum are block-wide reductions, P*V partials per slot are summed through shared memory. Compiled
-here (nvcc, sm_90) and checked by emulating the generated CUDA on the CPU; not yet run on a GPU.
-
-Precision: float32, float16 or bfloat16 inputs and outputs; scores, softmax statistics and the P*V
-accumulator are float32 in every dtype, and each output is rounded to the dtype once. (The
-half-precision tolerance is stated at ``PATTERN``.)
+Key position j of sequence b lives at ``k_pages[block_table[b, j // page_size], kv_head,
+j % page_size]``; ``block_table`` and ``seq_lens`` are int32 inputs, so K and V are gathered through
+the table inside the kernel. Query t sits at position seq_lens[b] - q_len + t and sees the keys up
+to its own; GQA: head h reads kv head h // (num_heads // num_kv_heads). The stages run per (batch,
+token, head) row over the maximum context, masked past the row's last visible key by a ``Select``
+(a stale score adds nothing). Unfused, scores and probabilities round-trip through memory and K/V
+are first materialised gathered; fused, a row's scratch stays on chip and K/V are read straight from
+their pages. CUDA: ``lib.attention.cuda_decode_attention`` with a K/V head's query heads x tokens
+as its rows.
 """
 
 import math

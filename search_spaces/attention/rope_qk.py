@@ -1,38 +1,11 @@
 """rope_qk: scores = rope(q) @ rope(k)^T * scale, rotary position embedding fused into Q.K^T.
 
-RoPE is the "rotate half" convention of GPT-NeoX and Llama: with D = head_dim and h = D/2,
-``x'[d] = x[d]*cos[pos, d] - x[d+h]*sin[pos, d]`` for d < h and
-``x'[d] = x[d]*cos[pos, d] + x[d-h]*sin[pos, d]`` for d >= h. The cos/sin tables (seq_k, D) are
-inputs (base 10000, positions 0..seq_k-1, each frequency repeated in both halves). Keys sit at
-positions 0..seq_k-1 and queries at the last seq_q of them, seq_k - seq_q + i (a decode step or a
-chunk appended to a cache); scale = 1/sqrt(D).
-
-Blocks: ``rope_q`` and ``rope_k`` (the rotations, float32), ``qk`` (the D-long dot products,
-float32 accumulator) and ``scale`` (the output). The rotated tensors are indexed by (half c, index
-e in the half), so the partner element is ``(1-c)*h + e`` and its sign ``2c-1``: affine indices, no
-modulo, and the rotation vectorises along e. Rotated K is stored transposed (D before keys), so
-the GEMM's innermost key axis reads it contiguously.
-
-Unfused, rope(q) and rope(k) are written to memory and read back by the matmul (and the scores
-by a separate scaling pass). The template rotates a query tile's Q once into a small buffer and,
-per key tile, rotates that K tile once into another (L1-sized) that every query of the tile
-reuses; the scale is applied to the register accumulator tile as it is stored.
-
-On CUDA, ``cuda_score_tiles``: a thread block per (batch, head, query tile x key tile) of the
-scores, each thread a register tile of them strided by the thread counts (``cuda_tile_output`` of
-linear_bias_relu; default 32x64 scores, 8x16 threads, 4x4 each). The head dimension is walked in
-chunks (8 rotation pairs, i.e. 16 values, by default); per chunk the whole block computes the
-rotation of its query rows and key columns straight into shared memory (the ``rope_q``/``rope_k``
-blocks computed at the chunk loop with shared scope: q and cos read as vectors, k read along its
-rows), so each rotated element is computed once per block and reused by a whole row or column of
-the tile. Rotated Q rows are padded to a stride of (vector width) mod 16 words and rotated K
-(keys contiguous) to an odd stride, so that neither the GEMM's reads nor the transposed K stores
-conflict in banks.
-Compiles here (nvcc, sm_90); not yet run on a GPU.
-
-Precision: float32, float16 or bfloat16 inputs and outputs; the rotated q and k and the dot-product
-accumulator are float32 in every dtype, and each output is rounded to the dtype once. (The
-half-precision tolerance is stated at ``PATTERN``.)
+Rotate-half RoPE (GPT-NeoX, Llama) with cos/sin tables (seq_k, head_dim) as inputs; queries sit at
+the last seq_q of the seq_k key positions; scale = 1/sqrt(head_dim). The rotated tensors are
+indexed by (half, index in the half), so the partner element is an affine index (no modulo) and the
+rotation vectorises; rotated K is stored transposed for the GEMM's key axis. Unfused, rope(q) and
+rope(k) go to memory and back; fused, each tile's rotation is computed once, into a small buffer
+(``key_tiles``) or shared memory (``cuda_score_tiles``), and reused by the whole tile.
 """
 
 import math

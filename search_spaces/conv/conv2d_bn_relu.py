@@ -1,33 +1,12 @@
 """conv2d_bn_relu: y = relu(conv2d(x, W) * bn_scale + bn_shift), an NCHW convolution with inference
 batch norm and ReLU fused in its epilogue.
 
-Stride 1, ``padding = kernel // 2`` on both sides (a "same" convolution for odd kernels). The batch
-norm arrives already folded into a per-output-channel affine map, as inference graphs carry it:
-
-    bn_scale = gamma / sqrt(running_var + eps)
-    bn_shift = beta - running_mean * bn_scale
-
-(``fold_batch_norm`` below computes them; ``make_inputs`` draws gamma/beta/mean/var and folds.)
-
-Inputs: x (n, c_in, h, w), weight (c_out, c_in, kernel, kernel), bn_scale (c_out,),
-bn_shift (c_out,); output y (n, c_out, h_out, w_out). Three sblocks: ``pad`` (zero border),
-``conv`` (the reduction over c_in x kernel x kernel, float32 accumulator) and ``bn_relu``. Unfused
-the convolution writes its whole output and the epilogue reads it back; fused, the epilogue runs on
-each register tile of the accumulator while it is still in L1.
-
-On CUDA, ``cuda_direct``: a thread block per (batch, out-channel tile, row tile, column tile),
-threads on (out-channels, rows, columns) = (z, y, x), each thread a float32 register tile of
-out-channels x rows x (columns strided by the x threads, as virtual threads). Per chunk of input
-channels the block computes the padded input rows its tile needs (halo included) straight into
-shared memory (the ``pad`` block at the chunk loop with shared scope: the zero border costs no
-extra pass) and copies the chunk's weights there; a staged input is then reused by every
-out-channel and tap of the tile, a weight by every position. BN + ReLU run on the register tile
-as it is stored. The channel chunk is capped so that the largest sampled tile still fits 48 KiB.
-Compiles here (nvcc, sm_90); not yet run on a GPU.
-
-Precision: float32, float16 or bfloat16 inputs and outputs; the convolution accumulator and the
-batch-norm epilogue are float32 in every dtype, and each output is rounded to the dtype once. (The
-half-precision tolerance is stated at ``PATTERN``.)
+Stride 1, padding kernel // 2 (a "same" convolution for odd kernels); batch norm arrives folded into
+a per-channel affine map (``fold_batch_norm``), as inference graphs carry it. Three sblocks:
+``pad``, ``conv`` (float32 accumulator) and ``bn_relu``. Unfused, the convolution's output is
+written and read back by the epilogue; fused, the epilogue runs on each register tile.
+``cuda_direct`` computes the padded input rows straight into shared memory per input-channel chunk
+(the zero border costs no extra pass), the chunk capped so that the largest sampled tile fits.
 """
 
 import numpy as np

@@ -1,37 +1,13 @@
 """swiglu_ffn: y = r + dropout((silu(x @ W1) * (x @ W3)) @ W2), the Llama-style gated FFN.
 
-Weights are in [in, out] layout: W1, W3 (hidden, inter), W2 (inter, hidden), so a GEMM's
-innermost output-feature loop reads contiguous weights. silu(a) = a * sigmoid(a), and sigmoid is
-written with the polynomial ``_exp`` of softmax_dropout (``T.exp`` would be a scalar ``expf`` call
-per lane), which is only valid for non-positive arguments: with e = exp(-|a|), sigmoid(a) is
-1/(1+e) for a >= 0 and e/(1+e) for a < 0. Dropout is softmax_dropout's deterministic hashed mask
-over the (tokens, hidden) output, its TIR keep test (``hash_keep``) and numpy ``dropout_mask`` imported from there
-(p = p_permille / 1000, seed ``SEED``; p_permille = 0 is inference, no dropout).
-
-Blocks: ``gate`` and ``up`` (the two GEMMs, float32 accumulators), ``swiglu`` (h = silu(g) * u,
-written once to a (tokens, inter) buffer), ``down`` (h @ W2, float32) and ``epilogue`` (dropout
-and the residual add). Unfused, g and u each round-trip through memory before the SiLU product
-reads them, and the down projection's output is written, read by dropout, written again and read
-by the residual add. The template computes the gate and up accumulator tiles for the same
-(token, feature) register tile back to back from the same x rows (hot in L1) and writes only h;
-the down GEMM applies dropout and adds the residual to its accumulator tile as it stores it.
-
-Precision: float32, float16 or bfloat16 inputs and outputs; the three GEMM accumulators, the SiLU
-product and the epilogue are float32 in every dtype, and each output is rounded to the dtype once.
-(The half-precision tolerance is stated at ``PATTERN``.)
-
-On CUDA, ``cuda_two_gemms`` makes two kernels of the one PrimFunc (TVM launches each grid-bound
-nest as its own kernel, in order): the down projection needs all of an h row, a grid-wide
-dependency no block of one launch can wait for. Kernel 1 tiles (tokens x inter), default 32x64 on
-8x16 threads: each thread keeps a gate and an up accumulator tile (4 tokens x a run of 4 adjacent
-features) in registers, the two k loops merged into one so that each x k-tile, staged once in
-shared memory (rows padded against bank conflicts), feeds both GEMMs, and the w1/w3 tiles are read
-as one 4-wide vector per thread and k; silu(g) * u is computed on the registers and h stored once
-(float32). Kernel 2 tiles (tokens x hidden), default 32x32 on 8x8 threads, over h and w2 staged the
-same way, and applies dropout and the residual to its accumulator tile before y is stored. Both k
-loops are software-pipelined through registers (the next tiles' global loads overlap this tile's
-FMAs). h is the one intermediate that reaches global memory: tokens*inter*4 bytes written and
-read back, beyond ``bytes`` (g, u and the down accumulator never leave registers).
+Weights are [in, out], so a GEMM's innermost output loop reads contiguous weights. sigmoid is built
+on ``exp_f32`` of -|a| (the polynomial holds for non-positive arguments and never overflows);
+dropout is ``lib.tir_math``'s hashed mask over the (tokens, hidden) output (p = p_permille / 1000).
+Unfused, g, u and the down projection's output round-trip through memory; fused, the gate and up
+tiles are computed back to back from the same x rows and only h is stored, and dropout and the
+residual run on the down accumulator tile. On CUDA (``cuda_two_gemms``) the down projection needs
+all of an h row, a grid-wide dependency, so the PrimFunc becomes two kernels with h (float32) in
+global memory between them.
 """
 
 import numpy as np

@@ -1,25 +1,14 @@
 """linear_bias_relu: y = relu(x @ W^T + b), the GEMM with its epilogue fused.
 
-Unfused, the GEMM writes M*N floats that the bias and ReLU read back; fused, the epilogue runs on
-the accumulator tile while it is still in cache.
+Unfused, the GEMM writes m*n values that the bias and ReLU read back; fused, the epilogue runs on
+the accumulator tile while it is in registers. The accumulator, bias and ReLU are float32 in every
+dtype and y is rounded once; casts appear only where dtypes differ, so the float32 function (whose
+structural hash keys the tuning records) stays as it was.
 
-Precision: float32, float16 or bfloat16 inputs and output; the accumulator, bias add and ReLU are
-float32 in every dtype and y is rounded once. Casts are only emitted where the dtypes differ: the
-float32 function is unchanged (tuning records are keyed by its structural hash).
-
-On CUDA, ``cuda_tiled_epilogue`` (every dtype): a thread block per output tile (default 16x16
-threads with a 4x4 accumulator tile each, 64x64; 8x8 each, 128x128, where such tiles still fill the
-GPU: ``cuda_outputs_per_thread``), x and W k-tiles (16 wide) staged through shared memory
-by all threads in 8-byte vectors. Both operands are k-major, so the lanes of a warp read 16
-different rows at one k: the rows are padded to 18 floats (20 halves) to put those in 16 different
-banks, and a thread's outputs are strided by the thread count (virtual threads; each accumulator
-stays a register) so consecutive lanes take consecutive rows and store consecutive columns. The k
-loop is software-pipelined through registers: the next tile's global loads are in flight during
-this tile's FMAs. Bias + ReLU run on the register tile. ``cuda_wmma`` (float16; float32 and bfloat16
-fall back to the former): tensor cores through TVM's WMMA intrinsics, 2x2 warps of 2x2 16x16
-fragments (64x64 tile), k tile 32, the same pipelined staging, each accumulator fragment staged
-through shared memory for the epilogue. The template helpers are shared with swiglu_ffn.
-Neither can drop the function's global ``acc`` (see ``cuda_drop_acc``): it is still written once.
+CUDA templates (``search_spaces.lib.cuda_gemm``): ``cuda_tiled_epilogue``, SIMT register tiles over
+x and W k-tiles staged through padded shared memory and software-pipelined; ``cuda_wmma``, float16
+tensor cores through TVM's WMMA intrinsics (other dtypes, and sizes not multiples of 16, fall back
+to the former). Neither drops the function's global ``acc`` (see ``cuda_drop_acc``).
 """
 
 import numpy as np

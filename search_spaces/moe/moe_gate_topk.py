@@ -1,71 +1,16 @@
 """moe_gate_topk: a mixture-of-experts layer, router + top-k gate + routed expert FFNs + combine.
 
-x (tokens, hidden); router W_g (hidden, experts); experts' W1 (experts, hidden, inter) and W2
-(experts, inter, hidden), [in, out] layout. logits = x W_g; probs = softmax(logits) per token; each
-token picks the ``k`` experts of highest probability, ties broken by the lower expert index (as
-ONNX TopK does), and their probabilities are renormalised to sum to 1 over the chosen k (Mixtral;
-Switch-style top-1 thus gets weight 1). The renormalised softmax equals a softmax over the chosen
-logits alone, which is what the kernel computes: the full softmax denominator cancels.
-Expert e is y_e(v) = relu(v W1[e]) W2[e], and y[t] = sum over chosen e of weight[t, e] * y_e(x[t]).
-
-The kernel computes each expert's FFN only for the tokens routed to it (k/experts of the dense
-work). Stages, one sblock each: ``router`` (logits), ``rank`` (each expert's rank in its token's
-order: how many experts beat it, a tie going to the lower index), ``topk`` (the expert of rank j,
-j < k; ranks are a permutation, so exactly one), ``gate_exp``/``gate_sum``/``gate`` (softmax over
-the chosen logits; the exponent is at most 0, so the polynomial ``_exp`` of softmax_dropout
-applies). ``group`` is one small serial block, the data-dependent grouping: it scatters token ids
-into an (experts, rows) table ``tok`` in token order, counts each expert's tokens in ``counts``
-and records each (token, choice)'s row in ``slot``. ``up`` (x rows gathered through ``tok``, times
-W1[e]), ``relu`` and ``down`` (times W2[e]) sit under (expert, row tile of ``ROW_TILE`` rows) loops
-and an ``if row_tile * ROW_TILE < counts[e]``: a tile past an expert's tokens is skipped whole, an
-expert with no tokens costs one compare per tile. In an expert's last, partly filled tile the rows
-past its count gather token 0 (``tok`` is zeroed first) and compute rows nobody reads, at most
-ROW_TILE - 1 per expert. ``combine`` adds each token's k expert rows (found through ``sel`` and
-``slot``) times their gate weights; it is the only writer of y, as each scratch buffer has one
-writer. The test is an ``if`` around the tile, not a block predicate: a predicate that reads
-``counts`` is not an affine binding, and split/reorder then refuse the blocks.
-
-Unfused (the ONNX graph the baselines run): every expert runs on every token (experts/k times the
-FLOPs), the (experts, tokens, inter) hidden activations and the (experts, tokens, hidden) expert
-outputs round-trip through memory, and the gate weights are scattered into a dense (tokens,
-experts) matrix for the combine. Fused, the routing metadata is a few KB, only routed rows (rounded
-up to row tiles) are computed, and a tile's hidden rows stay in L1/L2 between the two GEMMs.
-
-The template (``expert_tiles``): the (expert, row tile) loop is fused and parallel (tiles of one
-expert run on one thread back to back, so its weights are reused from L2/L3); in each tile both
-GEMMs loop over output-feature tiles, then the reduction, then a ROW_TILE x vector register tile
-vectorised over output features (W1/W2 rows are contiguous); ReLU is a vectorised pass over the
-tile's hidden rows between them. The combine runs parallel over tokens, vectorised over hidden;
-the router is vectorised over experts; the rest of the routing is O(tokens * experts^2) serial
-work. Knobs: the feature and reduction tiles of both GEMMs, the ReLU and combine vector tiles, the
-unroll depth. Routing that sends most tokens to the experts of one half of the (expert, row tile)
-range leaves the other thread idle (TVM's CPU parallel loop splits its range statically).
-
-Measured once on 2 cores, shared machine (load average ~4; swiglu_ffn's default, 0.75 ms in the
-README, took 2.2 ms in the same minute), default shape: template default 2.1 ms (3.4 ms in a second
-run), unscheduled 135 ms, onnxruntime on the dense ONNX graph 12 ms.
-
-On CUDA, ``cuda_routed`` (five kernels, one per stage that needs all of the one before):
-router (a warp per token, its lanes on hidden, shuffle sums per expert), ranking + top-k (a token
-per threadIdx.y, its experts on the lanes: each lane ranks one expert, the j-th choice is a
-shuffle sum), grouping (one thread: ``group`` is a scan over the tokens in order, the one stage
-that stays serial), expert tiles (a block per (expert, row tile), the up projection's reduction
-split over warps and met in shared memory by TVM's cross-thread reduction, the down projection's
-over lanes, met in shuffles; each lane keeps its ROW_TILE x (inter/32) hidden tile in registers)
-and the combine (a token per threadIdx.y, hidden vectors on the lanes; each thread recomputes its
-token's k gate weights in registers, so the gate softmax costs no kernel and no buffer). Why no
-shared-memory staging in the expert tiles: TVM 0.27 will not put a __syncthreads under the
-``if row_tile * ROW_TILE < counts[e]`` (its sync planner refuses any condition not marked
-``T.tvm_thread_invariant``), so threads of a tile exchange values only through cross-thread
-reductions, which bring their own barriers; inlining relu into that nest drops it from the
-function. dlight has no rule for this function. Compiles here (nvcc, sm_90); not yet run on a
-GPU.
-
-Precision: float32, float16 or bfloat16 inputs and output; the router logits, gate softmax and
-expert accumulators are float32 in every dtype. In float16/bfloat16 the combine sums the k weighted
-rows into a float32 (tokens, hidden) buffer and a ``combine_store`` block rounds it once (the
-template computes it at the combine's hidden tile); in float32 the combine sums straight into y,
-the function tuning records were made for.
+logits = x W_g; each token takes the k experts of highest probability (ties to the lower index, as
+ONNX TopK), their probabilities renormalised over the k (a softmax over the chosen logits, which is
+what the kernel computes); expert e is relu(v W1[e]) W2[e]; y[t] sums the chosen experts' outputs,
+weighted. The kernel runs each expert on its tokens only: ``group`` (one serial block, the
+data-dependent part) scatters token ids into an (experts, rows) table, and the expert GEMMs run
+under (expert, row tile) loops behind ``if row_tile * ROW_TILE < counts[e]`` (an ``if``, not a block
+predicate: a predicate reading ``counts`` is no affine binding, and split/reorder refuse it).
+Unfused, every expert runs on every token and the hidden activations round-trip through memory.
+CUDA (``cuda_routed``): five kernels, one per stage that needs all of the one before. Half precision
+sums the combine in float32 and ``combine_store`` rounds once; float32 sums straight into y, the
+function its tuning records were made for.
 """
 
 import numpy as np

@@ -1,24 +1,10 @@
 """layernorm_residual: h = x + r; y = LayerNorm(h) * gamma + beta over the last axis; returns both.
 
-The pre-norm transformer residual: the sum h is the next residual stream (an output) and y feeds
-the next sublayer. eps = 1e-5, biased (1/hidden) variance. Four sblocks: ``add`` (writes h),
-``mean`` and ``sumsq`` (row sums of h and h*h, float32 accumulators) and ``norm`` (writes y, with
-var = sumsq/hidden - mean^2). Unfused, h is written and then read back three times from memory;
-fused per row, the three passes over h hit the row just written, still in L1.
-
-CUDA templates (softmax_dropout's ``CudaRows`` layout): a warp (or less) per row up to 1024
-float32 / 2048 half values, a block per longer row; 16-byte vector loads and stores; mean and
-sum of squares as cross-thread reductions. The add writes the row of h into registers
-(``cuda_rows``) or shared memory (``cuda_rows_smem``), from where it is stored to h and read by
-the three passes; ``cuda_rows_reread`` stores h and reads it back (each thread its own elements,
-from L1). Compiled here (nvcc, sm_90), not yet run on a GPU.
-
-Parameter order: x, r, gamma, beta, h, y (two outputs, last).
-
-Precision: float32, float16 or bfloat16 inputs and outputs. h = x + r is an output, so it is
-rounded to the dtype, and the statistics are taken from that stored h (as the reference does); the
-mean and sum of squares accumulate in float32 in every dtype and y is rounded once. (The
-half-precision tolerance is stated at ``PATTERN``.)
+The pre-norm transformer residual: h is the next residual stream, y feeds the next sublayer.
+eps = 1e-5, biased variance. Four sblocks: ``add`` (h), ``mean``, ``sumsq`` and ``norm`` (y).
+Unfused, h is written and read back three times; fused per row, the passes read the row just
+written from L1, registers or shared memory. h is an output in the dtype, so the float32 statistics
+are taken from the rounded h, as the reference does. Parameters: x, r, gamma, beta, h, y.
 """
 
 import math
@@ -157,7 +143,7 @@ def cuda_rows(sch, target, knobs):
     """A warp (short rows) or a block (long rows) per row; x and r loaded with vector loads, the
     row of h = x + r kept in registers and stored with vector stores; mean and sum of squares as
     cross-thread reductions (warp shuffles, shared memory across warps); y written from the
-    registers with vector stores. (The CudaRows layout of softmax_dropout.)"""
+    registers with vector stores. (``lib.cuda_rows.CudaRows``.)"""
     _layernorm_residual_cuda(sch, target, knobs, "local")
 
 
@@ -235,8 +221,8 @@ PATTERN = Pattern(
     flops=flops,
     bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
-    # The first CUDA template is the default of builds without records: the fastest default on the
-    # H200 at both shapes measured (benchmarks/results/h200/check-rows-*.json, check-large-*.json).
+    # The first CUDA template is the default of builds without records: the fastest on the H200
+    # (benchmarks/results/h200/check-rows-*.json, check-large-*.json).
     templates=[row_fused, cuda_rows_smem, cuda_rows_reread, cuda_rows],
     num_outputs=2,
     relax_rules=[RelaxRule("add_layer_norm", _relax_pattern, _relax_rewrite)],

@@ -1,69 +1,14 @@
 """int8_matmul_dequant: a quantised Linear, y = [relu](float32(x_q @ w_q^T) * (x_scale * w_scale) + b).
 
-Inputs: activations ``x_q`` int8 (m, k), weights ``w_q`` int8 (n, k) (one row per output
-channel, like a Linear's weight), ``x_scale`` float32 (1,) (per tensor), ``w_scale`` float32 (n,)
-(per output channel), ``b`` float32 (n,). The products are accumulated exactly in int32,
-``acc[i, j] = sum_k int32(x_q[i, k]) * int32(w_q[j, k])``, then dequantised in float32 as
-``float32(acc) * (x_scale[0] * w_scale[j]) + b[j]`` with an optional ReLU (shape parameter
-``relu``, 1 by default). Quantisation is symmetric: zero points are 0 (a MatMulInteger with zero
-point inputs is not matched). The ``dtype`` of ``build``/``make_inputs`` is the type of the float
-output ``y`` and of the scales and bias; only "float32" is supported (the int8 inputs stay int8
-whatever it is). Only the float epilogue rounds, so the kernel agrees with the float64 reference
-to float32 rounding.
-
-Stored int8, the weights take a quarter of the bytes of float32 weights (n*k against 4*n*k), and
-so do the activations. Unfused (what an exporter writes: MatMulInteger, Cast, Mul, Add, Relu),
-the int32 accumulator (4*m*n bytes) goes to memory and is read back by the Cast, whose float32
-copy then makes a round trip through the Mul, the Add and the Relu: four intermediate (m, n)
-tensors of 4 bytes each. Fused, the epilogue runs on the int32 accumulator tile while it is in
-registers and only y is written.
-
-Two CPU templates, both with parallel outer (m, n) tiles and the dequant/bias/ReLU epilogue moved
-onto the accumulator tile (reverse_compute_at) and vectorised along n; knobs: the m, n and k tiles
-and the unroll depth (plain vector code, no tensorize).
-
-- ``int8_dot`` (the default): each output is a dot product along k, where the rows of x_q and
-  w_q are both contiguous, left as the innermost serial loop; LLVM vectorises that reduction into
-  VNNI ``vpdpwssd`` (int16 pairs into int32 lanes) on znver4. The k tile defaults to 512: every
-  dot product ends in a horizontal sum of the lanes.
-- ``int8_tiled``: an i2 x j2 register tile of int32 accumulators vectorised along n
-  (sign-extended int8 vectors, ``vpmulld`` + ``vpaddd``). A vector along n would read w_q (n, k)
-  with a stride of k, so w_q is first transposed once into a (k, n) buffer (n*k bytes, in
-  parallel); packing per outer tile instead cost more than the multiplies (it repeats m/tile
-  times).
-
-Measured once on 2 cores, shared machine (znver4, m=128 n=512 k=512; the machine was loaded,
-load average ~3.4, so the parallel loops gained little): unscheduled 1.5 ms, ``int8_dot``
-defaults 1.6 ms, ``int8_tiled`` defaults 1.9 ms (medians); on one thread (CPU time, steadier
-there) about 1.0-1.2, 1.2 and 1.24 ms. The unscheduled function is not a naive baseline here:
-it already has k innermost, which LLVM turns into the same ``vpdpwssd`` loop, and its separate
-epilogue pass reads an (m, n) int32 buffer that stays in L2. What fusion saves is against the
-unfused graph (models/quant_mlp.onnx untuned: 1.9 ms with these kernels against 54 ms with
-TVM's auto-fusion and default schedules, both equal to onnxruntime bit for bit).
-
-On CUDA, ``cuda_tiled_dp4a``: linear_bias_relu's ``cuda_tiled_epilogue`` scheme, built from its
-helpers (imported), on int8 operands. A thread block per output tile (default 32x64: m is short in
-decoding and prefill chunks, and smaller row tiles keep more blocks in flight; 8x16 threads, each
-a 4x4 register tile of int32 accumulators strided by the thread count, so a warp's lanes read
-consecutive rows and store consecutive columns); x_q and w_q k-tiles of 32 bytes staged through
-shared memory by all threads in 4-byte vectors, rows padded to 36 bytes (9 words: 16 lanes on 16
-rows hit 16 banks), software-pipelined through registers. The innermost 4 k of every product are
-one ``__dp4a`` (TVM's ``dp4a_s8s8s32`` tensor intrinsic, tensorized: four int8 products added to
-the int32 accumulator in one instruction, one 4-byte shared load per operand), where k is a
-multiple of 4 so that every row is 4-byte aligned; otherwise the products are int32
-multiply-adds of single bytes. The dequant, bias and ReLU run on the register tile. As in
-linear_bias_relu, the function's global ``acc`` (a ``T.alloc_buffer``, which the schedule treats
-as an output) is still written once, 4*m*n bytes read straight back by the same thread; a
-``T.sblock_alloc_buffer`` would drop it, at the price of a new structural hash. TVM also has int8
-WMMA and mma intrinsics (tensor cores); this template does not use them.
-
-Relax rules: what the ONNX frontend makes of MatMulInteger (no zero points) -> Cast -> Mul ->
-Add [-> Relu]: ``astype``s of x_q and w (k, n) to int32, ``matmul`` into int32, ``astype``
-float32, ``multiply`` by a scale that broadcasts along n, ``add`` b. The ReLU rule runs first
-(priority), or the plain one would take its Add. The combined scale goes in as w_scale with
-x_scale = 1, and w as permute_dims(w) (folded away for constant weights). Left alone: uint8 or
-zero-pointed operands (the frontend subtracts the zero point before the matmul, so nothing
-matches), a scale that varies along m, non-float32 epilogues, symbolic shapes.
+x_q int8 (m, k), w_q int8 (n, k), x_scale (1,) per tensor, w_scale (n,) per output channel, b (n,);
+symmetric (zero points 0). Products accumulate exactly in int32, and only the float32 epilogue
+rounds; ``dtype`` is the output's (float32 only). Unfused (MatMulInteger, Cast, Mul, Add, Relu) the
+int32 accumulator and float copies of it round-trip through memory; fused, the epilogue runs on the
+accumulator tile in registers. CPU: ``int8_dot`` (k innermost, for LLVM's VNNI dot product) and
+``int8_tiled`` (a register tile along n over w_q transposed once). CUDA: ``cuda_tiled_dp4a``,
+linear_bias_relu's tiled scheme on int8 with ``__dp4a`` where k is a multiple of 4. The Relax rules
+match what the ONNX frontend makes of MatMulInteger -> Cast -> Mul -> Add [-> Relu]; zero points,
+uint8 operands, scales varying along m and symbolic shapes are left alone.
 """
 
 import numpy as np

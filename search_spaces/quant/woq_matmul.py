@@ -1,57 +1,14 @@
 """woq_matmul: y = x @ dequant(W)^T + b, the weight-only-quantised linear layer of LLM decoding.
 
-x (m, k) float32 holds the m tokens being decoded; W (n, k) is stored quantised per output row
-with group-wise scales: ``scales`` (n, k/group) float32 and w[j, kk] = q[j, kk] * scales[j,
-kk // group] (symmetric, no zero point). ``bits`` = 8: ``w`` is int8 (n, k). ``bits`` = 4: ``w``
-is uint8 (n, k/2), two two's-complement nibbles per byte, even kk in the low nibble and odd kk in
-the high one, values in [-8, 7] (``pack_int4``/``unpack_int4`` are the numpy codec). ``group``
-must divide k (and be even for int4); anything else raises ``ShapeError`` (a ValueError and an
-AutofuseError).
-
-Memory: float32 weights take 4nk bytes; these take 4nk * (bits/32 + 1/group), the packed values
-plus one float scale per group. Default (int4, group 64): 0.141 of float32, 576 KiB for 4 MiB
-(7.1x less); int8, group 64: 0.266 (3.8x less). ``bytes`` counts what the fused kernel must move:
-the packed weights, the scales, x, b and y.
-
-Unfused, a dequantise kernel writes the float W (4 MiB at the default n = k = 1024) and the GEMM
-reads it back, 14x the fused traffic, before the bias pass reads and writes y again. Fused, the
-weights are dequantised on load: the ``dequant`` stage is computed at the innermost reduction tile
-of the GEMM, so only a (rows x lanes) tile of float weights exists at a time, and LLVM keeps it in
-registers (with the default knobs the wd buffer compacts to 2 x 16 floats; the unscheduled
-function, the correctness baseline, does materialise all of wd).
-
-Stages: ``x_split`` (x regrouped as (m, k/group, 8/bits, group*bits/8): per group, the even
-positions and then the odd ones, so that both FMA operands are contiguous lane vectors: a byte
-vector's low nibbles pair with x's even entries, its high nibbles with the odd ones, and no
-vector shuffle is needed; a copy for int8), ``dequant``, ``matmul`` (float32 accumulator, the k
-reduction as (group, nibble, byte) axes so the scale index is a loop variable, not a division) and
-``bias``.
-
-The ``dequant_on_load`` template parallelises over tiles of output features (rows of W, each
-streamed once from memory in k order). Under a tile the reduction walks groups and lane-wide
-chunks of packed bytes; each chunk is dequantised for the tile's rows and then consumed by the
-FMAs of every token, vectorised over the lanes through an rfactor (one partial per lane in
-registers; the lanes are summed and the bias added once per tile). Each dequantised vector serves
-all m tokens, so the unpacking (widen, two shifts, convert, scale: LLVM turns the nibble decode
-into a shift-left/arithmetic-shift-right pair) is paid once per weight, not once per token.
-
-Decoding is memory-bound on the weights on a large machine; on the 2-core development machine
-this shape is bound by the FMAs (m*n*k = 4.2 M multiply-adds) plus the unpacking instead, its
-0.6 MB fitting in cache. Measured once on 2 cores, shared machine (load average about 4, so rough),
-default shape, median of time_evaluator: int4 0.29 ms with the template default against 10.2 ms
-unscheduled; int8 0.31 ms against 14.8 ms. (An earlier run at load 2.5: int4 0.16 against 5.4 ms.)
-
-On CUDA, ``cuda_warp_per_row``: decoding reads each weight once and does 2m FLOPs with it, so
-the kernel is a GEMV bound by the weight bytes. A warp per output feature (default 4 a block), its
-32 lanes taking consecutive 4-byte chunks of the packed row (a coalesced 128-byte load per warp
-and step; the x values a chunk meets come as float4 loads, from L1/L2: x is m*k*4 bytes, read by
-every block); each chunk is dequantised in registers once and feeds m per-lane partial sums, one
-per token, which shuffles sum across the warp at the end (an rfactor), bias added by lane 0.
-Knobs: rows per block, lanes per row, unrolling of the steps.
-
-No RelaxRule: TVM 0.27's ONNX importer rejects blocked DequantizeLinear and has no MatMulNBits, so
-group-wise weights reach Relax only as elementary ops like ``onnx_graph``'s. A rule for int8
-per-channel DequantizeLinear -> MatMul (-> Add) would be feasible (group = k).
+W (n, k) is stored per output row with group-wise scales, w[j, kk] = q[j, kk] * scales[j, kk //
+group], symmetric. ``bits`` 8: int8 (n, k); ``bits`` 4: uint8 (n, k/2), two's-complement nibbles,
+even kk in the low one (``pack_int4``/``unpack_int4``). Shapes it cannot hold raise ``ShapeError``.
+Unfused, a dequantise kernel writes the float W that the GEMM reads back; fused, weights are
+dequantised on load (``dequant`` at the GEMM's innermost reduction tile, in registers) and each
+dequantised vector serves every token. ``x_split`` regroups x per group into even then odd
+positions, so that both FMA operands are contiguous vectors and no nibble shuffle is needed. CUDA:
+``cuda_warp_per_row``, a GEMV bound by the weight bytes, a warp per output feature. No RelaxRule:
+TVM 0.27's ONNX importer rejects blocked DequantizeLinear and has no MatMulNBits.
 """
 
 import numpy as np

@@ -1,35 +1,13 @@
 """softmax_dropout: y = dropout(softmax(x, axis=-1)), the row softmax with its dropout fused.
 
-Dropout keeps an element with probability 1-p and scales it by 1/(1-p). Its mask is not random
-state but a 32-bit hash of (seed, flat index): murmur3's fmix32 finaliser of
-``uint32(row*cols + col) ^ uint32(seed * 0x9E3779B9)``, and an element is kept when the top 24
-bits of the hash, ``hash >> 8``, are ``>= round(p * 2**24)``. All of it is uint32 arithmetic that
-wraps, so the kernel and the numpy reference (``dropout_mask``) agree bit for bit, and the kernel
-needs no mask input and writes no mask output.
-
-Three stages, each a separate sblock: ``row_max`` (max over the row), ``exp_sum`` (sum of
-exp(x - max), float32 accumulator) and ``norm_dropout`` (exp(x - max) / sum, masked and scaled).
-Unfused, the row max and the sum each round-trip through memory and the exponentials go through a
-fourth buffer; fused, one row at a time stays in L1 across the three passes. The exponential is
-written out as a polynomial (``_exp``): ``T.exp`` becomes a scalar ``expf`` call per vector lane on
-x86, which made the whole kernel ~10x slower (3.3 ms against 0.34 ms at 512x1024, 2 cores).
-
-CUDA templates (``CudaRows``, shared with the normalization patterns): a row per warp or less
-(rows up to 32 x 8 vectors of 16 bytes: 1024 float32 or 2048 half values; several rows per block
-on threadIdx.y) or per block (longer rows); max and sum are cross-thread reductions (warp
-shuffles, through shared memory across warps) and every thread keeps the row statistics in a
-register (short rows) or reads them from shared memory (long rows). ``cuda_rows`` loads the row
-of x once into registers with 16-byte loads and writes y with 16-byte stores; ``cuda_rows_smem``
-keeps the row in shared memory instead, ``cuda_rows_reread`` loads it again in each pass (L1).
-Knobs: threads per row, rows per block. Compiled here (nvcc, sm_90), not yet run on a GPU.
-
-The dropout probability is the shape parameter ``p_permille`` (p = p_permille / 1000, default
-100; 0 is inference, plain softmax, which is what models match); the mask seed is ``SEED``.
+The dropout mask is no random state but a hash of (seed, flat index) (``lib.tir_math.hash_keep``),
+so kernel and numpy reference agree bit for bit and the kernel reads and writes no mask. Three
+sblocks, ``row_max``, ``exp_sum`` and ``norm_dropout``: unfused, the max, the sum and the
+exponentials round-trip through memory; fused, a row stays in L1 (CPU) or in registers or shared
+memory (CUDA, ``lib.cuda_rows``) across the passes. The exponential is the polynomial ``exp_f32``
+(``T.exp`` is a scalar call per lane on x86). Statistics are float32 in every dtype, each output
+rounded once. ``p_permille`` sets p (0 is inference, plain softmax, what models match);
 ``build_with`` takes any p and seed.
-
-Precision: float32, float16 or bfloat16 inputs and outputs; the row max, the exponentials and their
-sum are float32 in every dtype, and each output is rounded to the dtype once. (The half-precision
-tolerance is stated at ``PATTERN``.)
 """
 
 import numpy as np
@@ -256,8 +234,8 @@ PATTERN = Pattern(
     flops=flops,
     bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
-    # The first CUDA template is the default of builds without records: the fastest default on the
-    # H200 at both shapes measured (benchmarks/results/h200/check-rows-*.json, check-large-*.json).
+    # The first CUDA template is the default of builds without records: the fastest on the H200
+    # (benchmarks/results/h200/check-rows-*.json, check-large-*.json).
     templates=[row_parallel, cuda_rows_reread, cuda_rows, cuda_rows_smem],
     relax_rules=[RelaxRule("softmax_last_axis", _relax_pattern, _relax_rewrite)],
 )

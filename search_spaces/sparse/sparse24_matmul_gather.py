@@ -1,66 +1,13 @@
 """sparse24_matmul_gather: y = x[idx] @ W^T (+ b) with W 2:4 structured-sparse and stored compressed.
 
-The rows come from an activation table through an int32 index vector (an embedding lookup, MoE
-tokens routed to one expert): ``x`` is (rows, k), ``idx`` (m,) with values in [0, rows), repeats
-and any order allowed. ``W`` is logically (n, k) with exactly 2 non-zeros in every group of 4
-consecutive k, kept as ``values`` (n, k/2), the two kept entries of each group in order, and
-``meta`` (n, k/4) uint8, one byte per group: bits 0-1 the position (0..3) of the first kept entry,
-bits 2-3 that of the second (first < second; the upper 4 bits are ignored). ``compress_24`` keeps
-the 2 largest magnitudes of each group; ``decompress_24`` adds each value at its position, which is
-also what the kernel and the ONNX graph compute for any meta byte. ``bias`` (0/1) drops or adds
-``b`` (n,).
-
-Unfused/dense, a Gather writes the (m, k) gathered rows that the GEMM reads back, and the GEMM
-reads a dense (n, k) float32 W. Fused, x rows are read through ``idx`` straight from the table
-(the gathered rows only ever exist as an on-chip (k, m-tile) slab), and the weights cost n*k/2
-floats plus n*k/4 meta bytes. Saved per call: 2*m*k*4 bytes of the gathered round trip and
-n*k*(4 - 2 - 1/4) = 1.75*n*k bytes of weights: at the default shape (m=256, n=512, k=512,
-rows=1024) 1.0 MiB + 0.44 MiB of the dense path's 3.0 MiB, leaving 1.57 MiB. ``bytes()`` counts
-the fused kernel's traffic: the m gathered rows once each (as if distinct), idx, values, meta, b
-and y. The ONNX graph (what onnxruntime, XLA and TVM's auto-fusion run) is the dense path with W
-rebuilt from values and meta on every call: BitwiseAnd/BitShift decode, Equal+Where place, Gather
-of the rows, Gemm.
-
-TensorIR: ``gather`` xg[c, i] = x[idx[i], c], stored transposed (k, m); ``matmul``
-acc[j, i] += values[j, 2g+s] * xg[4g + pos(meta[j, g], s), i] over the k/4 groups g and the two
-kept entries s, pos decoded as ``(int32(meta) >> 2s) & 3``; ``epilogue`` y[i, j] = acc[j, i] + b[j].
-Both intermediates are laid out with i (the gathered row) innermost so that, with i vectorised,
-every load of the gathered rows is contiguous whatever position the weight picks: the decoded
-position only moves the row of the xg slab, and values/meta are scalars broadcast over the lanes.
-Vectorising along n instead would make the weight loads strided and the x loads a gather. The
-matmul block declares its xg read as the 4 columns of its group, so compute_at keeps the slab
-tight.
-
-Template ``row_tiles``: (m-outer, n-outer) tiles run in parallel; each gathers its rows through
-idx once into a (k, m-tile) slab (16 rows by default: 32 KiB at k=512) that every n of the tile
-reuses (n1*n2 = 128 by default, so the scalar gather is a few percent of the work). Inside, an
-(n2 x m2) register tile (8 x 16 by default: 8 AVX-512 or 16 AVX2 registers) accumulates over the
-whole k: per kept weight one decoded position, one broadcast weight and one contiguous load of
-the slab row, feeding m2/lanes FMAs. The bias epilogue runs on each register tile as it finishes.
-Knobs: the m, n and group tiles (the group tile sets how much of k is unrolled) and the unroll
-depth. The kernel is instruction-bound on the per-weight address arithmetic (about 6 instructions
-per 16-lane FMA in the znver4 code LLVM emits), not on memory.
-
-On CUDA, ``cuda_gather_tiles`` (linear_bias_relu's CUDA helpers, imported): a thread block per
-(m, n) output tile (default 32x64; 8x32 threads, each a 4x2 register tile of float32 accumulators
-strided by the thread count), k in tiles of 8 groups (32 k). Per tile the block gathers its x rows
-through idx into a shared (k-tile x m-tile) slab, consecutive lanes along k (each row read as
-128-byte segments) and stored transposed into rows padded to 33 floats, and stages the tile's
-values (64 x 16, rows padded to 17 floats) and meta (64 x 8, to 17 bytes) in shared memory: the
-32 lanes of a warp read 32 different weight rows, an odd word stride puts those in 32 banks. All
-three copies are software-pipelined through registers (the next tile's loads in flight during
-this tile's FMAs). A warp spans 32 output
-features at one gathered row: its slab reads at one kept weight touch at most the 4 words of the
-group's columns (broadcasts, in distinct banks), and its y stores are 128-byte rows. Every FMA
-still loads its x value from shared memory: the decoded position differs per weight, and holding
-a group's 4 values in registers would need them indexed by data, which CUDA puts in local memory.
-The matmul block's slab read is annotated ``explicit_read_region`` (its declared region, the 4
-columns of group g): buffer compaction cannot bound ``(meta >> 2s) & 3`` and would otherwise keep
-all of k in the slab (68 KB at k=512, over the 48 KB a block may have).
-
-Measured once on 2 cores, shared machine (load average ~3), at the default shape: unscheduled
-45 ms, ``row_tiles`` defaults 2.5 ms (1.7 ms on one thread at a quieter moment); for scale, the
-dense ``linear_bias_relu`` template default on the same m, n, k took 4.0-5.0 ms at the same time.
+Rows come from a table through an int32 index (an embedding lookup, tokens routed to an expert):
+x (rows, k), idx (m,). W (n, k) keeps 2 of every 4 consecutive k as ``values`` (n, k/2) and ``meta``
+(n, k/4) uint8 (bits 0-1 and 2-3: the kept entries' positions; ``compress_24``/``decompress_24``).
+``bias`` (0/1) adds b. Unfused, a Gather writes the gathered rows that a dense GEMM reads back;
+fused, rows are read through idx into an on-chip (k, m-tile) slab and the weights cost half the
+floats plus the meta bytes. The gathered row is innermost in both intermediates, so with it
+vectorised every slab load is contiguous whatever position a weight picks. The matmul block declares
+its slab read as its group's 4 columns: region analysis cannot bound the bit arithmetic.
 """
 
 import numpy as np

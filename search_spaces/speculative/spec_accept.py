@@ -1,80 +1,16 @@
 """spec_accept: speculative decoding's acceptance step, fused into one kernel.
 
-Inputs: draft tokens d (batch, k) int32; target logits (batch, k+1, vocab) at the k draft positions
-and the bonus position after the last draft; the draft model's distributions q (batch, k, vocab)
-that the drafts were sampled from; uniforms u (batch, k+1) in [0, 1), an input so that the
-numpy reference reproduces the kernel exactly. Outputs: accepted (batch,) int32, the accepted
-prefix length n in [0, k], and next_token (batch,) int32, the corrected (or bonus) token.
-
-Sampling rule (Leviathan et al. 2023, Chen et al. 2023), per batch row, p_i = softmax(logits[i]):
-- Draft i (i = 0..k-1) is accepted when ``u[i] * q_i[d_i] < p_i[d_i]``, i.e. u[i] < min(1, p_i[d_i] /
-  q_i[d_i]) written without the division (q_i[d_i] = 0 then accepts whenever p_i[d_i] > 0); n is
-  the first rejected position, k when none is.
-- next_token is drawn from w = max(0, p_n - q_n) (the residual) with q_k = 0, so at n = k (all
-  accepted) the residual is the bonus distribution p_k itself. When the residual is all zeros (only
-  possible when q_n is not normalised, e.g. q_n >= p_n everywhere) w falls back to p_n.
-- The draw is inverse-CDF sampling with ``u[k]`` (the last uniform; u[0..k-1] decide acceptance) in
-  vocab order: next_token = #{j : cumsum(w)_j <= u[k] * sum(w)}, clamped to vocab-1 (reached only
-  when rounding puts the threshold at the very end). A token with w_j = 0 is never drawn.
-Greedy mode (shape parameter ``greedy=1``): draft i is accepted while d_i == argmax(logits[i]) (ties
-to the lowest index), next_token = argmax(logits[n]); q and u are inputs but unread.
-Draft tokens must lie in [0, vocab); the kernel clamps the gather index (memory safety only).
-
-Sampling kernel, blocks in order, passes over vocab per batch row:
-1. ``row_max`` and ``exp_sum`` over all k+1 positions: the row max and the float32 sum of
-   exp(x - max). Two passes over each (position, vocab) row; no probability is stored.
-2. ``first_reject``: the k accept tests need only p_i[d_i] = exp(x_i[d_i] - max_i) / sum_i, one
-   gathered logit and one gathered q per position; n is a min-reduction over i of (accepted ? k : i).
-3. ``chunk_res`` (the third pass, over position n only): the residual's sums over vocab chunks
-   (``_chunk``: 400 tokens at vocab 32000, 80 chunks), vectorised; q is read for this one row and
-   at the k gathered entries, never whole.
-4. ``res_total`` (the sum of a row's chunk sums), then ``sample``: one small serial block per row,
-   a scan over the chunk sums for the chunk holding the threshold u[k] * total, then a scan inside
-   that one chunk (re-reading one chunk of logits and q). Only if the residual total is zero: the fallback
-   to p_n, two serial passes over the whole row (a case that needs an unnormalised q). The total is
-   its own block, not a loop in ``sample``, so that ``chunk_res`` has two consumers: with
-   ``sample`` its only one, MetaSchedule's generic multi-level tiling tried to reverse_compute_at
-   ``sample`` under chunk_res's tiles and failed (``sample`` reads other producers too).
-Greedy kernel: ``row_max``, ``row_argmax`` (lowest index equal to the max, an int min-reduction),
-``first_reject`` (d_i against it) and ``pick`` (argmax at n).
-
-Positions after the first rejection are still reduced in step 1: their rows run in parallel with
-the others, where skipping them would serialise the positions.
-
-Unfused (the ONNX graph the baselines run): Softmax writes all (batch, k+1, vocab) probabilities;
-GatherElements reads them back for the draft entries and for row n; the residual, its CumSum and the
-comparison each round-trip a (batch, vocab) tensor. The kernel reads the logits twice (the second
-time from L2) and one row of q, and writes 8 bytes per batch row.
-
-Template ``row_parallel``: the (batch, position) rows fused and split across threads, both row
-reductions of a row under that loop (the row, 128 KB at vocab 32000, in L2 for the second pass),
-each vectorised by an rfactor over a lane tile; ``chunk_res`` parallel over (batch, chunk) and
-vectorised the same way inside a chunk; ``sample`` parallel over batch. Knobs: the row tile, the
-lane tiles of the vocab reductions (the vocab split), the unroll depth.
-
-On CUDA, ``cuda_rows_then_batch``, two kernels:
-1. Rows: the batch*(k+1) rows of logits laid out by softmax_dropout's ``CudaRows``, one row a
-   block (a warp or less up to 1024 logits; 1024 threads at vocab 32000, the last of 8 float4s each
-   predicated), row_max and exp_sum
-   (greedy: row_argmax) as cross-thread reductions over float4 loads. The second pass reads the
-   max from the reduction's own result (registers, or shared memory for a block's row): a global
-   result is stored by thread 0 alone, and the other threads would read it with no barrier
-   between. A copy of the max, and the sums, go to memory.
-2. Batch: a block per batch row (the batch loops of first_reject .. sample merged into one, bound
-   to blockIdx.x). The k accept tests run serially in every thread, into a register copy of
-   ``accepted`` that the later stages read (each thread then stores the same n); the residual's
-   chunk sums a chunk per group of lanes (the largest power of two dividing the chunk, at most a
-   warp: 16 lanes at vocab 32000) with chunks across threadIdx.y (8 by default), shuffles, into
-   shared memory; the total and the inverse-CDF scan (chunk sums, then inside one chunk: about
-   C + L = 480 serial steps at vocab 32000) serially, as the TensorIR writes them. Greedy: a
-   thread per batch row, 32 a block.
-Knobs: CudaRows' threads per row, the chunk groups per block.
-Two kernels rather than one block per batch row: the row passes carry nearly all the traffic, and
-batch*(k+1) blocks spread it over k+1 times more SMs (5x at the default shape) than batch blocks.
-
-Measured once on 2 cores, shared machine (load average ~6), default shape (batch 4, k 4, vocab
-32000): sampling, template default 0.24 ms, unscheduled 3.4 ms, onnxruntime on the ONNX graph 6.4 ms;
-greedy, template default 0.073 ms, unscheduled 1.2 ms, onnxruntime 2.1 ms.
+Inputs: drafts d (batch, k) int32, target logits (batch, k+1, vocab), the draft distributions q
+(batch, k, vocab), uniforms u (batch, k+1) (an input, so that the reference reproduces the kernel).
+Outputs: accepted (batch,), the accepted prefix length n, and next_token (batch,). Per row, with
+p_i = softmax(logits[i]): draft i is accepted when u[i] * q_i[d_i] < p_i[d_i]; next_token is drawn
+by inverse CDF with u[k] from max(0, p_n - q_n) (q_k = 0, so at n = k the bonus p_k), or from p_n
+where that is all zero. ``greedy=1``: accepted while d_i == argmax(logits[i]), next_token the argmax
+at n. Unfused, Softmax writes every probability and the residual, its CumSum and the comparison
+round-trip through memory; the kernel reads the logits twice and only row n of q, and the residual
+is summed in vocab chunks (``_chunk``) so that the serial scan covers chunk sums, then one chunk.
+CUDA: a rows kernel (``lib.cuda_rows.CudaRows``, a block per (batch, position) row: more SMs share
+the traffic than with a block per batch row), then a block per batch row.
 """
 
 import numpy as np
@@ -170,6 +106,8 @@ def _build_sampling(B, K, V):
                     _prob(logits[vb, accepted[vb], vc * L + vj], mx[vb, accepted[vb]], ssum[vb, accepted[vb]])
                     - T.Select(accepted[vb] < K, q[vb, T.min(accepted[vb], K - 1), vc * L + vj], T.float32(0)),
                     T.float32(0))
+        # Its own block, not a loop in sample, so that chunk_res has two consumers: with sample its
+        # only one, MetaSchedule's multi-level tiling tried to reverse_compute_at sample under it.
         for b, c in T.grid(B, C):
             with T.sblock("res_total"):
                 vb, vc = T.axis.remap("SR", [b, c])
@@ -452,8 +390,8 @@ def row_parallel(sch, target, knobs):
 
 @template("cuda_rows_then_batch", target_kinds=("cuda",))
 def cuda_rows_then_batch(sch, target, knobs):
-    """Two kernels. Rows: each (batch, position) row of logits to a thread block (softmax_dropout's
-    CudaRows: a warp or less for short rows), max and exp-sum (or argmax) as cross-thread reductions over
+    """Two kernels. Rows: each (batch, position) row of logits to a thread block (CudaRows: a
+    warp or less for short rows), max and exp-sum (or argmax) as cross-thread reductions over
     vectorised loads, results to memory. Per batch row, one block: the k accept tests serially in
     every thread (registers), the residual's chunk sums a chunk per group of lanes (shuffles),
     their total and the inverse-CDF scan serially."""

@@ -1,90 +1,20 @@
 """spec_verify_attention: the target model's attention over k drafted tokens (a chain or a token
 tree) in one pass, as speculative decoding verifies them.
 
-Inputs, in order: q (batch, heads, k_draft, head_dim), the queries of the draft tokens; the KV
-cache k_cache, v_cache (batch, kv_heads, max_seq, head_dim), of which the first ``cache_len``
-positions are valid; the drafts' own keys and values k_new, v_new (batch, kv_heads, k_draft,
-head_dim); and the tree mask ``tree`` (k_draft, k_draft) int32 of 0/1, tree[i, j] = 1 when draft j
-is an ancestor of draft i or i itself (a chain of drafts is the lower triangle; a tree has branches
-that do not see each other; ``tree_mask`` builds one from parent indices). Draft i attends to every
-cache position < cache_len and to the drafts j with tree[i, j] = 1 (the kernel takes any non-zero
-as 1, the ONNX graph exactly 1); scale = 1/sqrt(head_dim). GQA: query head h reads K/V head
-h // (heads / kv_heads) (kv_heads = 1 is multi-query). Output o (batch, heads, k_draft, head_dim).
-The cache is only read: the caller appends the accepted prefix afterwards, once it knows it.
+q (batch, heads, k_draft, head_dim); the KV cache k_cache, v_cache (batch, kv_heads, max_seq,
+head_dim) with ``cache_len`` valid positions (a shape parameter, the same for the batch; 0 allowed);
+the drafts' own k_new, v_new (batch, kv_heads, k_draft, head_dim); the tree mask (k_draft, k_draft)
+int32, tree[i, j] != 0 when draft j is i or one of its ancestors (``tree_mask``; a chain is the
+lower triangle). Draft i sees every cached position and its own tree path; GQA as in
+flash_attention. The cache is only read: the caller appends the accepted prefix once it knows it.
 
-``cache_len`` is a shape parameter: every sequence of the batch has the same cached length (per
-sequence lengths would be a run-time input with masked tails; a batch of verifications of one
-prompt, or a bucketed batch, has one length). cache_len = 0 is allowed (a first step with nothing
-cached: drafts only). The tree is a run-time input, shared by the batch; every row must see at
-least one key, so with cache_len = 0 tree[i, i] must be set (a tree mask always has it).
-
-Unfused (what the ONNX baselines run): the cache prefix is sliced and concatenated with the drafts'
-K/V (a copy of cache_len rows of K and of V per K/V head), K/V repeated to every query head of the
-group (another copy, ``group`` times larger), then the (heads, k_draft, cache_len + k_draft) score
-matrix written by a MatMul, read and written by the scale, mask-add and Softmax, and read by the
-second MatMul. Fused, no copy of the cache is made and no score matrix exists: keys go by in tiles
-of ``KV_TILE`` with the online-softmax recurrence of ``flash_attention`` (running max m, rescale
-alpha, running sum l, unnormalised output acc), and after the last cache tile the draft block
-(k_draft keys, masked by the tree) is folded into the same state:
-
-    md  = max(m, max_j visible s_draft);  beta = exp(m - md)
-    o_i = (acc * beta + sum_j p_ij v_new_j) / (l * beta + sum_j p_ij),  p_ij = exp(s_ij - md) if visible
-
-Layout: every (batch, K/V head) owns ``rows = group * k_draft`` query rows (query head
-hk * group + g, draft i is row g * k_draft + i). Blocks, all under the loops (batch, K/V head):
-``q_scaled_t`` (q * scale transposed to (head_dim, rows): the scale is folded into q, which is
-k_draft rows, instead of into K, which is cache_len rows) and ``draft_keep`` (the tree as a 0/1
-float per (draft key, row), so the draft mask is contiguous along rows); then, under the key-tile
-loop ``t``, ``qk`` (s[c, r] = sum_d k[c, d] * qt[d, r]: a (key tile x head_dim) . (head_dim x rows)
-product whose vector axis is the rows), ``tile_max``, ``run_max`` (m and alpha), ``prob``,
-``tile_sum``, ``run_sum`` (l), ``pv`` (p . v_tile) and ``run_acc`` (acc); then the draft block
-``draft_qk``, ``draft_max`` (starting from m), ``rescale`` (beta), ``draft_prob``, ``draft_sum``
-(starting from l * beta), ``draft_pv`` (starting from acc * beta) and ``out``. As in
-``flash_attention`` the running state is written only by reduction blocks over ``t`` (``T.init``
-is the state before the first tile), and the per-tile blocks bind ``t`` as a spatial axis that
-indexes no buffer: the KV_TILE-wide scratch is overwritten per tile, right only because ``t``
-stays a serial loop. The key tile is fixed at build time (KV_TILE = 64, or cache_len when
-shorter); a cache_len that is not a multiple of it gets a padded last tile, its key index clamped
-to the last cached row and its scores masked. With cache_len = 0 there is one tile, fully masked
-(m stays at the float32 minimum, l = acc = 0, and the cache is never read).
-
-Template ``kv_head_tiles``: (batch, K/V head) fused and parallel, the key-tile loop serial inside
-it; each K/V tile is loaded once per K/V head and serves the whole query group x drafts (rows) from
-L1, and the draft K/V likewise. The row axis is the vector axis of the score products, the softmax
-statistics and the exponentials (one knob: its vector width, reused by every row loop); the
-score product is register-blocked over a few keys of the tile (knob: the key split, each k[c, d]
-broadcast against one row vector load of qt); P.V is
-vectorised along head_dim (knob: the head_dim vector) and register-blocked over a few rows (knob:
-the row block, each V row vector serving several rows); unroll depth is the last knob. Measured
-once on 2 cores (znver4, shared machine, load average ~5 from other jobs), default shape,
-time_evaluator median: unscheduled 0.49 ms, ``kv_head_tiles`` defaults 0.11 ms (0.19-0.20 ms in
-other runs of the same build: the load makes wall-clock figures rough); one thread, CPU time:
-0.48 ms and 0.107 ms (~65 GFLOP/s). The score loop compiles to a 2-key x 2-zmm FMA block with qt
-rows from L1 and broadcast K elements. Knob variants (key split 1-4, row block 4-8, head_dim vector
-16-32, row vector 16-32) measured within 5% of the defaults in CPU time, except a key split of 1
-(+13%).
-
-Template ``cuda_verify_rows`` (CUDA, SIMT FMAs; dlight has no rule for this TensorIR, so it is the
-pattern's only GPU schedule): flash_attention's ``cuda_flash`` scheme on this nest. A thread block
-per (batch, K/V head, row tile), the row tile on blockIdx.y (a knob, up to 64 rows, default 8; every
-stage splits its row loop alike, inside the key-tile loop, which the TIR puts outermost), a row
-(group member x draft) per threadIdx.y and LANES threads per row (16 at head_dim 64). Per key tile,
-serial: the block stages K (transposed, rows padded by one) and V tiles of the cache in shared
-memory, and each K/V tile serves every row of the block, the GQA group's query heads included;
-thread c % LANES computes the scores of keys c from its row of q * scale in registers, the tile max
-and sum are warp shuffles across the row's threads, the probabilities go through shared memory
-(stored row-major, unlike the TIR's (key, row) CPU layout, against bank conflicts) and each thread
-accumulates P.V for head_dim / LANES columns; m, l and acc stay in registers across the tiles. The
-draft block is spread the same way for its scores and probabilities; its max and sum, which start
-from the running state rather than an identity, are folded in serially by each thread from shared
-memory; the tree mask is read where it is used. A padded last tile loads a whole tile of cache rows
-(a window ending at max_seq, so no load leaves the cache; the rows past cache_len are never used),
-which keeps every loop a constant. K/V tiles that do not fit 48 KiB next to the rows' buffers are
-read through L1 instead (head_dim 256), and q goes to shared memory past head_dim 128. Checked on
-the H200 against the reference (default, small and edge shapes: empty cache, one draft, MQA, padded
-and full caches, NaN in the cache rows past cache_len, 1024 rows, head_dim 128/256, replayed knob
-samples); time_evaluator median at the default shape 0.013 ms (row tiles of 8; 0.031 ms with all 32
-rows of a K/V head in one block), and 0.64 ms at head_dim 256, where K and V come through L1.
+Unfused, the cache prefix is sliced and concatenated with the drafts' K/V, repeated over the group,
+and a score matrix goes through memory. Fused, nothing is copied and no score matrix exists: the
+cache goes by in tiles of ``KV_TILE`` with flash_attention's online softmax, and after the last
+tile the draft block (masked by the tree) is folded into the same state. Each (batch, K/V head) owns
+group * k_draft query rows, the vector axis of ``kv_head_tiles`` (CPU), so a K/V tile is loaded
+once for the whole group; ``cuda_verify_rows`` follows ``cuda_flash`` (a block per (batch, K/V
+head, row tile), K/V tiles in shared memory, the running state in registers).
 """
 
 import math
@@ -460,9 +390,8 @@ def cuda_verify_rows(sch, target, knobs):
     vec = load_lanes(hd)
     limit = int(target.attrs.get("max_shared_memory_per_block", 48 * 1024))
     q_regs, stage_k, stage_v, tiles = _cuda_plan(kt, hd, kd, rows, lanes, itemsize, limit)
-    # Default 8 rows a block: measured on the H200 at the default shape (4 (batch, K/V head)
-    # pairs of 32 rows), 0.013 ms at 8 rows, 0.018 ms at 16, 0.031 ms at 32: more blocks on the
-    # GPU's 132 SMs outweigh loading each K/V tile once per 8 rows instead of once per 32.
+    # Default 8 rows a block: more blocks on the GPU's SMs outweigh loading each K/V tile once
+    # per 8 rows instead of once per 32 (faster on the H200).
     tile = knobs.choice(tiles, max(r_ for r_ in tiles if r_ <= 8))
     # With an empty cache nothing reads it (the TIR drops both cache products).
     reads_cache = any(reg.source.name == "k_cache" for reg in sch.get(qk).reads)
