@@ -159,7 +159,7 @@ def cuda_roofline(dtype: str = "float32", threads: int = 0):
     src = torch.ones(size // 4, dtype=torch.float32, device="cuda")
     dst = torch.empty_like(src)
     copy = 2 * size / median_secs(lambda: dst.copy_(src), 10) / 1e9
-    del src, dst
+    src = dst = None  # freed before the matmuls
     n = 8192
     kind = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
     tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -168,7 +168,7 @@ def cuda_roofline(dtype: str = "float32", threads: int = 0):
     b = torch.randn(n, n, device="cuda").to(kind)
     peak = 2 * n ** 3 / median_secs(lambda: torch.matmul(a, b), 5) / 1e9
     torch.backends.cuda.matmul.allow_tf32 = tf32
-    del a, b
+    a = b = None
     torch.cuda.empty_cache()
     return Machine(copy, peak, "torch copy_ of 1 GiB float32, device to device, 2 GiB moved, median of 10",
                    f"torch.matmul {n}^3 {str(kind).split('.')[-1]}{', TF32 off' if kind == torch.float32 else ''}, "
