@@ -1,0 +1,679 @@
+"""Hopper (sm_90a) attention kernels: a tensor-core prefill forward and split-KV decoding.
+
+Both are kernel templates, functions ``(shape, dtype, knobs) -> tirx PrimFunc`` written in the tirx
+script and built with ``tvm.compile(IRModule, target=TARGET, tir_pipeline="tirx")`` (``build``):
+TVM 0.27's schedule primitives reach tensor cores only through WMMA / mma.sync, and the H200 wants
+TMA copies, mbarrier rings and asynchronous warpgroup MMAs (wgmma), which only the script expresses.
+Functions carry ``autofuse.tirx`` = True (a mixed Relax pipeline sends them through the tirx
+lowering) and ``tirx.is_scheduled`` = True (dlight leaves them alone). Any shape, dtype or knob a
+kernel cannot take raises ``AttentionShapeError`` (a ValueError) naming the rule.
+
+Prefill: ``prefill_attention`` -> ``(q, k, v, out)``
+    q, out (batch, heads, seq_q, head_dim); k, v (batch, kv_heads, seq_kv, head_dim); float16 or
+    bfloat16, head_dim 64 or 128. out = softmax(q k^T * scale [+ causal mask]) v, float32
+    accumulation, out rounded once. Grouped-query: query head h reads K/V head h // (heads /
+    kv_heads). Causal masking is aligned at the end as in the flash_attention pattern (key j is
+    visible to query i when j <= i + seq_kv - seq_q, so seq_q <= seq_kv); equal lengths give the
+    usual lower triangle.
+
+    The FlashAttention-3 layout without its ping-pong: one CTA per (128-row query tile, batch x
+    head), three warpgroups. Warpgroup 0 is the producer: one thread issues the TMA copies (128-byte
+    swizzle, boxes of 64 columns) of the query tile and then of each key/value tile (BN rows) into a
+    ring of ``stages`` shared-memory slots, each slot with a "full" mbarrier (the bytes landed) and
+    an "empty" one (both consumers are done with it), so loads run ahead of the math without any
+    CTA-wide barrier. Warpgroups 1 and 2 each own 64 query rows. Per key tile:
+        S = Q K^T          wgmma m64nBNk16, both operands from shared memory (K K-major)
+        m' = max(m, rowmax(S) * c),  alpha = 2^(m - m')          c = scale * log2(e)
+        P = 2^(S * c - m'),  l = l * alpha + rowsum(P)
+        O = O * alpha + P V  wgmma m64n{head_dim}k16, P straight from registers (the S accumulator
+                             has the A fragment's element order), V as stored (MN-major)
+    A thread holds two rows of each 8-column group, and the four threads of a quad share rows, so
+    row max and sum are two shuffles. Causal: key tiles wholly above the diagonal are never loaded
+    or computed (the tile count is per CTA), only the BM / BN tiles that cross it are masked, and
+    CTAs start with the longest query tiles. At the end O / l is stored from registers.
+
+    Knobs (``PREFILL_KNOBS``): ``block_n`` BN, keys per tile (64, 128); ``stages`` (2, 3).
+    seq_q must be a multiple of 128 and seq_kv of BN (padded tiles are not done yet).
+
+Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new token per sequence
+    split (q, k_cache, v_cache, part_o, part_ml, length) attends q (batch, heads, head_dim) over
+    positions [0, length) of the caches (batch, kv_heads, max_seq, head_dim) (length is a run-time
+    int32, 1 <= length <= max_seq: one build serves every length) and writes per key split its
+    unnormalised output part_o (batch, heads, splits, head_dim) and (max, sum) part_ml (batch,
+    heads, splits, 2), float32, in the exp2 domain. combine (part_o, part_ml, out) merges the
+    splits: out = sum_s 2^(m_s - M) o_s / sum_s 2^(m_s - M) l_s, M = max_s m_s.
+
+    Decoding reads each cache row once and does 2 x group multiply-adds per element: memory-bound,
+    so CUDA cores, but every byte must come in 16-byte coalesced loads and there must be enough of
+    them in flight. A CTA per (key split, K/V head, batch) owns a contiguous range of
+    ceil(length / splits) keys (rounded to its step) and serves the whole query group of that K/V
+    head, so each K/V row is read once for all of it. head_dim / 8 lanes share a key row, one
+    16-byte load each (a warp's load instruction covers consecutive rows, 512 contiguous bytes at
+    head_dim 128); each such lane group runs its own online softmax over its keys, ``keys`` rows per
+    step (all loads of a step issued before any math), with q in registers, pre-multiplied by
+    scale * log2(e). Dot products are summed by shuffles within the lane group. At the end the lane
+    groups of the CTA merge through shared memory and the CTA writes one partial per query head.
+    Lengths are unbounded: no buffer is sized by the cache length.
+
+    Knobs (``DECODE_KNOBS``): ``warps`` per CTA (4, 8); ``keys`` rows per lane group and step (1, 2,
+    4); ``splits`` (None: enough CTAs for a few waves on 132 SMs, see ``default_splits``).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from tvm.script import tirx as T
+
+TARGET = {"kind": "cuda", "arch": "sm_90a"}
+SHARED_MEMORY_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum of dynamic shared memory
+SM_COUNT = 132                    # H200 streaming multiprocessors (decode split heuristic)
+LOG2E = 1.4426950408889634
+
+DTYPES = {"float16": "f16", "bfloat16": "bf16"}  # wgmma operand type per storage dtype
+HEAD_DIMS = (64, 128)
+BLOCK_M = 128                     # query rows per CTA: two consumer warpgroups of 64
+
+PREFILL_KNOBS = {"block_n": (64, 128), "stages": (2, 3)}
+PREFILL_DEFAULT_KNOBS = {"block_n": 128, "stages": 2}
+DECODE_KNOBS = {"warps": (4, 8), "keys": (1, 2, 4, 8), "splits": None}  # splits: None or a positive int
+DECODE_DEFAULT_KNOBS = {"warps": 8, "keys": 4, "splits": None}
+COMBINE_UNROLL = 8               # splits whose partials the combine kernel loads at once
+DECODE_MAX_GROUP = 8              # query heads per K/V head: q and O of the group live in registers
+
+_SWIZZLE_128B = 3  # CUtensorMapSwizzle and the wgmma descriptor's layout code for 128-byte swizzle
+_TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+_INIT_MAX = -1.0e30  # running max before the first key: finite, so 2^(m - m') never sees inf - inf
+
+
+class AttentionShapeError(ValueError):
+    """A shape, dtype or knob these kernels cannot take (the message names the rule)."""
+
+
+def _mark(func, name: str):
+    return (func.with_attr("global_symbol", name).with_attr("autofuse.tirx", True)
+            .with_attr("tirx.is_scheduled", True))
+
+
+def _resolve(knobs: dict | None, space: dict, default: dict) -> dict:
+    out = dict(default)
+    for name, value in (knobs or {}).items():
+        if name not in space:
+            raise AttentionShapeError(f"unknown knob {name!r}; knobs are {', '.join(space)}")
+        out[name] = value
+    for name, value in out.items():
+        if space[name] is not None and value not in space[name]:
+            raise AttentionShapeError(f"knob {name}={value!r} is not one of {list(space[name])}")
+    return out
+
+
+def _ints(shape: dict, names) -> list[int]:
+    try:
+        values = [int(shape[name]) for name in names]
+    except (KeyError, TypeError, ValueError):
+        raise AttentionShapeError(f"shape needs integers {', '.join(names)}; got {shape!r}") from None
+    for name, value in zip(names, values):
+        if value <= 0:
+            raise AttentionShapeError(f"{name}={value} must be positive")
+    return values
+
+
+def _check_dtype_heads(dtype: str, heads: int, kv_heads: int, head_dim: int) -> None:
+    if dtype not in DTYPES:
+        raise AttentionShapeError(f"attention kernels take {' or '.join(DTYPES)}, not {dtype}")
+    if head_dim not in HEAD_DIMS:
+        raise AttentionShapeError(f"head_dim={head_dim} is not one of {list(HEAD_DIMS)}")
+    if heads % kv_heads:
+        raise AttentionShapeError(f"heads={heads} must be a multiple of kv_heads={kv_heads}")
+
+
+def _scale(shape: dict, head_dim: int) -> float:
+    scale = float(shape.get("scale") or 1.0 / math.sqrt(head_dim))
+    if not scale > 0:
+        raise AttentionShapeError(f"scale={scale} must be positive")
+    return scale
+
+
+# ---- prefill --------------------------------------------------------------------------------------
+
+PREFILL_SHAPE_KEYS = ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim")
+
+
+def prefill_shared_memory_bytes(head_dim: int, knobs: dict) -> int:
+    """Dynamic shared memory of a prefill CTA: the query tile, the K/V ring, the barriers (plus the
+    1 KiB alignment of the swizzled tiles)."""
+    itemsize = 2
+    return (BLOCK_M * head_dim + 2 * knobs["stages"] * knobs["block_n"] * head_dim) * itemsize \
+        + 8 * (2 * knobs["stages"] + 1) + 1024
+
+
+def check_prefill(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[dict, dict]:
+    """(dims, resolved knobs) when ``prefill_attention`` takes ``shape`` (keys PREFILL_SHAPE_KEYS,
+    optional ``causal`` 0/1 and ``scale``), ``dtype`` and ``knobs``; AttentionShapeError otherwise."""
+    knobs = _resolve(knobs, PREFILL_KNOBS, PREFILL_DEFAULT_KNOBS)
+    nb, hq, hkv, sq, skv, hd = _ints(shape, PREFILL_SHAPE_KEYS)
+    _check_dtype_heads(dtype, hq, hkv, hd)
+    causal = int(shape.get("causal", 0) or 0)
+    if causal not in (0, 1):
+        raise AttentionShapeError(f"causal={causal} must be 0 or 1")
+    bn = knobs["block_n"]
+    if sq % BLOCK_M:
+        raise AttentionShapeError(f"seq_q={sq} is not a multiple of the query tile {BLOCK_M} "
+                                  "(padded tiles are not supported yet)")
+    if skv % bn:
+        raise AttentionShapeError(f"seq_kv={skv} is not a multiple of the key tile block_n={bn} "
+                                  "(padded tiles are not supported yet)")
+    if causal and sq > skv:
+        raise AttentionShapeError(f"causal attention needs seq_q={sq} <= seq_kv={skv} "
+                                  "(the mask is aligned at the end: otherwise early queries see no key)")
+    if max(nb * hq * sq, nb * hkv * skv) * hd >= 1 << 31:
+        raise AttentionShapeError("q or k/v has 2^31 elements or more (int32 indices)")
+    smem = prefill_shared_memory_bytes(hd, knobs)
+    if smem > SHARED_MEMORY_LIMIT:
+        raise AttentionShapeError(f"{smem} bytes of shared memory (stages={knobs['stages']}, block_n={bn}, "
+                                  f"head_dim={hd}) exceed the {SHARED_MEMORY_LIMIT} a CTA may have")
+    dims = dict(zip(PREFILL_SHAPE_KEYS, (nb, hq, hkv, sq, skv, hd)), causal=causal, scale=_scale(shape, hd))
+    return dims, knobs
+
+
+def prefill_configs(shape: dict, dtype: str) -> list[dict]:
+    """Every knob configuration ``check_prefill`` accepts for ``shape``, in product order."""
+    return _configs(PREFILL_KNOBS, lambda knobs: check_prefill(shape, dtype, knobs))
+
+
+def _configs(space: dict, accept) -> list[dict]:
+    out = []
+    names = [n for n, values in space.items() if values is not None]
+    for values in itertools.product(*(space[n] for n in names)):
+        knobs = dict(zip(names, values))
+        try:
+            accept(knobs)
+        except AttentionShapeError:
+            continue
+        out.append(knobs)
+    return out
+
+
+def _tensor_map_args(rows: int, cols: int, box_rows: int) -> list[int]:
+    """cuTensorMapEncodeTiled's arguments after (map, dtype, rank, pointer) for a row-major (rows,
+    cols) 2-byte matrix read in boxes of box_rows x 64 columns (one 128-byte swizzle row)."""
+    return [cols, rows, cols * 2, 64, box_rows, 1, 1, 0, _SWIZZLE_128B, 0, 0]
+
+
+def causal_key_tiles(q_first, offset: int, block_n: int):
+    """(key tiles to visit, of which unmasked) for the causal query tile starting at row q_first
+    (a Python int or the kernel's index expression): tiles wholly above the diagonal are never
+    visited; tile j is unmasked when its last key, (j + 1) BN - 1, is visible to the tile's first
+    query, i.e. <= q_first + offset."""
+    return (q_first + BLOCK_M + offset) // block_n, (q_first + offset) // block_n
+
+
+# The steps of one key tile in a consumer warpgroup. Register layout of an m64nN float32
+# accumulator (wgmma): thread t of the warpgroup holds, in acc[4c .. 4c+3], the elements
+# (r, 8c + q), (r, 8c + q + 1), (r + 8, 8c + q), (r + 8, 8c + q + 1) with r = 16 (t / 32) + (t % 32) / 4
+# and q = 2 (t % 4). Index i of such an accumulator is thus in row half (i % 4) / 2 (0: r, 1: r + 8).
+
+@T.macro
+def _scores(s, n_s, q_smem, k_smem, slot, wg, head_dim, mma, desc_a, desc_b):
+    """S = Q K^T for this warpgroup's 64 rows and the BN keys in ring slot ``slot``; waits for it."""
+    for i in T.unroll(n_s):
+        s[i] = T.float32(0)
+    T.ptx.wgmma.fence.sync.aligned()
+    for kk in T.unroll(head_dim // 16):
+        # K-major, 128-byte swizzle: leading offset 1, stride 64 (8 rows of 128 B), in 16 B units;
+        # column box kk // 4, 16 columns further per k step
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), q_smem.ptr_to([kk // 4, wg * 64, kk % 4 * 16]),
+                                              1, 64, _SWIZZLE_128B)
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), k_smem.ptr_to([slot, kk // 4, 0, kk % 4 * 16]),
+                                              1, 64, _SWIZZLE_128B)
+        T.ptx[mma](*[s[i] for i in range(n_s)], desc_a, desc_b, True, 1, 1, 0, 0)
+    T.ptx.wgmma.commit_group.sync.aligned()
+    T.ptx.wgmma.wait_group.sync.aligned(0)
+
+
+@T.macro
+def _mask_above_diagonal(s, n_s, first_key, first_row, offset, lane):
+    """Causal mask of a tile crossing the diagonal: key first_key + col is hidden from query
+    first_row + row when it lies past first_row + row + offset."""
+    for i in T.unroll(n_s):
+        row = T.meta_var(first_row + lane // 32 * 16 + lane % 32 // 4 + i % 4 // 2 * 8)
+        key = T.meta_var(first_key + i // 4 * 8 + lane % 4 * 2 + i % 2)
+        s[i] = T.if_then_else(key <= row + offset, s[i], T.min_value("float32"))
+
+
+@T.macro
+def _online_softmax(s, p, n_s, o, n_o, m, l, m_new, alpha, tile_sum, c, dtype):
+    """Running max and sum of this thread's two rows over one more tile; P = 2^(S c - m') in the
+    dtype for the P V product; O rescaled by alpha = 2^(m - m')."""
+    for r in T.unroll(2):
+        m_new[r] = m[r]
+    for j in T.unroll(n_s // 4):
+        m_new[0] = T.max(m_new[0], T.max(s[j * 4], s[j * 4 + 1]) * T.float32(c))
+        m_new[1] = T.max(m_new[1], T.max(s[j * 4 + 2], s[j * 4 + 3]) * T.float32(c))
+    for r in T.unroll(2):
+        m_new[r] = T.cuda.warp_reduce(m_new[r], "max", 4)  # the quad shares the row
+        alpha[r] = T.exp2(m[r] - m_new[r])
+        m[r] = m_new[r]
+        tile_sum[r] = T.float32(0)
+    for i in T.unroll(n_s):
+        s[i] = T.exp2(s[i] * T.float32(c) - m[i % 4 // 2])
+        tile_sum[i % 4 // 2] = tile_sum[i % 4 // 2] + s[i]
+        p[i] = T.Cast(dtype, s[i])
+    for r in T.unroll(2):
+        l[r] = l[r] * alpha[r] + tile_sum[r]  # a partial sum over this thread's columns; quad-summed at the end
+    for i in T.unroll(n_o):
+        o[i] = o[i] * alpha[i % 4 // 2]
+
+
+@T.macro
+def _accumulate_pv(o, n_o, p_regs, v_smem, slot, block_n, mma, v_box_units, desc_b):
+    """O += P V with P (this warpgroup's 64 x BN probabilities) as the register A operand and the
+    BN x head_dim V tile of ring slot ``slot`` read MN-major (head_dim contiguous): the descriptor
+    starts at row 16 kk of the first 64-column box, the leading offset is one box."""
+    T.ptx.wgmma.fence.sync.aligned()
+    for kk in T.unroll(block_n // 16):
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), v_smem.ptr_to([slot, 0, kk * 16, 0]),
+                                              v_box_units, 64, _SWIZZLE_128B)
+        T.ptx[mma](*[o[i] for i in range(n_o)], p_regs[kk * 4], p_regs[kk * 4 + 1], p_regs[kk * 4 + 2],
+                   p_regs[kk * 4 + 3], desc_b, True, 1, 1, 1)
+    T.ptx.wgmma.commit_group.sync.aligned()
+    T.ptx.wgmma.wait_group.sync.aligned(0)
+
+
+def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = None):
+    """The tirx PrimFunc ``(q, k, v, out)`` of the prefill forward (module docstring) for ``shape``
+    {batch, heads, kv_heads, seq_q, seq_kv, head_dim, causal (0), scale (1/sqrt(head_dim))};
+    global symbol ``attention_prefill``. AttentionShapeError when shape, dtype or knobs do not fit."""
+    dims, knobs = check_prefill(shape, dtype, knobs)
+    nb, hq, hkv, sq, skv, hd = (dims[key] for key in PREFILL_SHAPE_KEYS)
+    causal = bool(dims["causal"])
+    bm, bn, stages = BLOCK_M, knobs["block_n"], knobs["stages"]
+    group = hq // hkv
+    offset = skv - sq                  # causal: query i sees keys <= i + offset
+    boxes = hd // 64                   # 64-column TMA boxes per row
+    n_s, n_o = bn // 2, hd // 2        # accumulator registers per thread: S, O
+    q_tiles = sq // bm
+    c = dims["scale"] * LOG2E
+    op = DTYPES[dtype]
+    mma_s = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{op}.{op}"
+    mma_o = f"wgmma.mma_async.sync.aligned.m64n{hd}k16.f32.{op}.{op}"
+    q_rows, kv_rows = nb * hq * sq, nb * hkv * skv
+    tma_q = _tensor_map_args(q_rows, hd, bm)
+    tma_kv = _tensor_map_args(kv_rows, hd, bn)
+    kv_tile_bytes = 2 * bn * hd * 2
+    v_box_units = bn * 64 * 2 // 16    # one 64-column box of the V tile, in 16-byte units
+
+    @T.prim_func
+    def attention(q: T.handle, k: T.handle, v: T.handle, out: T.handle):
+        Q = T.match_buffer(q, (nb, hq, sq, hd), dtype, align=16)
+        K = T.match_buffer(k, (nb, hkv, skv, hd), dtype, align=16)
+        V = T.match_buffer(v, (nb, hkv, skv, hd), dtype, align=16)
+        O = T.match_buffer(out, (nb, hq, sq, hd), dtype, align=16)
+        Q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", Q_map, dtype, 2, Q.data, *tma_q)
+        K_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", K_map, dtype, 2, K.data, *tma_kv)
+        V_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", V_map, dtype, 2, V.data, *tma_kv)
+        T.device_entry()
+        bx, by = T.cta_id([q_tiles, nb * hq])
+        tx = T.thread_id([384])  # warpgroup 0: TMA producer (one thread); 1 and 2: consumers
+        pool = T.SMEMPool()
+        Qs = pool.alloc((boxes, bm, 64), dtype, align=1024)
+        Ks = pool.alloc((stages, boxes, bn, 64), dtype, align=1024)
+        Vs = pool.alloc((stages, boxes, bn, 64), dtype, align=1024)
+        full = pool.alloc((stages,), "uint64", align=8)
+        empty = pool.alloc((stages,), "uint64", align=8)
+        q_full = pool.alloc((1,), "uint64", align=8)
+        pool.commit()
+        desc_a: T.uint64
+        desc_b: T.uint64
+        s = T.alloc_buffer((n_s,), "float32", scope="local")
+        o = T.alloc_buffer((n_o,), "float32", scope="local")
+        p = T.alloc_buffer((n_s,), dtype, scope="local")
+        p_regs = T.decl_buffer((n_s // 2,), "uint32", data=p.data, scope="local")
+        m = T.alloc_buffer((2,), "float32", scope="local")
+        l = T.alloc_buffer((2,), "float32", scope="local")
+        m_new = T.alloc_buffer((2,), "float32", scope="local")
+        alpha = T.alloc_buffer((2,), "float32", scope="local")
+        tile_sum = T.alloc_buffer((2,), "float32", scope="local")
+        out_pair = T.alloc_buffer((2,), dtype, scope="local")
+        out_word = T.decl_buffer((1,), "uint32", data=out_pair.data, scope="local")
+        O_words = T.decl_buffer((q_rows, hd // 2), "uint32", data=O.data)
+        # Causal: the longest query tiles first, so the short ones fill the last wave.
+        q_tile = T.meta_var(q_tiles - 1 - bx if causal else bx)
+        q_first = T.meta_var(q_tile * bm)
+        q_row0 = T.meta_var(by * sq + q_first)
+        kv_row0 = T.meta_var(by // group * skv)      # (b * heads + h) // group = b * kv_heads + h // group
+        # Key tiles this CTA visits; the last BM / BN of them (causal) cross the diagonal.
+        n_tiles = T.meta_var(causal_key_tiles(q_first, offset, bn)[0] if causal else skv // bn)
+        n_unmasked = T.meta_var(causal_key_tiles(q_first, offset, bn)[1])
+        wg = T.meta_var(tx // 128 - 1)
+        if tx == 0:
+            for st in T.unroll(stages):
+                T.ptx.mbarrier.init.shared.b64(T.address_of(full[st]), T.uint32(1))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[st]), T.uint32(2))
+            T.ptx.mbarrier.init.shared.b64(T.address_of(q_full[0]), T.uint32(1))
+        T.ptx.fence.proxy.async_.shared__cta()
+        T.cuda.cta_sync()
+        if tx < 128:
+            if tx == 0:
+                for h in T.unroll(boxes):
+                    T.ptx[_TMA_LOAD](Qs.ptr_to([h, 0, 0]), T.address_of(Q_map), h * 64, q_row0,
+                                     T.address_of(q_full[0]))
+                T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(q_full[0]), T.uint32(bm * hd * 2))
+                for j in T.serial(n_tiles):
+                    st = T.meta_var(j % stages)
+                    if j >= stages:  # wait until both consumers released the slot's previous tile
+                        T.cuda.mbarrier_wait(T.address_of(empty[st]), (j // stages + 1) % 2)
+                    for h in T.unroll(boxes):
+                        T.ptx[_TMA_LOAD](Ks.ptr_to([st, h, 0, 0]), T.address_of(K_map), h * 64, kv_row0 + j * bn,
+                                         T.address_of(full[st]))
+                        T.ptx[_TMA_LOAD](Vs.ptr_to([st, h, 0, 0]), T.address_of(V_map), h * 64, kv_row0 + j * bn,
+                                         T.address_of(full[st]))
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[st]), T.uint32(kv_tile_bytes))
+        else:
+            lane = T.meta_var(tx % 128)
+            for i in T.unroll(n_o):
+                o[i] = T.float32(0)
+            for r in T.unroll(2):
+                m[r] = T.float32(_INIT_MAX)
+                l[r] = T.float32(0)
+            T.cuda.mbarrier_wait(T.address_of(q_full[0]), 0)
+            for j in T.serial(n_tiles):
+                st = T.meta_var(j % stages)
+                T.cuda.mbarrier_wait(T.address_of(full[st]), j // stages % 2)
+                _scores(s, n_s, Qs, Ks, st, wg, hd, mma_s, desc_a, desc_b)
+                if causal:
+                    if j >= n_unmasked:
+                        _mask_above_diagonal(s, n_s, j * bn, q_first + wg * 64, offset, lane)
+                _online_softmax(s, p, n_s, o, n_o, m, l, m_new, alpha, tile_sum, c, dtype)
+                _accumulate_pv(o, n_o, p_regs, Vs, st, bn, mma_o, v_box_units, desc_b)
+                if lane == 0:
+                    T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[st]))
+            for r in T.unroll(2):
+                l[r] = T.float32(1) / T.cuda.warp_reduce(l[r], "sum", 4)
+            for i in T.unroll(n_o // 2):
+                # pair i: columns 8 (i // 2) + q, +1 of row half i % 2
+                row = T.meta_var(q_row0 + wg * 64 + lane // 32 * 16 + lane % 32 // 4 + i % 2 * 8)
+                out_pair[0] = T.Cast(dtype, o[i * 2] * l[i % 2])
+                out_pair[1] = T.Cast(dtype, o[i * 2 + 1] * l[i % 2])
+                O_words[row, i // 2 * 4 + lane % 4] = out_word[0]
+
+    return _mark(attention, "attention_prefill")
+
+
+def prefill_flops(shape: dict) -> float:
+    """Multiply-adds x 2 of both products, halved for causal (the convention of FlashAttention's
+    TFLOP/s figures)."""
+    nb, hq, _, sq, skv, hd = _ints(shape, PREFILL_SHAPE_KEYS)
+    full = 4.0 * nb * hq * sq * skv * hd
+    return full / 2 if int(shape.get("causal", 0) or 0) else full
+
+
+# ---- decode ---------------------------------------------------------------------------------------
+
+DECODE_SHAPE_KEYS = ("batch", "num_heads", "num_kv_heads", "head_dim", "max_seq")
+_LOAD_ELEMS = 8  # 16 bytes of a 2-byte dtype
+
+
+def decode_geometry(head_dim: int, knobs: dict) -> dict:
+    """Thread layout of the split kernel: lanes per key row, key rows per warp load instruction,
+    lane groups per CTA (each with its own softmax state), keys per CTA step."""
+    lanes = head_dim // _LOAD_ELEMS
+    rows_per_load = 32 // lanes
+    groups = knobs["warps"] * rows_per_load
+    return {"lanes": lanes, "rows_per_load": rows_per_load, "groups": groups,
+            "step": groups * knobs["keys"], "threads": 32 * knobs["warps"]}
+
+
+def decode_registers(group: int, keys: int) -> int:
+    """Registers per thread of the split kernel, an estimate (ptxas at group 4: 128 for keys <= 4,
+    163 for keys 8): q and the outputs of the group in float32 dominate."""
+    return 64 + 16 * group + (40 if keys > 4 else 0)
+
+
+def default_splits(batch: int, kv_heads: int, max_seq: int, head_dim: int, group: int, knobs: dict) -> int:
+    """Key splits per (batch, K/V head). CTAs run in waves of (SMs x CTAs that fit an SM's
+    registers) and a partial wave idles SMs: the quality of a split count is min(waves, 1) x the
+    fill of the last wave, and the fewest splits within 7 % of the best quality win (each split
+    adds a partial to combine; on the H200 one full wave of 8-warp CTAs was as fast as more waves,
+    and more splits cost in the combine). At least two steps of keys per split at max_seq."""
+    geo = decode_geometry(head_dim, knobs)
+    regs = -(-decode_registers(group, knobs["keys"]) // 8) * 8
+    resident = SM_COUNT * max(1, 65536 // (regs * geo["threads"]))
+    cap = max(1, max_seq // (2 * geo["step"]))
+
+    def quality(splits):
+        waves = batch * kv_heads * splits / resident
+        return min(waves, 1.0) * waves / math.ceil(waves)
+
+    best = max(quality(s) for s in range(1, cap + 1))
+    return next(s for s in range(1, cap + 1) if quality(s) >= 0.93 * best)
+
+
+def check_decode(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[dict, dict]:
+    """(dims, resolved knobs with ``splits`` set) when ``decode_attention`` takes ``shape`` (keys
+    DECODE_SHAPE_KEYS, optional ``scale``), ``dtype`` and ``knobs``; AttentionShapeError otherwise."""
+    knobs = _resolve(knobs, DECODE_KNOBS, DECODE_DEFAULT_KNOBS)
+    nb, hq, hkv, hd, smax = _ints(shape, DECODE_SHAPE_KEYS)
+    _check_dtype_heads(dtype, hq, hkv, hd)
+    group = hq // hkv
+    if group > DECODE_MAX_GROUP:
+        raise AttentionShapeError(f"num_heads / num_kv_heads = {group} query heads per K/V head: at most "
+                                  f"{DECODE_MAX_GROUP} (q and the outputs of the group are kept in registers)")
+    if nb * hkv * smax * hd // _LOAD_ELEMS >= 1 << 31:
+        raise AttentionShapeError("the K/V cache has 2^31 16-byte vectors or more (int32 indices)")
+    splits = knobs["splits"]
+    if splits is None:
+        splits = default_splits(nb, hkv, smax, hd, group, knobs)
+    if not isinstance(splits, int) or isinstance(splits, bool) or not 1 <= splits <= smax:
+        raise AttentionShapeError(f"knob splits={splits!r} must be an integer in [1, max_seq={smax}]")
+    knobs = dict(knobs, splits=splits)
+    dims = dict(zip(DECODE_SHAPE_KEYS, (nb, hq, hkv, hd, smax)), group=group, scale=_scale(shape, hd))
+    return dims, knobs
+
+
+def decode_key_range(split, length, splits: int, step: int):
+    """[begin, end) of the keys of key split ``split`` before clipping end to ``length`` (ints or the
+    kernel's expressions): ceil(length / splits) rounded up to whole steps each, so every step but a
+    split's last is full (and unchecked) and trailing splits of a short cache may be empty."""
+    chunk = ((length + splits - 1) // splits + step - 1) // step * step
+    return split * chunk, split * chunk + chunk
+
+
+def decode_configs(shape: dict, dtype: str) -> list[dict]:
+    """Every (warps, keys) configuration ``check_decode`` accepts, splits left to the default."""
+    return _configs(DECODE_KNOBS, lambda knobs: check_decode(shape, dtype, knobs))
+
+
+def decode_split_shared_memory_bytes(head_dim: int, group: int, knobs: dict) -> int:
+    groups = decode_geometry(head_dim, knobs)["groups"]
+    return 4 * groups * group * (head_dim + 2)
+
+
+def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = None):
+    """(split, combine) tirx PrimFuncs of split-KV decoding (module docstring) for ``shape``
+    {batch, num_heads, num_kv_heads, head_dim, max_seq, scale (1/sqrt(head_dim))}; global symbols
+    ``attention_decode_split`` and ``attention_decode_combine``; the partials' split count is
+    ``check_decode(shape, dtype, knobs)[1]["splits"]``."""
+    dims, knobs = check_decode(shape, dtype, knobs)
+    nb, hq, hkv, hd, smax = (dims[key] for key in DECODE_SHAPE_KEYS)
+    group, splits, keys, warps = dims["group"], knobs["splits"], knobs["keys"], knobs["warps"]
+    geo = decode_geometry(hd, knobs)
+    lanes, rows_per_load, groups, step, threads = (geo[k] for k in ("lanes", "rows_per_load", "groups", "step", "threads"))
+    c = dims["scale"] * LOG2E
+    vec = _LOAD_ELEMS
+    outputs_per_thread = -(-group * hd // threads)
+    chunks = -(-splits // COMBINE_UNROLL)
+
+    @T.macro(hygienic=False)
+    def _step(first, checked):
+        # One step of this lane group: rows first + u * rows_per_load (u < keys), all loads issued
+        # before any math; `checked` (the last, partial step only) masks rows from key_end on.
+        # Expanded in `split`, whose names it uses.
+        for u in T.unroll(keys):
+            if checked:
+                kv16[u] = T.if_then_else(first + u * rows_per_load < key_end, K16[b, hk, first + u * rows_per_load, sub],
+                                         T.Broadcast(T.uint32(0), 4))
+                kv16[keys + u] = T.if_then_else(first + u * rows_per_load < key_end,
+                                                V16[b, hk, first + u * rows_per_load, sub], T.Broadcast(T.uint32(0), 4))
+            else:
+                kv16[u] = K16[b, hk, first + u * rows_per_load, sub]
+                kv16[keys + u] = V16[b, hk, first + u * rows_per_load, sub]
+        for u in T.unroll(keys):
+            for g in T.unroll(group):
+                sc[u * group + g] = T.float32(0)
+                for e in T.unroll(vec):
+                    sc[u * group + g] = sc[u * group + g] + qf[g * vec + e] * T.Cast("float32", kv[u * vec + e])
+                sc[u * group + g] = T.cuda.warp_reduce(sc[u * group + g], "sum", lanes)  # the row's lanes
+                if checked:
+                    if first + u * rows_per_load >= key_end:
+                        sc[u * group + g] = T.min_value("float32")
+        # online softmax per query head: running max m, sum l, output acc (this lane's 8 columns)
+        for g in T.unroll(group):
+            m_new[0] = m[g]
+            for u in T.unroll(keys):
+                m_new[0] = T.max(m_new[0], sc[u * group + g])
+            alpha[0] = T.exp2(m[g] - m_new[0])
+            m[g] = m_new[0]
+            l[g] = l[g] * alpha[0]
+            for e in T.unroll(vec):
+                acc[g * vec + e] = acc[g * vec + e] * alpha[0]
+            for u in T.unroll(keys):
+                sc[u * group + g] = T.exp2(sc[u * group + g] - m_new[0])
+                l[g] = l[g] + sc[u * group + g]
+                for e in T.unroll(vec):
+                    acc[g * vec + e] = acc[g * vec + e] + sc[u * group + g] * T.Cast("float32", kv[(keys + u) * vec + e])
+
+    @T.prim_func
+    def split(q: T.handle, k_cache: T.handle, v_cache: T.handle, part_o: T.handle, part_ml: T.handle,
+              length: T.int32):
+        Q = T.match_buffer(q, (nb, hq, hd), dtype, align=16)
+        Kc = T.match_buffer(k_cache, (nb, hkv, smax, hd), dtype, align=16)
+        Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
+        PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
+        PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
+        T.device_entry()
+        sp, hk, b = T.cta_id([splits, hkv, nb])
+        tx = T.thread_id([threads])
+        pool = T.SMEMPool()
+        merge_o = pool.alloc((groups, group, hd), "float32", align=16)
+        merge_m = pool.alloc((groups, group), "float32", align=16)
+        merge_l = pool.alloc((groups, group), "float32", align=16)
+        pool.commit()
+        # 16-byte views: one element = 8 consecutive values of a row
+        Q16 = T.decl_buffer((nb, hq, hd // vec), "uint32x4", data=Q.data)
+        K16 = T.decl_buffer((nb, hkv, smax, hd // vec), "uint32x4", data=Kc.data)
+        V16 = T.decl_buffer((nb, hkv, smax, hd // vec), "uint32x4", data=Vc.data)
+        O4 = T.decl_buffer((groups, group, hd // 4), "float32x4", data=merge_o.data, scope="shared.dyn")
+        kv16 = T.alloc_buffer((2 * keys,), "uint32x4", scope="local")     # K rows, then V rows
+        kv = T.decl_buffer((2 * keys * vec,), dtype, data=kv16.data, scope="local")
+        q16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        q_h = T.decl_buffer((vec,), dtype, data=q16.data, scope="local")
+        qf = T.alloc_buffer((group * vec,), "float32", scope="local")     # q * scale * log2(e)
+        acc = T.alloc_buffer((group * vec,), "float32", scope="local")
+        acc4 = T.decl_buffer((group * vec // 4,), "float32x4", data=acc.data, scope="local")
+        sc = T.alloc_buffer((keys * group,), "float32", scope="local")
+        m = T.alloc_buffer((group,), "float32", scope="local")
+        l = T.alloc_buffer((group,), "float32", scope="local")
+        m_new = T.alloc_buffer((1,), "float32", scope="local")
+        alpha = T.alloc_buffer((1,), "float32", scope="local")
+        merged = T.alloc_buffer((4,), "float32", scope="local")  # max, sum, output element, weight
+        warp = T.meta_var(tx // 32)
+        sub = T.meta_var(tx % lanes)                  # which 8 values of a row this lane loads
+        lane_group = T.meta_var(warp * rows_per_load + tx % 32 // lanes)
+        key_begin = T.meta_var(decode_key_range(sp, length, splits, step)[0])
+        key_end = T.meta_var(T.min(decode_key_range(sp, length, splits, step)[1], length))
+        for g in T.unroll(group):
+            q16[0] = Q16[b, hk * group + g, sub]
+            for e in T.unroll(vec):
+                qf[g * vec + e] = T.Cast("float32", q_h[e]) * T.float32(c)
+            m[g] = T.float32(_INIT_MAX)
+            l[g] = T.float32(0)
+        for i in T.unroll(group * vec):
+            acc[i] = T.float32(0)
+        n_keys = T.meta_var(T.max(key_end - key_begin, 0))
+        # this warp's rows of a step: keys * rows_per_load consecutive rows
+        warp_first = T.meta_var(key_begin + warp * rows_per_load * keys + tx % 32 // lanes)
+        for t in T.serial(n_keys // step):
+            _step(warp_first + t * step, False)
+        if n_keys % step > 0:
+            _step(warp_first + n_keys // step * step, True)
+        # merge the CTA's lane groups, one partial per query head
+        for g in T.unroll(group):
+            for h in T.unroll(vec // 4):
+                O4[lane_group, g, sub * (vec // 4) + h] = acc4[g * (vec // 4) + h]
+            if sub == 0:
+                merge_m[lane_group, g] = m[g]
+                merge_l[lane_group, g] = l[g]
+        T.cuda.cta_sync()
+        for i in T.unroll(outputs_per_thread):
+            idx = T.meta_var(i * threads + tx)
+            if idx < group * hd:
+                g = T.meta_var(idx // hd)
+                d = T.meta_var(idx % hd)
+                merged[0] = T.float32(_INIT_MAX)
+                for r in T.unroll(groups):
+                    merged[0] = T.max(merged[0], merge_m[r, g])
+                merged[1] = T.float32(0)
+                merged[2] = T.float32(0)
+                for r in T.unroll(groups):
+                    merged[3] = T.exp2(merge_m[r, g] - merged[0])
+                    merged[1] = merged[1] + merged[3] * merge_l[r, g]
+                    merged[2] = merged[2] + merged[3] * merge_o[r, g, d]
+                PO[b, hk * group + g, sp, d] = merged[2]
+                if d == 0:
+                    PML[b, hk * group + g, sp, 0] = merged[0]
+                    PML[b, hk * group + g, sp, 1] = merged[1]
+
+    @T.prim_func
+    def combine(part_o: T.handle, part_ml: T.handle, out: T.handle):
+        PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
+        PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
+        O = T.match_buffer(out, (nb, hq, hd), dtype, align=16)
+        T.device_entry()
+        h, b = T.cta_id([hq, nb])
+        d = T.thread_id([hd])
+        total = T.alloc_buffer((3,), "float32", scope="local")  # max, sum, output element
+        w = T.alloc_buffer((1,), "float32", scope="local")
+        # splits in unrolled chunks of COMBINE_UNROLL: their loads are in flight together
+        total[0] = T.float32(_INIT_MAX)
+        for s0 in T.serial(chunks):
+            for s1 in T.unroll(COMBINE_UNROLL):
+                if s0 * COMBINE_UNROLL + s1 < splits:
+                    total[0] = T.max(total[0], PML[b, h, s0 * COMBINE_UNROLL + s1, 0])
+        total[1] = T.float32(0)
+        total[2] = T.float32(0)
+        for s0 in T.serial(chunks):
+            for s1 in T.unroll(COMBINE_UNROLL):
+                if s0 * COMBINE_UNROLL + s1 < splits:
+                    w[0] = T.exp2(PML[b, h, s0 * COMBINE_UNROLL + s1, 0] - total[0])
+                    total[1] = total[1] + w[0] * PML[b, h, s0 * COMBINE_UNROLL + s1, 1]
+                    total[2] = total[2] + w[0] * PO[b, h, s0 * COMBINE_UNROLL + s1, d]
+        O[b, h, d] = T.Cast(dtype, total[2] / total[1])
+
+    return _mark(split, "attention_decode_split"), _mark(combine, "attention_decode_combine")
+
+
+def decode_kv_bytes(shape: dict, length: int, dtype: str = "float16") -> int:
+    """K and V bytes a decode step must read: the ``length`` valid rows of both caches."""
+    nb, _, hkv, hd, _ = _ints(shape, DECODE_SHAPE_KEYS)
+    return 2 * nb * hkv * length * hd * (2 if dtype in DTYPES else 4)
+
+
+# ---- building -------------------------------------------------------------------------------------
+
+def build(func):
+    """``func`` compiled for ``TARGET`` through the tirx pipeline (an Executable; ``.mod`` is the
+    runtime module, callable on a GPU, whose CUDA source ``cuda_source`` reads anywhere)."""
+    import tvm
+
+    name = func.attrs["global_symbol"]
+    return tvm.compile(tvm.IRModule({name: func}), target=tvm.target.Target(TARGET), tir_pipeline="tirx")
+
+
+def cuda_source(executable) -> str:
+    """The CUDA C source of a ``build`` result."""
+    return executable.mod.imports[0].inspect_source()

@@ -1,0 +1,247 @@
+"""search_spaces.lib.cuda_attention on the CPU: every knob configuration builds to CUDA source for
+sm_90a, shapes the kernels cannot take raise AttentionShapeError, nvcc compiles one configuration of
+each kernel (where nvcc is on PATH), and the tiling arithmetic both kernels rely on (causal tile
+ranges, decode key ranges and the split/merge/combine recurrence) is checked numerically in numpy.
+Nothing runs on a GPU here; benchmarks/gpu_attention.py checks the kernels' numbers on one."""
+
+import math
+import re
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+
+from search_spaces.lib import cuda_attention as ca
+
+PREFILL = dict(batch=1, heads=4, kv_heads=2, seq_q=256, seq_kv=384, head_dim=128, causal=1)
+DECODE = dict(batch=2, num_heads=8, num_kv_heads=2, head_dim=128, max_seq=1000)
+
+
+def _source(func) -> str:
+    return ca.cuda_source(ca.build(func))
+
+
+# ---- building ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("knobs", ca.prefill_configs(PREFILL, "float16"), ids=str)
+def test_every_prefill_config_builds(knobs):
+    source = _source(ca.prefill_attention(PREFILL, "float16", knobs))
+    bn, hd = knobs["block_n"], PREFILL["head_dim"]
+    assert f"m64n{bn}k16_f32_f16_f16" in source      # S = Q K^T
+    assert f"m64n{hd}k16_f32_f16_f16" in source      # O += P V, P from registers
+    assert "__launch_bounds__(384)" in source
+    assert "attention_prefill_kernel" in source
+
+
+def test_prefill_configs_are_the_whole_space():
+    assert len(ca.prefill_configs(PREFILL, "float16")) == 4
+
+
+@pytest.mark.parametrize("dtype,head_dim,causal", [("bfloat16", 64, 0), ("bfloat16", 128, 1), ("float16", 64, 1)])
+def test_prefill_dtypes_and_head_dims_build(dtype, head_dim, causal):
+    shape = dict(PREFILL, head_dim=head_dim, causal=causal, kv_heads=4)
+    source = _source(ca.prefill_attention(shape, dtype))
+    op = ca.DTYPES[dtype]
+    assert f"m64n{head_dim}k16_f32_{op}_{op}" in source
+    # causal: a masked copy of the softmax input exists only with the flag
+    assert ("-0x1.fffffep+127f" in source) == bool(causal)
+
+
+@pytest.mark.parametrize("knobs", ca.decode_configs(DECODE, "float16"), ids=str)
+def test_every_decode_config_builds(knobs):
+    split, combine = ca.decode_attention(DECODE, "float16", knobs)
+    source = _source(split)
+    assert f"__launch_bounds__({32 * knobs['warps']})" in source
+    assert "int length" in source                     # the valid length is a run-time argument
+    assert "uint4" in source                          # 16-byte loads of the caches
+    assert "__shfl_xor_sync" in source
+    assert "attention_decode_combine_kernel" in _source(combine)
+
+
+def test_decode_bfloat16_head_dim_64_builds():
+    shape = dict(DECODE, head_dim=64, num_kv_heads=8)
+    split, combine = ca.decode_attention(shape, "bfloat16")
+    assert "nv_bfloat16" in _source(split) and "nv_bfloat16" in _source(combine)
+
+
+def test_decode_long_caches_build_without_shared_memory_growth():
+    # shared memory holds the lane groups' partials only: the same bytes at 1k and 128k positions
+    sizes = []
+    for max_seq in (1024, 131072):
+        shape = dict(DECODE, max_seq=max_seq)
+        _, knobs = ca.check_decode(shape, "float16")
+        sizes.append(ca.decode_split_shared_memory_bytes(128, 4, knobs))
+        assert "__global__" in _source(ca.decode_attention(shape, "float16")[0])
+    assert sizes[0] == sizes[1] < 48 * 1024
+
+
+# ---- shape rules ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("change,fragment", [
+    (dict(seq_q=200), "multiple of the query tile"),
+    (dict(seq_kv=320), "multiple of the key tile"),
+    (dict(head_dim=96), "head_dim=96"),
+    (dict(kv_heads=3), "multiple of kv_heads"),
+    (dict(seq_q=512, seq_kv=384), "seq_q=512 <= seq_kv=384"),
+    (dict(causal=2), "causal=2"),
+    (dict(scale=-1.0), "must be positive"),
+    (dict(batch=0), "batch=0"),
+])
+def test_prefill_shape_errors(change, fragment):
+    with pytest.raises(ca.AttentionShapeError, match=re.escape(fragment)):
+        ca.prefill_attention(dict(PREFILL, **change), "float16")
+
+
+def test_prefill_other_errors():
+    with pytest.raises(ca.AttentionShapeError, match="float32"):
+        ca.prefill_attention(PREFILL, "float32")
+    with pytest.raises(ca.AttentionShapeError, match="block_n=96"):
+        ca.prefill_attention(PREFILL, "float16", dict(block_n=96))
+    with pytest.raises(ca.AttentionShapeError, match="unknown knob"):
+        ca.prefill_attention(PREFILL, "float16", dict(tile=1))
+    with pytest.raises(ca.AttentionShapeError, match="needs integers"):
+        ca.prefill_attention({"batch": 1}, "float16")
+    # seq_kv 320 is fine with 64-key tiles only
+    assert ca.check_prefill(dict(PREFILL, seq_kv=320), "float16", dict(block_n=64))
+
+
+@pytest.mark.parametrize("change,knobs,fragment", [
+    (dict(num_heads=64, num_kv_heads=2), {}, "at most 8"),
+    (dict(num_kv_heads=3), {}, "multiple of kv_heads"),
+    (dict(head_dim=256), {}, "head_dim=256"),
+    (dict(batch=128, num_kv_heads=8, num_heads=8, max_seq=1 << 20), {}, "2^31"),
+    ({}, dict(splits=0), "splits=0"),
+    ({}, dict(keys=3), "keys=3"),
+])
+def test_decode_shape_errors(change, knobs, fragment):
+    with pytest.raises(ca.AttentionShapeError, match=re.escape(fragment)):
+        ca.decode_attention(dict(DECODE, **change), "float16", knobs)
+
+
+# ---- nvcc ----------------------------------------------------------------------------------------
+
+def _ptxas(source: str, tmp_path) -> list[tuple[int, int]]:
+    """(registers, spill bytes) per kernel of ``source`` compiled for sm_90a."""
+    cu = tmp_path / "k.cu"
+    cu.write_text(source)
+    done = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-o", str(tmp_path / "k.cubin"),
+                           str(cu), "-Xptxas", "-v"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    regs = [int(n) for n in re.findall(r"Used (\d+) registers", done.stderr)]
+    spills = [int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", done.stderr)]
+    return list(zip(regs, spills))
+
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+
+
+@needs_nvcc
+def test_nvcc_compiles_prefill(tmp_path):
+    # 384 threads: at most 168 registers each, or the CTA does not fit the register file
+    [(regs, spills)] = _ptxas(_source(ca.prefill_attention(dict(PREFILL, causal=1), "float16")), tmp_path)
+    assert regs <= 168 and spills == 0
+
+
+@needs_nvcc
+def test_nvcc_compiles_decode(tmp_path):
+    split, combine = ca.decode_attention(DECODE, "float16")
+    for func in (split, combine):
+        [(regs, spills)] = _ptxas(_source(func), tmp_path)
+        assert spills == 0 and regs <= 255
+
+
+# ---- the arithmetic, in numpy --------------------------------------------------------------------
+
+@pytest.mark.parametrize("block_n", [64, 128])
+@pytest.mark.parametrize("seq_q,seq_kv", [(256, 256), (256, 512), (384, 640)])
+def test_causal_key_tiles_visit_every_visible_key_and_mask_only_where_needed(block_n, seq_q, seq_kv):
+    if seq_kv % block_n:
+        pytest.skip("not a multiple of the key tile")
+    offset = seq_kv - seq_q
+    visible = np.arange(seq_kv)[None, :] <= np.arange(seq_q)[:, None] + offset
+    for q_first in range(0, seq_q, ca.BLOCK_M):
+        rows = visible[q_first:q_first + ca.BLOCK_M]
+        n_tiles, n_unmasked = ca.causal_key_tiles(q_first, offset, block_n)
+        assert n_tiles * block_n <= seq_kv
+        assert not rows[:, n_tiles * block_n:].any()           # skipped tiles: nothing visible
+        assert rows[:, n_tiles * block_n - 1].any()             # the last visited tile is needed
+        assert rows[:, :n_unmasked * block_n].all()             # unmasked tiles: all visible
+        assert not rows[:, n_unmasked * block_n:(n_unmasked + 1) * block_n].all()  # the next one is not
+
+
+def _decode_model(q, k, v, length, splits, geo, scale):
+    """The split kernel's recurrence for one (batch, K/V head), in float64: key ranges from
+    decode_key_range, per lane group an online softmax in the exp2 domain over its rows of each
+    step, the CTA's merge of its lane groups, then the combine over the splits."""
+    group, hd = q.shape
+    qs = q * scale * ca.LOG2E
+    step, groups, keys, per_load = geo["step"], geo["groups"], geo["step"] // geo["groups"], geo["rows_per_load"]
+    parts = []
+    for sp in range(splits):
+        begin, end = ca.decode_key_range(sp, length, splits, step)
+        end = min(end, length)
+        state = [(np.full(group, ca._INIT_MAX), np.zeros(group), np.zeros((group, hd))) for _ in range(groups)]
+        for first in range(begin, max(end, begin), step):
+            for lg in range(groups):
+                warp, row = divmod(lg, per_load)
+                rows = [first + warp * per_load * keys + row + u * per_load for u in range(keys)]
+                rows = [r for r in rows if r < end]
+                m, l, acc = state[lg]
+                if not rows:
+                    continue
+                s = qs @ k[rows].T                                   # (group, rows)
+                m_new = np.maximum(m, s.max(axis=1))
+                alpha = np.exp2(m - m_new)
+                p = np.exp2(s - m_new[:, None])
+                state[lg] = (m_new, l * alpha + p.sum(axis=1), acc * alpha[:, None] + p @ v[rows])
+        ms = np.array([st[0] for st in state])
+        big_m = ms.max(axis=0)
+        w = np.exp2(ms - big_m)
+        parts.append((big_m, (w * np.array([st[1] for st in state])).sum(axis=0),
+                      np.einsum("rg,rgd->gd", w, np.array([st[2] for st in state]))))
+    big_m = np.max([p[0] for p in parts], axis=0)
+    w = [np.exp2(p[0] - big_m) for p in parts]
+    total = sum(wi * p[1] for wi, p in zip(w, parts))
+    out = sum(wi[:, None] * p[2] for wi, p in zip(w, parts))
+    return out / total[:, None]
+
+
+@pytest.mark.parametrize("length,splits,knobs", [
+    (1, 7, dict(warps=4, keys=4)), (17, 5, dict(warps=4, keys=2)), (300, 3, dict(warps=8, keys=4)),
+    (1000, None, dict(warps=8, keys=4)), (513, 40, dict(warps=4, keys=1))])
+def test_decode_split_and_combine_recurrence(length, splits, knobs):
+    rng = np.random.default_rng(length)
+    group, hd, smax = 4, 128, 1024
+    q = rng.standard_normal((group, hd))
+    k, v = rng.standard_normal((smax, hd)), rng.standard_normal((smax, hd))
+    shape = dict(DECODE, max_seq=smax)
+    _, resolved = ca.check_decode(shape, "float16", dict(knobs, splits=splits))
+    scale = 1 / math.sqrt(hd)
+    got = _decode_model(q, k, v, length, resolved["splits"], ca.decode_geometry(hd, resolved), scale)
+    s = q @ k[:length].T * scale
+    p = np.exp(s - s.max(axis=1, keepdims=True))
+    want = (p / p.sum(axis=1, keepdims=True)) @ v[:length]
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("length,splits,step", [(1, 7, 32), (1000, 16, 64), (4097, 33, 64), (131072, 32, 64)])
+def test_decode_key_ranges_cover_each_key_once(length, splits, step):
+    covered = np.zeros(length, dtype=int)
+    for sp in range(splits):
+        begin, end = ca.decode_key_range(sp, length, splits, step)
+        assert (end - begin) % step == 0
+        covered[begin:min(end, length)] += 1
+    assert (covered == 1).all()
+
+
+@pytest.mark.parametrize("batch", [1, 3, 16, 64])
+@pytest.mark.parametrize("max_seq", [1024, 32768])
+def test_default_splits_fill_the_gpu_without_tiny_splits(batch, max_seq):
+    shape = dict(batch=batch, num_heads=32, num_kv_heads=8, head_dim=128, max_seq=max_seq)
+    _, knobs = ca.check_decode(shape, "float16")
+    geo = ca.decode_geometry(128, knobs)
+    assert 1 <= knobs["splits"] <= max(1, max_seq // (2 * geo["step"]))
+    ctas = batch * 8 * knobs["splits"]
+    if batch * 8 < ca.SM_COUNT and max_seq >= 32768:
+        assert ctas >= ca.SM_COUNT  # a long cache of few sequences still spreads over all SMs
