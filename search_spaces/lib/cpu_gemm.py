@@ -14,8 +14,11 @@ order; casts around the operands are fine) becomes:
   (``register_tile``), not a knob: the target is fixed per tuning task.
 - Cache blocking: MC rows x NC columns per parallel task, tasks over the M x N blocks fused into
   one parallel loop.
-- The epilogue blocks (bias, activation, ...) run on the register tile right after its k loop,
-  so the accumulator tile is stored once, through them.
+- The epilogue blocks (bias, activation, ...) run on the register tile right after its k loop.
+  Intermediates between them that the function allocates in its root block are inlined, so only
+  the output is stored; one declared by a statement (``T.alloc_buffer`` in a ``T.prim_func``
+  body, as linear_bias_relu's ``acc``) is an output to TVM's schedule and is still stored once,
+  from the registers.
 
 Rows (columns) that are not a multiple of MR (NR): ``pad_einsum`` pads the block's domain, so the
 micro-kernel has no predicate (one in its k loop costs 2-3x); x (W) is then copied once into the
@@ -176,10 +179,17 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     sch.reverse_compute_at(write_back, j1, preserve_unit_loops=True)
     for block in epilogue_blocks:
         sch.reverse_compute_at(block, j1, preserve_unit_loops=True)
-    written = sch.get(write_back).writes[0].source
-    if epilogue_blocks and _root_allocated(sch, written):
-        sch.compute_inline(write_back)
-        write_back = None
+    # Intermediates the function allocates in its root block go (the padded accumulator; the
+    # function's own accumulator where it is declared so); one declared by a statement, as
+    # T.alloc_buffer does, counts as an output to TVM and is stored once.
+    chain = [write_back] + epilogue_blocks
+    kept = []
+    for block in chain[:-1]:
+        if _root_allocated(sch, sch.get(block).writes[0].source):
+            sch.compute_inline(block)
+        else:
+            kept.append(block)
+    chain = kept + chain[-1:]
 
     # Vectorize/unroll before decompose_reduction: after it the update block is no longer a
     # complete reduction block and vectorize refuses it.
@@ -188,7 +198,7 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     sch.unroll(ku)
     init = sch.decompose_reduction(matmul, ko)
     _tile_loops(sch, init, tile)
-    for block in ([write_back] if write_back is not None else []) + epilogue_blocks:
+    for block in chain:
         _tile_loops(sch, block, tile)
     if packing is not None:
         _parallel_copy(sch, packing)
