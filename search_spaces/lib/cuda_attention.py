@@ -55,8 +55,10 @@ Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new
     groups of the CTA merge through shared memory and the CTA writes one partial per query head.
     Lengths are unbounded: no buffer is sized by the cache length.
 
-    Knobs (``DECODE_KNOBS``): ``warps`` per CTA (4, 8); ``keys`` rows per lane group and step (1, 2,
-    4); ``splits`` (None: enough CTAs for a few waves on 132 SMs, see ``default_splits``).
+    Only a split's last step checks row bounds. Knobs (``DECODE_KNOBS``): ``warps`` per CTA (4, 8);
+    ``keys`` rows per lane group and step (1, 2, 4, 8); ``splits`` (None: about one full wave of CTAs
+    on 132 SMs, see ``default_splits``). Defaults: 8 warps, 4 keys (the best or within 3 % of it in
+    an H200 sweep at batch 1/16/64 x cache 4k/32k).
 """
 
 from __future__ import annotations
