@@ -133,10 +133,13 @@ def default_blocking(row_tiles: int, col_tiles: int, tile: RegisterTile, cores: 
 
 
 def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(), weight_read: int = 1,
-                         cores: int | None = None):
+                         weight_layout: str = "nk", cores: int | None = None):
     """Schedule ``matmul`` (see the module docstring) and its ``epilogue_blocks``, consumers of its
     output in order (e.g. the bias + ReLU block), at the register tile. ``weight_read``: index in
-    the block's reads of W, read as ``W[j, k]``. Returns the register tile used."""
+    the block's reads of W, read as ``W[j, k]`` (``weight_layout`` "nk", as nn.Linear stores it)
+    or ``W[k, j]`` ("kn"); either way packed into the same panels. Returns the register tile used."""
+    if weight_layout not in ("nk", "kn"):
+        raise ValueError(f"weight_layout must be 'nk' or 'kn', not {weight_layout!r}")
     i, j, k = sch.get_loops(matmul)
     m, n = _extent(sch, i), _extent(sch, j)
     tile = register_tile(vector_unit(target), m, n)
@@ -156,7 +159,9 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     if not pad_cols:
         packing = sch.cache_read(matmul, weight_read, "global")
         sch.annotate(packing, LAYOUT_REWRITE, 1)
-    sch.transform_layout(matmul, ("read", weight_read), index_map=lambda jj, kk: (jj // nr, kk, jj % nr))
+    panels = ((lambda jj, kk: (jj // nr, kk, jj % nr)) if weight_layout == "nk"
+              else (lambda kk, jj: (jj // nr, kk, jj % nr)))
+    sch.transform_layout(matmul, ("read", weight_read), index_map=panels)
 
     i, j, k = sch.get_loops(matmul)
     m, n = _extent(sch, i), _extent(sch, j)

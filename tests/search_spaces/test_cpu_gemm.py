@@ -9,6 +9,7 @@ import pytest
 import tvm
 from tvm import s_tir
 from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+from tvm.script import tirx as T
 from tvm.target import Target
 
 from autofuse.accuracy import compare
@@ -131,3 +132,41 @@ def test_knob_samples_vary_and_match():
         result = check_module(lbr.PATTERN, tvm.tirx.build(sch.mod, target=TARGET), func, shape, "float32", DEV)
         assert result.ok, result.message
     assert len(decisions) > 1
+
+
+def _linear_kn(m, n, k):
+    """y = x @ W + b with W stored (k, n), as swiglu_ffn's weights are."""
+    @T.prim_func(s_tir=True)
+    def linear_kn(x: T.Buffer((m, k), "float32"), w: T.Buffer((k, n), "float32"), b: T.Buffer((n,), "float32"),
+                  y: T.Buffer((m, n), "float32")):
+        T.func_attr({"global_symbol": "linear_kn", "tirx.noalias": True})
+        acc = T.sblock_alloc_buffer((m, n), "float32")
+        for i, j, kk in T.grid(m, n, k):
+            with T.sblock("matmul"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, kk])
+                with T.init():
+                    acc[vi, vj] = T.float32(0)
+                acc[vi, vj] = acc[vi, vj] + x[vi, vk] * w[vk, vj]
+        for i, j in T.grid(m, n):
+            with T.sblock("bias"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = acc[vi, vj] + b[vj]
+    return linear_kn
+
+
+@pytest.mark.parametrize("m,n,k", [(13, 32, 24), (6, 20, 8)])
+def test_weight_stored_k_by_n(m, n, k):
+    """W[k, j] packs into the same panels; an accumulator the root block allocates is inlined, so
+    the epilogue reads the registers and only y is stored."""
+    func = _linear_kn(m, n, k)
+    sch = s_tir.Schedule(func)
+    schedule_packed_gemm(sch, sch.get_sblock("matmul"), Knobs(sch, False), TARGET,
+                         epilogue_blocks=[sch.get_sblock("bias")], weight_layout="kn")
+    assert "acc[" not in sch.mod.script()
+    rt = tvm.tirx.build(sch.mod, target=TARGET)
+    rng = np.random.default_rng(0)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((m, k), (k, n), (n,)))
+    y = tvm.runtime.tensor(np.zeros((m, n), np.float32), DEV)
+    rt(*(tvm.runtime.tensor(a, DEV) for a in (x, w, b)), y)
+    check = compare([y.numpy()], [x.astype(np.float64) @ w + b], accumulation=k)
+    assert check.ok, check.message
