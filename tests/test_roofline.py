@@ -9,9 +9,9 @@ from autofuse import roofline
 from autofuse.roofline import Machine, load_or_measure, point
 
 MACHINE = Machine(bandwidth_gbps=10.0, peak_gflops=100.0, bandwidth_method="t", peak_method="t", threads=2,
-                  bandwidth_ladder=[[1 << 30, 10.0]])
+                  bandwidth_ladder=[[1 << 30, 10.0]], peak_label="FMA peak")
 CACHED = Machine(bandwidth_gbps=10.0, peak_gflops=100.0, bandwidth_method="t", peak_method="t", threads=2,
-                 bandwidth_ladder=[[1 << 20, 40.0], [1 << 22, 80.0], [1 << 26, 10.0]])
+                 bandwidth_ladder=[[1 << 20, 40.0], [1 << 22, 80.0], [1 << 26, 10.0]], peak_label="FMA peak")
 
 
 def test_memory_bound_and_compute_bound_points():
@@ -43,6 +43,10 @@ def test_measured_machine_is_plausible_and_cached(tmp_path):
     cache = tmp_path / "roofline.json"
     measured = load_or_measure(str(cache), 2)
     assert 1 < measured.bandwidth_gbps < 1000 and 1 < measured.peak_gflops < 10000
+    # The compute roof is an upper bound: never below the GEMMs measured beside it.
+    assert measured.peak_gflops >= measured.gemm_gflops > 0
+    assert measured.peak_gflops == max(measured.fma_peak_gflops, measured.gemm_gflops)
+    assert measured.peak_method.startswith(measured.peak_label)
     sizes = [size for size, _ in measured.bandwidth_ladder]
     assert sizes == sorted(sizes) and len(sizes) >= 2 and measured.bandwidth_ladder[-1][1] == measured.bandwidth_gbps
     assert json.loads(cache.read_text())["threads"] == 2
@@ -60,3 +64,33 @@ def test_a_stored_roofline_without_the_ladder_is_measured_again(tmp_path, monkey
     cache.write_text(json.dumps({**MACHINE.__dict__, "bandwidth_ladder": []}))
     monkeypatch.setattr(roofline, "measure_machine", lambda *a, **k: CACHED)
     assert load_or_measure(str(cache), 2) == CACHED
+
+
+def test_a_stored_roofline_from_before_the_upper_bound_is_measured_again(tmp_path, monkeypatch):
+    cache = tmp_path / "roofline.json"
+    cache.write_text(json.dumps({**MACHINE.__dict__, "peak_label": ""}))  # numpy's sgemm alone
+    monkeypatch.setattr(roofline, "measure_machine", lambda *a, **k: CACHED)
+    assert load_or_measure(str(cache), 2) == CACHED
+
+
+@pytest.mark.parametrize("fma,gemm,label", [(300.0, 120.0, "FMA peak"), (80.0, 120.0, "measured GEMM")])
+def test_the_compute_roof_is_the_higher_of_the_fma_peak_and_the_gemms_and_says_which(monkeypatch, fma, gemm,
+                                                                                       label):
+    monkeypatch.setattr(roofline, "fma_peak_gflops", lambda threads, target: (fma, "lanes x ports"))
+    monkeypatch.setattr(roofline, "_gemm_gflops", lambda threads: (gemm, "sgemm"))
+    roof = roofline.compute_roof(2)
+    assert roof["peak_gflops"] == max(fma, gemm) >= gemm
+    assert roof["peak_label"] == label and roof["peak_method"].startswith(label)
+    assert roof["fma_peak_gflops"] == fma and roof["gemm_gflops"] == gemm
+
+
+@pytest.mark.parametrize("mcpu,lanes,ports", [("skylake-avx512", 16, 2), ("znver3", 8, 2), ("x86-64", 4, 1)])
+def test_vector_width_and_fma_ports_come_from_the_target(mcpu, lanes, ports):
+    from tvm.target import Target
+    target = Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": mcpu})
+    assert roofline.vector_lanes(target) == lanes and roofline.fma_ports(target) == ports
+
+
+def test_the_measured_clock_is_a_clock():
+    from autofuse.target import parse_target
+    assert 0.3e9 < roofline.measure_clock_hz(parse_target("llvm")) < 7e9
