@@ -17,15 +17,15 @@ import logging
 import os
 
 import tvm
-import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 from tvm.target import Target
 
 from .errors import AutofuseError
+from .kernel_templates import KERNEL_RECORDS, KernelRecords, check_records, compact_records
 from .pattern import TEMPLATE_ANNOTATION
-from .store import FAILED_RUN_SECS, SafeJSONDatabase, mean_secs
+from .store import FAILED_RUN_SECS, SafeJSONDatabase, mean_secs, workload_key
 from .target import target_key
 
 WORKLOADS = "database_workload.json"
@@ -64,10 +64,6 @@ def trace_key(record: ms.database.TuningRecord) -> str:
     return hashlib.sha1(json.dumps(record.trace.as_json(), sort_keys=True, default=str).encode()).hexdigest()
 
 
-def workload_key(mod: tvm.IRModule) -> str:
-    return f"{tvm_ffi.structural_hash(mod) & 0xFFFFFFFFFFFFFFFF:016x}"
-
-
 class TuningDatabase:
     """The records of one target under ``root``; ``.ms`` is the plain MetaSchedule database."""
 
@@ -85,6 +81,8 @@ class TuningDatabase:
         self.ms = SafeJSONDatabase(os.path.join(self.path, WORKLOADS), os.path.join(self.path, RECORDS))
         self._verdicts_path = os.path.join(self.path, VERDICTS)
         self._verdicts = self._load_verdicts()
+        # Kernel-template records (autofuse.kernel_templates), beside MetaSchedule's.
+        self.kernels = KernelRecords(self.path)
 
     @property
     def work_dir(self) -> str:
@@ -94,19 +92,19 @@ class TuningDatabase:
     def cost_model_path(self) -> str:
         return os.path.join(self.path, "ms-logs", "cost_model.tar")
 
-    def records(self, func: tirx.PrimFunc) -> list[ms.database.TuningRecord]:
+    def records(self, func: tirx.PrimFunc | tvm.IRModule) -> list[ms.database.TuningRecord]:
         """Every valid (built and ran) record of ``func``'s workload, fastest first."""
         mod = _normalize_mod(func)
         if self.ms.workload_index(mod) is None:
             return []
         return self.ms.get_top_k(self.ms.commit_workload(mod), len(self.ms) or 1)
 
-    def count(self, func: tirx.PrimFunc) -> tuple[int, int]:
+    def count(self, func: tirx.PrimFunc | tvm.IRModule) -> tuple[int, int]:
         """(valid, all) records of ``func``'s workload, failed builds/runs included in ``all``."""
         history = self.history(func)
         return sum(secs < float("inf") for secs, _ in history), len(history)
 
-    def history(self, func: tirx.PrimFunc) -> list[tuple[float, str]]:
+    def history(self, func: tirx.PrimFunc | tvm.IRModule) -> list[tuple[float, str]]:
         """(mean seconds, source) of every record of ``func``'s workload in the order it was
         measured; failed trials have ``inf`` seconds."""
         index = self.ms.workload_index(_normalize_mod(func))
@@ -128,7 +126,8 @@ class TuningDatabase:
             curve.append(best * 1e3 if best < float("inf") else None)
         return curve
 
-    def best(self, func: tirx.PrimFunc, check, limit: int = 8) -> tuple[ChosenRecord | None, list[str]]:
+    def best(self, func: tirx.PrimFunc | tvm.IRModule, check,
+             limit: int = 8) -> tuple[ChosenRecord | None, list[str]]:
         """The fastest record whose kernel passes ``check(schedule) -> (ok, message)``.
 
         Returns the choice (None when no record passes) and one line per rejected record.
@@ -199,7 +198,7 @@ def database_folders(root: str) -> list[str]:
     if not os.path.isdir(root):
         raise AutofuseError(f"no database at {root}")
     found = sorted(os.path.join(root, name) for name in os.listdir(root)
-                   if os.path.isfile(os.path.join(root, name, WORKLOADS)))
+                   if any(os.path.isfile(os.path.join(root, name, f)) for f in (WORKLOADS, KERNEL_RECORDS)))
     if not found:
         raise AutofuseError(f"no database under {root} (expected {root}/<target>/{WORKLOADS})")
     return found
@@ -242,14 +241,16 @@ def check_folder(folder: str) -> dict:
                     failed_checks += not json.loads(line)["ok"]
                 except (ValueError, KeyError, TypeError):
                     problems.append(f"{verdicts}:{number}: not a verdict")
-    return {"folder": folder, "workloads": len(db.workloads()), "records": len(records), "valid": valid,
-            "failed_numerical_check": failed_checks, "problems": problems}
+    kernels = check_records(folder)
+    return {"folder": folder, "workloads": len(db.workloads()) + kernels["workloads"],
+            "records": len(records) + kernels["records"], "valid": valid + kernels["valid"],
+            "failed_numerical_check": failed_checks + kernels["failed_numerical_check"],
+            "problems": problems + kernels["problems"]}
 
 
 def compact_folder(folder: str, keep: int) -> tuple[int, int]:
     """Rewrite one folder's database keeping the ``keep`` best records per workload whose trace
     still applies and that did not fail their numerical check; (records before, after)."""
-    from .store import compact
     db = SafeJSONDatabase(os.path.join(folder, WORKLOADS), os.path.join(folder, RECORDS))
     verdicts = load_verdicts(os.path.join(folder, VERDICTS))
 
@@ -259,4 +260,6 @@ def compact_folder(folder: str, keep: int) -> tuple[int, int]:
         verdict = verdicts.get((workload_key(record.workload.mod), trace_key(record)))
         return (verdict is None or verdict["ok"]) and trace_applies(record)
 
-    return compact(db, keep, usable=usable)
+    before, after = db.compact(keep, usable=usable)
+    kernels_before, kernels_after = compact_records(folder, keep)
+    return before + kernels_before, after + kernels_after

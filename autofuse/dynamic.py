@@ -3,7 +3,7 @@ serve every value of the shape parameters made symbolic.
 
 Owns: turning shape parameters into int64 TIR variables (``symbolic``); building a pattern's
 symbolic kernel with the schedule chosen at a static representative shape (``build_dynamic``:
-the best checked record or the template default, whichever ``tune_patterns.choose`` picks, its
+the best checked record or the template default, whichever ``verify.choose`` picks, its
 trace replayed on the symbolic function); and running that one module at concrete sizes against
 the numpy reference (``check_sizes``). Whether a pattern accepts a symbolic parameter is the
 pattern's own business: its ``build`` takes an int64 ``tirx.Var`` where it supports one.
@@ -21,15 +21,15 @@ import dataclasses
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-import tvm
 from tvm import s_tir, tirx
 from tvm.target import Target
 
 from .database import TuningDatabase
 from .errors import AutofuseError
 from .pattern import Pattern, Shape, shape_label
-from .tune_patterns import Job, build_kernel, checker, choose, time_kernel
-from .verify import check_module
+from .target import device_for
+from .tune_patterns import Job
+from .verify import build_kernel, check_module, choose, default_schedule, time_kernel
 
 
 def _names(names: str | Iterable[str]) -> list[str]:
@@ -42,10 +42,6 @@ def _is_static(value) -> bool:
 
 def _first_line(err: Exception) -> str:
     return (str(err).strip().splitlines() or [type(err).__name__])[0]
-
-
-def device_of(target: Target):
-    return tvm.device("cpu" if target.kind.name == "llvm" else target.kind.name, 0)
 
 
 def symbolic(shape: Shape, names: str | Iterable[str]) -> dict:
@@ -70,31 +66,13 @@ def _replay(func: tirx.PrimFunc, trace) -> s_tir.Schedule:
     return sch
 
 
-def _template_default(pattern: Pattern, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule:
-    for template in pattern.templates_for(target):
-        sch = template.apply(func, target, tunable=False)
-        if sch is not None:
-            return sch
-    raise ValueError(f"no template of {pattern.name!r} applies on {target.kind.name}")
-
-
 def _static_choice(pattern: Pattern, shape: Shape, dtype: str, target: Target, db: TuningDatabase):
     """(trace, source) of what ``choose`` runs at the static ``shape``; (None, why) for nothing."""
-    dev = device_of(target)
-    try:
-        job = Job(pattern, shape, dtype)
-    except ValueError as err:
-        raise AutofuseError(f"{pattern.name} at {shape_label(shape)}: {_first_line(err)}") from None
-    choice, _rejected = choose(job, db, target, dev)
+    job = Job(pattern, shape, dtype)
+    choice, _rejected = choose(job, db, target, device_for(target))
     if choice is None:
         return None, "no checked record and no template default at the static shape"
-    if choice.source == "template-default":
-        return pattern.default_schedule(job.func, target).trace, choice.source
-    # The record choose timed: the best checked one (its verdict is cached, so not checked again).
-    chosen, _ = db.best(job.func, checker(job, target, dev))
-    if chosen is None:  # the database changed under us (another process compacting it)
-        return pattern.default_schedule(job.func, target).trace, "template-default"
-    return chosen.record.trace, f"record ({chosen.source})"
+    return choice.trace, choice.source if not choice.is_record else f"record ({choice.source})"
 
 
 def build_dynamic(pattern: Pattern, shape: Shape, names: str | Iterable[str], dtype: str, target: Target,
@@ -125,10 +103,10 @@ def build_dynamic(pattern: Pattern, shape: Shape, names: str | Iterable[str], dt
         trace, source = _static_choice(pattern, shape, dtype, target, db)
         if trace is not None:
             candidates.append((f"{source}, trace replayed", lambda: _replay(func, trace)))
-    candidates.append(("template-default", lambda: _template_default(pattern, func, target)))
+    candidates.append(("template-default", lambda: default_schedule(func, target, pattern, fallback=False)))
     candidates.append(("unscheduled", lambda: s_tir.Schedule(func)))
 
-    dev = device_of(target)
+    dev = device_for(target)
     at_shape = {name: shape[name] for name in names}
     failures = []
     for source, make in candidates:

@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 
 import tvm
 import tvm_ffi
@@ -63,13 +64,18 @@ def mean_secs(record: ms.database.TuningRecord) -> float:
 _BLOCK_NAME = re.compile(r'T\.sblock\("([^"]*)"')
 
 
-def workload_key(mod: tvm.IRModule) -> tuple:
+def workload_key(mod: tvm.IRModule) -> str:
+    """A workload's structural hash as 16 hex digits (what the verdicts file names it by)."""
+    return f"{tvm_ffi.structural_hash(mod) & 0xFFFFFFFFFFFFFFFF:016x}"
+
+
+def _index_key(mod: tvm.IRModule) -> tuple[str, tuple[str, ...]]:
     """What makes two modules one workload here: structural equality (as MetaSchedule's JSON
     database has it) and the same block names. Structural equality ignores names, but a trace
     finds its blocks by name: Relax names a legalized kernel's blocks after its variables
     (``lv1_sum``, ``lv5_sum``), and a record of one, filed under the other, no longer parses
     when the database is read again (seen: two models' layer_norm kernels)."""
-    return tvm_ffi.structural_hash(mod), tuple(_BLOCK_NAME.findall(mod.script()))
+    return workload_key(mod), tuple(_BLOCK_NAME.findall(mod.script()))
 
 
 def _dumps(value) -> str:
@@ -91,7 +97,6 @@ class _RecordWriter:
     ``TuningRecord.as_json`` hands to Python unconverted.)"""
 
     def __init__(self):
-        import tempfile
         self._folder = tempfile.TemporaryDirectory(prefix="autofuse-record-writer-")
         self._records = os.path.join(self._folder.name, "records.json")
         self._db = ms.database.JSONDatabase(path_workload=os.path.join(self._folder.name, "workloads.json"),
@@ -189,7 +194,7 @@ class SafeJSONDatabase(ms.database.PyDatabase):
         self._record_file = _File(path_tuning_record)
         self.problems: list[Problem] = []
         self._workloads: dict[int, ms.database.Workload] = {}       # file line index -> workload
-        self._by_hash: dict[tuple, list[int]] = {}                   # workload_key -> indices
+        self._by_hash: dict[tuple, list[int]] = {}                   # _index_key -> indices
         self._records: list[tuple[int, ms.database.TuningRecord]] = []
         self._record_lines: list[int] = []                           # file line of each record
         self._record_bodies: list[str] = []                          # each record's JSON text
@@ -285,6 +290,43 @@ class SafeJSONDatabase(ms.database.PyDatabase):
             self._refresh()
             yield
 
+    def compact(self, keep: int, usable=lambda record: True) -> tuple[int, int]:
+        """Rewrite the files with the ``keep`` fastest valid and ``usable`` records of each workload
+        (workloads left without one are dropped), in their original order, and without the lines
+        that were skipped as damaged. Returns (records before, records after).
+
+        The old files stay as ``*.bak``. Crash-safe: see ``finish_compaction``."""
+        wpath, rpath = self._workload_file.path, self._record_file.path
+        folder = os.path.dirname(os.path.abspath(wpath))
+        with self.exclusive():
+            records = self._records
+            kept_ids = set()
+            for index in self._workloads:
+                ranked = sorted((r for r in records
+                                 if r[0] == index and mean_secs(r[1]) < FAILED_RUN_SECS and usable(r[1])),
+                                key=lambda r: mean_secs(r[1]))
+                kept_ids.update(id(r) for r in ranked[:keep])
+            kept = [r for r in records if id(r) in kept_ids]
+            new_index = {}
+            workload_lines = []
+            for index in sorted({i for i, _ in kept}):
+                new_index[index] = len(workload_lines)
+                workload_lines.append(_dumps(self._workloads[index].as_json()))
+            bodies = {id(r): body for r, body in zip(records, self._record_bodies)}
+            record_lines = [f"[{new_index[r[0]]},{bodies[id(r)]}]" for r in kept]
+            for path, lines in ((wpath, workload_lines), (rpath, record_lines)):
+                with open(f"{path}.new", "w", encoding="utf-8") as f:
+                    f.writelines(line + "\n" for line in lines)
+                    f.flush()
+                    os.fsync(f.fileno())
+            _write_durably(os.path.join(folder, COMPACT_MARKER), "swap\n")
+            finish_compaction(folder)
+            # Start over from the new files.
+            self._workload_file, self._record_file = _File(wpath), _File(rpath)
+            self._workloads, self._by_hash, self._records, self._record_lines, self._record_bodies = {}, {}, [], [], []
+            self._refresh()
+        return len(records), len(kept)
+
     # --- internals ---------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -297,14 +339,14 @@ class SafeJSONDatabase(ms.database.PyDatabase):
                 fcntl.flock(handle, fcntl.LOCK_UN)
 
     def _find(self, mod: tvm.IRModule) -> int | None:
-        for index in self._by_hash.get(workload_key(mod), ()):
+        for index in self._by_hash.get(_index_key(mod), ()):
             if tvm_ffi.structural_equal(self._workloads[index].mod, mod):
                 return index
         return None
 
     def _add_workload(self, index: int, workload: ms.database.Workload) -> None:
         self._workloads[index] = workload
-        self._by_hash.setdefault(workload_key(workload.mod), []).append(index)
+        self._by_hash.setdefault(_index_key(workload.mod), []).append(index)
 
     def _skip(self, path: str, line: int, reason: str) -> None:
         problem = Problem(path, line, reason)
@@ -340,50 +382,87 @@ class SafeJSONDatabase(ms.database.PyDatabase):
                            else f"record TVM cannot parse ({_reason(err)})")
 
 
+class JSONLinesFile:
+    """An append-only file of JSON objects, one a line, kept as the database files are: each append
+    happens under the folder's exclusive lock (``.lock``, shared with ``SafeJSONDatabase``) after
+    reading what other processes appended, as one fsync'ed write; a line that is not a JSON object
+    is skipped and listed in ``problems``; a half-written last line is skipped and moved aside to
+    ``<file>.damaged`` by the next append. ``rewrite`` replaces the whole file atomically, keeping
+    the old one as ``<file>.bak``. The file is only created by the first append."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock_path = os.path.join(os.path.dirname(os.path.abspath(path)), LOCK)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._file = _File(self.path)
+        self._entries: list[tuple[int, dict]] = []
+        self.problems: list[Problem] = []
+
+    def entries(self) -> list[tuple[int, dict]]:
+        """(line number, object) of every readable line, in file order."""
+        if not os.path.exists(self.path):
+            return []
+        with self._locked(fcntl.LOCK_SH):
+            self._refresh()
+        return list(self._entries)
+
+    def append(self, value: dict) -> None:
+        with self._locked(fcntl.LOCK_EX):
+            self._refresh()
+            self._file.append(_dumps(value))
+            self._entries.append((self._file.lines, value))
+
+    def rewrite(self, values: list[dict]) -> None:
+        """Replace the file's lines by ``values``: written and fsync'ed beside it, the old file
+        hard-linked to ``.bak``, then swapped in by one rename (a kill leaves old or new)."""
+        with self._locked(fcntl.LOCK_EX):
+            new = f"{self.path}.new"
+            with open(new, "w", encoding="utf-8") as f:
+                f.writelines(_dumps(v) + "\n" for v in values)
+                f.flush()
+                os.fsync(f.fileno())
+            if os.path.exists(self.path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(f"{self.path}.bak")
+                os.link(self.path, f"{self.path}.bak")
+            os.replace(new, self.path)
+            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            self._reset()
+            self._refresh()
+
+    @contextlib.contextmanager
+    def _locked(self, mode: int):
+        with open(self._lock_path, "a", encoding="utf-8") as handle:
+            fcntl.flock(handle, mode)
+            try:
+                yield
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+    def _refresh(self) -> None:
+        for number, text in self._file.read_new():
+            try:
+                value = json.loads(text)
+            except ValueError as err:
+                value, reason = None, f"not JSON ({_reason(err)})"
+            else:
+                reason = "not a JSON object"
+            if not isinstance(value, dict):
+                problem = Problem(self.path, number, reason)
+                self.problems.append(problem)
+                log.warning("%s; skipped", problem)
+                continue
+            self._entries.append((number, value))
+
+
 def _reason(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return f"{type(err).__name__}: {text[0][:120]}" if text else type(err).__name__
 
 
 # --- compaction ---------------------------------------------------------------------------------
-
-def compact(db: SafeJSONDatabase, keep: int, usable=lambda record: True) -> tuple[int, int]:
-    """Rewrite the database with the ``keep`` fastest valid and ``usable`` records of each workload
-    (workloads left without one are dropped), in their original order, and without the lines that
-    were skipped as damaged. Returns (records before, records after).
-
-    The old files stay as ``*.bak``. Crash-safe: see ``finish_compaction``."""
-    wpath, rpath = db._workload_file.path, db._record_file.path
-    folder = os.path.dirname(os.path.abspath(wpath))
-    with db.exclusive():
-        records = db._records
-        kept_ids = set()
-        for index in db._workloads:
-            ranked = sorted((r for r in records
-                             if r[0] == index and mean_secs(r[1]) < FAILED_RUN_SECS and usable(r[1])),
-                            key=lambda r: mean_secs(r[1]))
-            kept_ids.update(id(r) for r in ranked[:keep])
-        kept = [r for r in records if id(r) in kept_ids]
-        new_index = {}
-        workload_lines = []
-        for index in sorted({i for i, _ in kept}):
-            new_index[index] = len(workload_lines)
-            workload_lines.append(_dumps(db._workloads[index].as_json()))
-        bodies = {id(r): body for r, body in zip(records, db._record_bodies)}
-        record_lines = [f"[{new_index[r[0]]},{bodies[id(r)]}]" for r in kept]
-        for path, lines in ((wpath, workload_lines), (rpath, record_lines)):
-            with open(f"{path}.new", "w", encoding="utf-8") as f:
-                f.writelines(line + "\n" for line in lines)
-                f.flush()
-                os.fsync(f.fileno())
-        _write_durably(os.path.join(folder, COMPACT_MARKER), "swap\n")
-        finish_compaction(folder)
-        # Start over from the new files.
-        db._workload_file, db._record_file = _File(wpath), _File(rpath)
-        db._workloads, db._by_hash, db._records, db._record_lines, db._record_bodies = {}, {}, [], [], []
-        db._refresh()
-    return len(records), len(kept)
-
 
 def finish_compaction(folder: str) -> None:
     """Complete or undo a compaction cut short (called with the lock held): with the commit

@@ -12,7 +12,7 @@ import os
 import re
 
 import tvm
-from tvm.target import Target
+from tvm.target import Target, codegen
 
 from .errors import AutofuseError
 
@@ -28,7 +28,6 @@ def host_cores() -> int:
 
 
 def host_llvm() -> dict:
-    from tvm.target import codegen
     return {"kind": "llvm", "num-cores": host_cores(), "mcpu": codegen.llvm_get_system_cpu()}
 
 

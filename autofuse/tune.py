@@ -19,9 +19,11 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 
+import tvm.s_tir
 from tvm import IRModule, tirx
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
+from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 from tvm.target import Target
 
 from .errors import AutofuseError
@@ -110,9 +112,7 @@ def fast_build(mod, target, _params):
     """MetaSchedule's default build first imports every tensor intrinsic (~1 min on 2 cores), longer
     than the builder's timeout; build without that import (the tuning process registers what the
     target needs, and the scheduled IR is already tensorized)."""
-    from tvm.tirx import build as tvm_build
-    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
-    return tvm_build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
+    return tirx.build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target=target)
 
 
 _INTRIN_PACKAGE = "tvm.s_tir.tensor_intrin"
@@ -136,7 +136,6 @@ def register_tensor_intrinsics(target: Target) -> float:
             spec = importlib.util.find_spec(_INTRIN_PACKAGE)
             package = importlib.util.module_from_spec(spec)
             sys.modules[_INTRIN_PACKAGE] = package
-            import tvm.s_tir
             tvm.s_tir.tensor_intrin = package
         for name in modules:
             importlib.import_module(f"{_INTRIN_PACKAGE}.{name}")

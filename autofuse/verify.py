@@ -1,21 +1,252 @@
-"""The one numerical check of a built kernel: run it on seeded inputs and compare every output with
-the pattern's numpy reference at the bound ``autofuse.accuracy`` derives for the dtype."""
+"""The one path from a kernel to what runs, for ``tune``, ``build`` and ``compare`` alike: its
+default schedules, building it, the numerical check every schedule passes before it is used, and
+the choice between the best checked record and the checked default.
+
+A kernel here is anything with ``name``, ``func`` (the PrimFunc its schedules are made of),
+``workload`` (what its tuning records are filed under) and ``pattern``, ``shape``, ``dtype`` (None
+for a kernel no pattern made): a pattern workload (``tune_patterns.Job``) or a model's kernel
+(``model.kernels.Kernel``).
+
+- Default schedules, in the order they are tried: each of the pattern's kernel templates that
+  applies at its default knobs (``autofuse.kernel_templates``), each of its schedule rules with its
+  fixed knobs, then what TVM runs untuned: dlight's rules on a GPU (an unscheduled GPU kernel builds and
+  then crashes the device), the TensorIR as written on a CPU.
+- The check: a pattern kernel against the pattern's numpy reference; any other kernel against its
+  untuned self on seeded data (reordered float sums differ a little); both by
+  ``autofuse.accuracy.compare`` at the bound of the dtype and the longest reduction. A template
+  default is checked like any record, and one that fails is not used.
+"""
 
 from __future__ import annotations
 
-import tvm
+import dataclasses
+from collections.abc import Callable
+from typing import Protocol
 
-from .accuracy import Check
-from .measure import empty_outputs, to_device
-from .pattern import Pattern, Shape
+import tvm
+from tvm import s_tir, tirx
+from tvm.target import Target
+
+from .accuracy import Check, compare, reduction_length
+from . import kernel_templates
+from .database import TuningDatabase
+from .measure import empty_outputs, param_arrays, run_on, time_function, to_device
+from .pattern import DLIGHT, Pattern, Shape
+
+# What ``Choice.source`` says when a default runs (a record's says which space it came from).
+TEMPLATE_DEFAULT = "template-default"
+UNSCHEDULED = "unscheduled"
+DEFAULTS = (TEMPLATE_DEFAULT, DLIGHT.name, UNSCHEDULED)
+
+# Takes a schedule, or the module of a kernel template's kernel.
+CheckFn = Callable[[s_tir.Schedule | tvm.IRModule], tuple[bool, str]]
+
+
+class Kernel(Protocol):
+    name: str
+    func: tirx.PrimFunc
+    workload: tirx.PrimFunc | tvm.IRModule
+    pattern: Pattern | None
+    shape: Shape | None
+    dtype: str | None
+
+
+def build_kernel(mod: tvm.IRModule | tirx.PrimFunc, target: Target):
+    """A kernel template's kernel goes through the tirx pipeline, everything else through s_tir."""
+    if kernel_templates.has_tirx(mod):
+        return kernel_templates.build_tirx(mod, target)
+    return tvm.tirx.build(mod, target=target)
+
+
+def untuned(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule:
+    """What TVM runs without a record or template (see the module docstring); ValueError where no
+    dlight rule schedules ``func``."""
+    if DLIGHT.applies_to(target):
+        return DLIGHT.apply(func, target, tunable=False)
+    return s_tir.Schedule(func)
+
+
+def untuned_source(target: Target) -> str:
+    return DLIGHT.name if DLIGHT.applies_to(target) else UNSCHEDULED
+
+
+def default_schedule(func: tirx.PrimFunc, target: Target, pattern: Pattern | None = None, *,
+                     fallback: bool = True) -> s_tir.Schedule:
+    """The first default that applies, unchecked: the first of ``pattern``'s templates for
+    ``target`` with fixed knobs, else (with ``fallback``) the untuned kernel. ValueError when none."""
+    refused = []
+    for template in pattern.templates_for(target) if pattern is not None else ():
+        try:
+            sch = template.apply(func, target, tunable=False)
+        except Exception as err:  # a template that does not fit this TensorIR: try the next
+            refused.append(f"{template.name}: {_first_line(err)}")
+            continue
+        if sch is not None:
+            return sch
+    if fallback:
+        return untuned(func, target)
+    name = pattern.name if pattern is not None else "this kernel"
+    raise ValueError(f"no template of {name!r} applies on {target.kind.name}"
+                     + (f" ({'; '.join(refused)})" if refused else ""))
 
 
 def check_module(pattern: Pattern, rt_mod, func, shape: Shape, dtype: str, dev, seed: int = 1234) -> Check:
-    """Run ``rt_mod`` (built from a schedule of ``func``) on fresh inputs and compare."""
+    """Run ``rt_mod`` (built from a schedule of ``func``) on fresh inputs and compare with the
+    pattern's reference."""
     inputs = pattern.make_inputs(shape, dtype, seed)
-    outputs = empty_outputs(pattern.output_specs(func), dev)
+    specs = pattern.output_specs(func)
+    outputs = empty_outputs(specs, dev)
     try:
         rt_mod(*to_device(inputs, dev), *outputs)
     except tvm.error.TVMError as err:
-        return Check(False, float("inf"), float("inf"), 0.0, f"kernel failed: {str(err).splitlines()[0]}")
+        return Check(False, float("inf"), float("inf"), 0.0, f"kernel failed: {_first_line(err)}")
     return pattern.check([o.numpy() for o in outputs], inputs, shape, dtype, func)
+
+
+def checker(kernel: Kernel, target: Target, dev) -> CheckFn:
+    """``check(schedule) -> (ok, message)``, as ``TuningDatabase.best`` takes it: build the
+    schedule and compare on fresh inputs (see the module docstring for against what)."""
+    if kernel.pattern is not None:
+        def check_pattern(sch):
+            try:
+                rt = build_kernel(sch if isinstance(sch, tvm.IRModule) else sch.mod, target)
+            except Exception as err:  # a record that no longer builds is as unusable as a wrong one
+                return False, f"build failed: {_first_line(err)}"
+            result = check_module(kernel.pattern, rt, kernel.func, kernel.shape, kernel.dtype, dev)
+            return result.ok, result.message or f"max abs error {result.max_abs_err:.2g}"
+        return check_pattern
+
+    reference = []  # (arrays, expected): made at the first check
+
+    def check_generic(sch):
+        if not reference:
+            arrays = param_arrays(kernel.func, seed=7)
+            reference.append((arrays, run_on(build_kernel(untuned(kernel.func, target).mod, target), arrays, dev)))
+        arrays, expected = reference[0]
+        try:
+            got = run_on(build_kernel(sch.mod, target), arrays, dev)
+        except Exception as err:
+            return False, f"kernel failed: {_first_line(err)}"
+        result = compare(got, expected, accumulation=reduction_length(kernel.func))
+        return result.ok, result.message or f"max abs error {result.max_abs_err:.2g}"
+    return check_generic
+
+
+def time_kernel(kernel: Kernel, rt, dev, repeat: int = 10, min_repeat_ms: int = 50) -> float:
+    """Median seconds of ``rt`` on seeded inputs: the pattern's own for a pattern kernel, random
+    data for its parameters otherwise."""
+    if kernel.pattern is not None:
+        inputs = kernel.pattern.make_inputs(kernel.shape, kernel.dtype, 0)
+        specs = kernel.pattern.output_specs(kernel.func)
+        args = to_device(inputs, dev) + empty_outputs(specs, dev)
+    else:
+        args = to_device(param_arrays(kernel.func, seed=0), dev)
+    return time_function(rt, args, dev, repeat=repeat, min_repeat_ms=min_repeat_ms).median_secs
+
+
+@dataclasses.dataclass
+class Choice:
+    """What runs for a kernel."""
+    mod: tvm.IRModule
+    # A record's space ("template:<name>", "generic"), or which default: "template-default",
+    # "dlight" or "unscheduled".
+    source: str
+    trace: s_tir.Trace | None
+    # Timed here only when a record and a default were timed against each other.
+    secs: float | None = None
+    record_source: str | None = None   # the best checked record's space, also when the default won
+    record_secs: float | None = None
+    default_secs: float | None = None
+    # Why defaults before this one were passed over (also among ``choose``'s rejected lines).
+    notes: list[str] = dataclasses.field(default_factory=list)
+    # A kernel template's knob values (``mod`` then holds its tirx kernel; source "kernel:<name>"
+    # for a record).
+    knobs: dict | None = None
+
+    @property
+    def is_record(self) -> bool:
+        return self.source not in DEFAULTS
+
+
+def choose(kernel: Kernel, db: TuningDatabase | None, target: Target, dev, *, defaults: bool = True,
+           fallback: bool = False, repeat: int = 10, min_repeat_ms: int = 50) -> tuple[Choice | None, list[str]]:
+    """Never worse than no tuning: the best checked record of each kind (MetaSchedule's, a kernel
+    template's) and the first default that passes its check, timed on the same inputs; the fastest
+    one runs (a short search can leave records slower than the template's fixed knobs).
+
+    ``defaults`` off: records only (how the generic space is measured on its own). ``fallback``:
+    when no template default passes, the untuned kernel (a model's every kernel must run). ``dev``
+    None: nothing runs here, so nothing is checked (compiling for a device this machine lacks).
+    Returns None when nothing may run, and one line per candidate not used."""
+    check = checker(kernel, target, dev) if dev is not None else None
+    records, rejected = [], []
+    if db is not None:
+        if check is None:
+            raise ValueError("records are only used after their check, which needs a device")
+        chosen, rejected = db.best(kernel.workload, check)
+        if chosen is not None:
+            records.append(Choice(chosen.schedule.mod, chosen.source, chosen.record.trace,
+                                  record_source=chosen.source))
+        # A kernel record was checked when it was measured (its verdict is in the record).
+        found, module, passed_over = kernel_templates.best_record(kernel, db, target)
+        rejected = rejected + passed_over
+        if found is not None:
+            records.append(Choice(module, found.source, None, record_source=found.source, knobs=found.knobs))
+    notes: list[str] = []
+    default = _checked_default(kernel, target, check, fallback, notes) if defaults else None
+    rejected = rejected + notes
+    if default is not None:
+        default.notes = notes
+    candidates = records + ([default] if default is not None else [])
+    if len(candidates) <= 1:
+        return (candidates[0] if candidates else None), rejected
+    for candidate in candidates:
+        candidate.secs = time_kernel(kernel, build_kernel(candidate.mod, target), dev, repeat, min_repeat_ms)
+    record = min(records, key=lambda c: c.secs)  # ties: MetaSchedule's, listed first
+    winner = record if default is None or record.secs <= default.secs else default
+    return dataclasses.replace(winner, record_source=record.source, record_secs=record.secs,
+                               default_secs=default.secs if default is not None else None), rejected
+
+
+def _checked_default(kernel: Kernel, target: Target, check: CheckFn | None, fallback: bool,
+                     notes: list[str]) -> Choice | None:
+    """The first default schedule that applies and passes ``check``; each one passed over is
+    said in ``notes``. A kernel template that applies comes before the schedule rules."""
+    for template, knobs, mod in kernel_templates.default_choices(kernel, target):
+        ok, message = check(mod) if check is not None else (True, "")
+        if ok:
+            return Choice(mod, TEMPLATE_DEFAULT, None, knobs=knobs)
+        notes.append(f"template default failed the numerical check ({template.name}): {message}")
+    templates = kernel.pattern.templates_for(target) if kernel.pattern is not None else []
+    for template in templates:
+        try:
+            sch = template.apply(kernel.func, target, tunable=False)
+        except Exception as err:  # a template that does not fit this shape: try the next
+            notes.append(f"template default ({template.name}) does not apply: {_first_line(err)}")
+            continue
+        if sch is None:
+            continue
+        ok, message = check(sch) if check is not None else (True, "")
+        if ok:
+            return Choice(sch.mod, TEMPLATE_DEFAULT, sch.trace)
+        notes.append(f"template default failed the numerical check ({template.name}): {message}")
+    if not fallback or DLIGHT in templates:
+        return None
+    source = untuned_source(target)
+    try:
+        sch = untuned(kernel.func, target)
+    except ValueError as err:
+        notes.append(f"no {target.kind.name} schedule: {_first_line(err)}")
+        return None
+    # The untuned kernel is the reference of a kernel no pattern made; a pattern's is judged too.
+    ok, message = check(sch) if check is not None and kernel.pattern is not None else (True, "")
+    if not ok:
+        notes.append(f"{source} failed the numerical check: {message}")
+        return None
+    if templates:
+        notes.append(f"{source} used: no template default passed")
+    return Choice(sch.mod, source, sch.trace)
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]

@@ -23,7 +23,8 @@ from autofuse.dynamic import build_dynamic, check_sizes  # noqa: E402
 from autofuse.registry import get_pattern  # noqa: E402
 from autofuse.report import machine_info, write_json  # noqa: E402
 from autofuse.target import device_for, parse_target, target_key  # noqa: E402
-from autofuse.tune_patterns import Job, build_kernel, time_kernel  # noqa: E402
+from autofuse.tune_patterns import Job  # noqa: E402
+from autofuse.verify import build_kernel, default_schedule, time_kernel  # noqa: E402
 
 DEFAULT_SIZES = "1x300,16x16,64x64,100x100,256x256,300x700,512x512,1000x1000"
 
@@ -49,7 +50,7 @@ def main() -> int:
         size = {"seq_q": seq_q, "seq_kv": seq_kv}
         (result,) = check_sizes(pattern, rt, shape, [size], "float32", dev, repeat=args.repeat)
         job = Job(pattern, {**shape, **size}, "float32")
-        static = build_kernel(pattern.default_schedule(job.func, target).mod, target)
+        static = build_kernel(default_schedule(job.func, target, pattern).mod, target)
         static_ms = time_kernel(job, static, dev, args.repeat) * 1e3
         rows.append({"seq_q": seq_q, "seq_kv": seq_kv, "ok": result.ok, "max_abs_err": result.max_abs_err,
                      "symbolic_ms": result.median_ms, "static_default_ms": static_ms})

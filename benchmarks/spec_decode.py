@@ -159,12 +159,13 @@ class Acceptor:
 
     def __init__(self, k: int, target):
         import tvm
-        from autofuse.tune_patterns import Job, build_kernel
+        from autofuse.tune_patterns import Job
+        from autofuse.verify import build_kernel, default_schedule
         pattern = get_pattern("spec_accept")
         self.shape = {**pattern.default_shape(), "batch": 1, "k": k, "vocab": VOCAB, "greedy": 1}
         job = Job(pattern, self.shape, "float32")
         self.pattern, self.tvm, self.dev = pattern, tvm, device_for(target)
-        self.rt = build_kernel(pattern.default_schedule(job.func, target).mod, target)
+        self.rt = build_kernel(default_schedule(job.func, target, pattern).mod, target)
         self.specs = pattern.output_specs(job.func)
         # q and u are unread in greedy mode; made once, since their inputs redraw near-ties.
         self.unused = [tvm.runtime.tensor(a, self.dev) for a in pattern.make_inputs(self.shape, "float32", 0)[2:]]

@@ -54,7 +54,8 @@ def test_no_passing_record_means_no_choice(tuned_db, tmp_path):
 
 def test_best_of_real_tuning_passes_the_reference(tuned_db):
     import tvm
-    from autofuse.tune_patterns import Job, checker
+    from autofuse.tune_patterns import Job
+    from autofuse.verify import checker
     root, _ = tuned_db
     target = parse_target("llvm")
     pattern = get_pattern("linear_bias_relu")

@@ -12,7 +12,8 @@ from autofuse import dynamic
 from autofuse.database import TuningDatabase
 from autofuse.errors import AutofuseError
 from autofuse.target import parse_target
-from autofuse.tune_patterns import Choice, build_kernel
+from autofuse.database import record_source
+from autofuse.verify import Choice, build_kernel
 from search_spaces.attention import flash_attention as fa
 
 TARGET = parse_target("llvm")
@@ -100,7 +101,8 @@ def test_database_choice_is_replayed(tmp_path):
 
 def _record_wins(monkeypatch):
     def choose(job, db, target, dev, *args, **kwargs):
-        return Choice(job.func, "template:flash_tiles", 1e-6, 1e-6), []
+        trace = db.records(job.func)[0].trace
+        return Choice(job.func, record_source(trace), trace, 1e-6, record_source(trace), 1e-6, 2e-6), []
     monkeypatch.setattr(dynamic, "choose", choose)
 
 

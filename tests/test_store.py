@@ -11,7 +11,7 @@ import tvm
 from tvm.s_tir import meta_schedule as ms
 from tvm.script import tirx as T
 
-from autofuse.store import COMPACT_MARKER, SafeJSONDatabase, compact, finish_compaction, mean_secs
+from autofuse.store import COMPACT_MARKER, SafeJSONDatabase, finish_compaction, mean_secs
 
 TARGET = tvm.target.Target({"kind": "llvm", "num-cores": 2})
 
@@ -146,7 +146,7 @@ def test_two_processes_committing_at_once_lose_nothing(tmp_path):
 def test_compact_keeps_the_best_k_and_plain_tvm_reads_it(tmp_path):
     db = _fill(tmp_path, sizes=(16, 32, 48), per_workload=5)
     db.commit_tuning_record(_record(db.commit_workload(_func(64)), 1e10))  # failed only: dropped
-    assert compact(db, keep=2) == (16, 6)
+    assert db.compact(keep=2) == (16, 6)
     plain = _plain_tvm(tmp_path)
     assert len(plain) == 6
     for n in (16, 32, 48):
@@ -196,9 +196,10 @@ def test_a_trace_holding_an_index_map_is_written_as_metaschedule_writes_it(tmp_p
     from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 
     from autofuse.registry import get_pattern
+    from autofuse.verify import default_schedule
     pattern = get_pattern("cross_attention")
     func = pattern.build(pattern.small_shape(), "float32")
-    sch = pattern.default_schedule(func, TARGET)
+    sch = default_schedule(func, TARGET, pattern)
     assert "transform_layout" in str(sch.trace.as_python())
     db = _open(tmp_path)
     workload = db.commit_workload(_normalize_mod(func))

@@ -17,11 +17,12 @@ def prepare_relax(subject: Subject, ctx: Context, fusion: str, db) -> tuple[Prep
 
     from ..model import build as model_build
     from ..model.jobs import prepare
+    from ..model.kernels import apply_database
 
     if subject.onnx_path is None:
         raise Unavailable(f"{subject.name} has no ONNX graph to import")
     prepared = prepare(subject.onnx_path, fusion)
-    mod, decisions = model_build.apply_database(prepared.mod, db, ctx.target, ctx.dev)
+    mod, decisions = apply_database(prepared.mod, db, ctx.target, ctx.dev)
     main = relax.VirtualMachine(model_build.build(mod, ctx.target), ctx.dev)["main"]
     args = [tvm.runtime.tensor(x, ctx.dev) for x in subject.inputs]
     last = {}

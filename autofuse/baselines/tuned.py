@@ -27,7 +27,8 @@ class Autofuse:
     @staticmethod
     def _pattern(subject: Subject, ctx: Context) -> Prepared:
         from ..measure import empty_outputs, to_device
-        from ..tune_patterns import Job, choose
+        from ..tune_patterns import Job
+        from ..verify import choose
 
         job = Job(subject.pattern, subject.shape, subject.dtype)
         choice, rejected = choose(job, ctx.db, ctx.target, ctx.dev)

@@ -13,6 +13,7 @@ import json
 
 import tvm
 from tvm import relax
+from tvm.relax.dpl import rewrite_call
 
 from ..errors import AutofuseError
 from ..pattern import constant_value, dtype_of, static_shape  # noqa: F401 (the rules' matching helpers)
@@ -57,8 +58,6 @@ def fuse(mod: tvm.IRModule, mode: str) -> tuple[tvm.IRModule, dict[str, int]]:
 
 def match_patterns(mod: tvm.IRModule) -> tuple[tvm.IRModule, dict[str, int]]:
     """Replace every subgraph a pattern's ``RelaxRule`` matches by a call to its PrimFunc."""
-    from tvm.relax.dpl import rewrite_call
-
     builder = relax.BlockBuilder(mod)
     functions = {gv: f for gv, f in mod.functions_items() if isinstance(f, relax.Function)}
     rules = [(pattern, rule) for pattern in all_patterns().values() for rule in pattern.relax_rules]

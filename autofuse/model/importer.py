@@ -8,16 +8,16 @@ from __future__ import annotations
 
 import os
 
+import google.protobuf.message
 import numpy as np
+import onnx
+from tvm.relax.frontend.onnx import from_onnx, onnx_frontend
 
 from ..errors import AutofuseError
 
 
 def load_onnx(path: str):
     """Read and check an ONNX model file."""
-    import onnx
-    import google.protobuf.message
-
     if not os.path.exists(path):
         raise AutofuseError(f"model file {path} does not exist")
     if os.path.isdir(path):
@@ -39,16 +39,12 @@ def load_onnx(path: str):
 
 
 def unsupported_ops(model) -> list[str]:
-    from tvm.relax.frontend.onnx import onnx_frontend
-
     known = set(onnx_frontend._get_convert_map()) | {"If", "Constant"}
     return sorted({node.op_type for node in model.graph.node if node.op_type not in known})
 
 
 def to_relax(model, path: str = "model"):
     """The Relax IRModule of ``model``, weights embedded as constants."""
-    from tvm.relax.frontend.onnx import from_onnx
-
     missing = unsupported_ops(model)
     if missing:
         raise AutofuseError(f"{path} uses ONNX op(s) the Relax frontend cannot import: {', '.join(missing)}")
@@ -60,8 +56,6 @@ def to_relax(model, path: str = "model"):
 
 def input_specs(model) -> list[tuple[str, tuple[int, ...], str]]:
     """(name, shape, numpy dtype) of each graph input that is not an initializer."""
-    import onnx
-
     initializers = {init.name for init in model.graph.initializer}
     specs = []
     for value in model.graph.input:

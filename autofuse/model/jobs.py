@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import json
 import os
 import time
 
 import numpy as np
 import tvm
+from tvm import relax
 from tvm.target import Target
 
 from ..database import TuningDatabase
 from ..errors import AutofuseError
+from ..progress import tuning_bar
 from ..target import device_for
 from ..tune import TuneStats, tune
 from . import build as model_build
 from .fusion import fuse, kernel_names
 from .importer import input_specs, load_onnx, random_inputs, to_relax
+from .kernels import apply_database
 from .tuning import model_tasks
 
 
@@ -37,15 +40,14 @@ class PreparedModel:
 def prepare(path: str, fusion: str) -> PreparedModel:
     model = load_onnx(path)
     input_specs(model)  # symbolic input dimensions are an error before any work
-    mod, matches = fuse(to_relax(model, path), fusion)
+    imported = to_relax(model, path)
+    mod, matches = fuse(imported, fusion)
     return PreparedModel(path, model, fusion, mod, matches)
 
 
 def tune_model(prepared: PreparedModel, target: Target, db: TuningDatabase, *, trials: int, space: str,
                seed: int | None, progress: bool = True, run_timeout: float = 30.0,
                runner=None, runner_status=None) -> tuple[list, TuneStats]:
-    from ..progress import tuning_bar
-
     tasks = model_tasks(prepared.mod, target, space)
     with tuning_bar(trials, [t.name for t in tasks], progress, runner_status) as (on_phase, on_progress):
         stats = tune(tasks, target, db.ms, db.work_dir, trials_per_task=trials, trials_total=trials,
@@ -60,42 +62,53 @@ class BuildResult:
     kernels: list[str]
     latency_ms: float
     max_abs_err: float | None
-    max_rel_err: float | None
+    scaled_err: float | None   # max abs error over the outputs' scale (``autofuse.accuracy``)
     verified: bool | None      # None: not checked (--no-verify or no onnxruntime)
     message: str = ""
+    library: str | None = None  # where the library was written; None: it failed its check
 
 
 def build_model(prepared: PreparedModel, target: Target, db: TuningDatabase | None, output: str, *,
                 verify: bool = True, seed: int = 0, repeat: int = 10, cuda_graph: bool = False) -> BuildResult:
+    """Build, export under temporary names, check the exported library against onnxruntime, and
+    only then move it (and its ``.json``) to ``output``."""
     dev = device_for(target)
     if not dev.exist:
         raise AutofuseError(f"no {target.kind.name} device on this machine: cannot run or check the build")
-    mod, decisions = model_build.apply_database(prepared.mod, db, target, dev)
+    mod, decisions = apply_database(prepared.mod, db, target, dev)
     executable = model_build.build(mod, target, cuda_graph)
-    specs = input_specs(prepared.onnx)
     feeds = random_inputs(prepared.onnx, seed)
-    outputs = model_build.run_vm(executable, list(feeds.values()), dev)
     result = BuildResult(decisions, kernel_names(mod), _vm_latency_ms(executable, feeds, dev, repeat),
                          None, None, None)
-    if verify:
-        expected = model_build.onnxruntime_outputs(prepared.path, feeds)
-        if expected is None:
-            result.message = "onnxruntime is not installed: not verified (pip install -e '.[bench]')"
-        else:
-            check = model_build.check_against(outputs, expected, mod)
-            result.verified, result.max_abs_err, result.max_rel_err = check.ok, check.max_abs_err, check.scaled_err
-            result.message = check.message
-    model_build.export(executable, output, {
-        "model": os.path.abspath(prepared.path), "fusion": prepared.fusion, "target": str(target),
-        "cuda_graph": cuda_graph,
-        "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in specs],
-        "outputs": [o.name for o in prepared.onnx.graph.output],
-        "kernels": [dataclasses.asdict(d) for d in decisions], "built": time.strftime("%Y-%m-%d %H:%M:%S")})
+    with model_build.StagedLibrary(executable, output) as staged:
+        if verify:
+            expected = model_build.onnxruntime_outputs(prepared.path, feeds)
+            if expected is None:
+                result.message = "onnxruntime is not installed: not verified (pip install -e '.[bench]')"
+            else:
+                outputs = model_build.run_vm(staged.load(), list(feeds.values()), dev)
+                check = model_build.check_against(outputs, expected, mod)
+                result.verified, result.max_abs_err, result.scaled_err = check.ok, check.max_abs_err, check.scaled_err
+                result.message = check.message
+        if result.verified is not False:
+            staged.commit(_library_meta(prepared, target, cuda_graph, decisions, result))
+            result.library = output
     return result
 
 
+def _library_meta(prepared: PreparedModel, target: Target, cuda_graph: bool, decisions: list,
+                  result: BuildResult) -> dict:
+    return {
+        "model": os.path.abspath(prepared.path), "fusion": prepared.fusion, "target": str(target),
+        "cuda_graph": cuda_graph,
+        "inputs": [{"name": n, "shape": list(s), "dtype": d} for n, s, d in input_specs(prepared.onnx)],
+        "outputs": [o.name for o in prepared.onnx.graph.output],
+        "kernels": [dataclasses.asdict(d) for d in decisions],
+        "verified": result.verified, "max_abs_err": result.max_abs_err, "scaled_err": result.scaled_err,
+        "built": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
 def _vm_latency_ms(executable, feeds, dev, repeat: int) -> float:
-    from tvm import relax
     vm = relax.VirtualMachine(executable, dev)
     args = [tvm.runtime.tensor(x, dev) for x in feeds.values()]
     timer = vm.time_evaluator("main", dev, number=1, repeat=repeat, min_repeat_ms=50)
@@ -127,7 +140,6 @@ def load_inputs(meta: dict, inputs_path: str | None, seed: int) -> dict[str, np.
 
 
 def run_library(library: str, inputs_path: str | None, seed: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
-    import json
     meta_path = library + ".json"
     if not os.path.exists(library):
         raise AutofuseError(f"library {library} does not exist")
@@ -137,7 +149,7 @@ def run_library(library: str, inputs_path: str | None, seed: int = 0) -> tuple[d
         meta = json.load(f)
     feeds = load_inputs(meta, inputs_path, seed)
     try:
-        with _native_stderr_silenced():  # TVM logs a "Scope Loaded" warning per constant scope
+        with model_build.native_stderr_silenced():  # TVM logs a "Scope Loaded" warning per constant scope
             lib = tvm.runtime.load_module(library)
     except Exception as err:
         raise AutofuseError(f"cannot load {library}: {str(err).strip().splitlines()[0]}") from None
@@ -145,15 +157,3 @@ def run_library(library: str, inputs_path: str | None, seed: int = 0) -> tuple[d
     outputs = model_build.run_vm(lib, list(feeds.values()), device_for(target))
     names = meta.get("outputs") or [f"output{i}" for i in range(len(outputs))]
     return meta, dict(zip(names, outputs))
-
-
-@contextlib.contextmanager
-def _native_stderr_silenced():
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-            yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)

@@ -1,31 +1,31 @@
-"""The kernels (PrimFuncs) of a fused model: their MetaSchedule workloads, the pattern each came
-from, and the numerical check a tuned record of each must pass."""
+"""The kernels (PrimFuncs) of a fused model and what each runs: their MetaSchedule workloads, the
+pattern each came from, the database applied kernel by kernel (through ``verify.choose``, never
+worse than the default), and each kernel's figures as built."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 
-import numpy as np
 import tvm
 from tvm import tirx
+from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.target import Target
 
+from .. import kernel_templates
+from ..database import TuningDatabase
 from ..errors import AutofuseError
-from ..measure import param_arrays, param_bytes, run_on, time_function, to_device
-from ..pattern import DLIGHT, Pattern
+from ..measure import param_bytes
+from ..pattern import Pattern
 from ..registry import get_pattern
-from ..accuracy import compare, reduction_length
-from ..verify import check_module
+from ..verify import TEMPLATE_DEFAULT, UNSCHEDULED, build_kernel, choose, time_kernel
 from .fusion import DTYPE_ATTR, PATTERN_ATTR, SHAPE_ATTR
-
-# A generic kernel is checked against its unscheduled self: reordered float sums differ a little.
 
 
 @dataclasses.dataclass
 class Kernel:
     gv: tvm.ir.GlobalVar
-    func: tirx.PrimFunc
+    original: tirx.PrimFunc      # as the model's module holds it
     pattern: Pattern | None
 
     @property
@@ -35,14 +35,19 @@ class Kernel:
     @property
     def workload(self) -> tvm.IRModule:
         """The module MetaSchedule's Relax integration tunes for this kernel (same structure)."""
-        return tvm.IRModule({"main": self.func.with_attr("global_symbol", "main")})
+        return tvm.IRModule({"main": self.original.with_attr("global_symbol", "main")})
 
     @property
-    def templates(self):
-        return self.pattern.templates if self.pattern else ()
+    def func(self) -> tirx.PrimFunc:
+        return self.workload["main"]
 
-    def pattern_shape(self) -> tuple[dict, str]:
-        return json.loads(str(self.func.attrs[SHAPE_ATTR])), str(self.func.attrs[DTYPE_ATTR])
+    @property
+    def shape(self) -> dict | None:
+        return json.loads(str(self.original.attrs[SHAPE_ATTR])) if self.pattern is not None else None
+
+    @property
+    def dtype(self) -> str | None:
+        return str(self.original.attrs[DTYPE_ATTR]) if self.pattern is not None else None
 
 
 def kernels(mod: tvm.IRModule) -> list[Kernel]:
@@ -55,81 +60,81 @@ def kernels(mod: tvm.IRModule) -> list[Kernel]:
     return sorted(found, key=lambda k: k.name)
 
 
-def runnable_workload(kernel: Kernel, target: Target) -> tvm.IRModule:
-    """A non-pattern kernel as TVM runs it without a record: as it is on a CPU; on a GPU under
-    dlight's rules, because an unscheduled GPU kernel builds but crashes when run."""
-    if not DLIGHT.applies_to(target):
-        return kernel.workload
-    try:
-        return DLIGHT.apply(kernel.workload["main"], target, tunable=False).mod
-    except ValueError as err:
-        raise AutofuseError(f"kernel {kernel.name} has no {target.kind.name} schedule: {err}") from None
+@dataclasses.dataclass
+class KernelDecision:
+    name: str
+    pattern: str | None
+    applied: str            # "record", "template-default" or "default"
+    source: str | None      # where the best checked record came from: template:<name> / generic
+    default_ms: float | None
+    tuned_ms: float | None
+    note: str = ""
+    records: int = 0        # tuning records of this kernel in the database, failed trials included
 
 
-def build_kernel(mod: tvm.IRModule, target: Target):
-    return tvm.tirx.build(mod, target=target)
+def apply_database(mod: tvm.IRModule, db: TuningDatabase | None, target: Target,
+                   dev) -> tuple[tvm.IRModule, list[KernelDecision]]:
+    """Each kernel gets its best checked record if that beats its default schedule, else the first
+    default that passes its check (pattern kernels: their template defaults, then the untuned
+    kernel). ``dev`` None: compiled for a device this machine lacks, so nothing is checked."""
+    decisions = []
+    mod = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(dict(mod.functions_items()))
+    for kernel in kernels(mod):
+        choice, rejected = choose(kernel, db, target, dev, fallback=True, repeat=5, min_repeat_ms=20)
+        if choice is None:
+            what = f"kernel {kernel.name}" + (f" ({kernel.pattern.name})" if kernel.pattern else "")
+            raise AutofuseError(f"{what} has nothing to run on {target.kind.name}: {'; '.join(rejected)}")
+        if choice.source != UNSCHEDULED:  # the TensorIR as written stays as TVM lowers it
+            mod[kernel.gv] = _as_kernel(choice.mod["main"], kernel)
+        records = db.count(kernel.workload)[1] + kernel_templates.count(kernel, db)[1] if db is not None else 0
+        decisions.append(_decision(kernel, choice, len(rejected) - len(choice.notes), records, db is not None))
+    return mod, decisions
 
 
-def make_checker(kernel: Kernel, target: Target, dev):
-    """``check(schedule) -> (ok, message)``: a pattern kernel against its numpy reference, any
-    other kernel against its own unscheduled version on seeded random data."""
-    if kernel.pattern is not None:
-        shape, dtype = kernel.pattern_shape()
-
-        def check_pattern(sch):
-            try:
-                rt = build_kernel(sch.mod, target)
-            except Exception as err:
-                return False, f"build failed: {str(err).strip().splitlines()[0]}"
-            result = check_module(kernel.pattern, rt, sch.mod["main"], shape, dtype, dev)
-            return result.ok, result.message
-        return check_pattern
-
-    arrays = param_arrays(kernel.func, seed=7)
-    expected = None
-
-    def check_generic(sch):
-        nonlocal expected
-        if expected is None:
-            expected = run_on(build_kernel(runnable_workload(kernel, target), target), arrays, dev)
-        try:
-            got = run_on(build_kernel(sch.mod, target), arrays, dev)
-        except Exception as err:
-            return False, f"kernel failed: {str(err).strip().splitlines()[0]}"
-        result = compare(got, expected, accumulation=reduction_length(kernel.func))
-        return result.ok, result.message
-    return check_generic
+def _decision(kernel: Kernel, choice, records_rejected: int, records: int, with_db: bool) -> KernelDecision:
+    notes = [f"{records_rejected} record(s) rejected by the numerical check"] if records_rejected else []
+    if choice.record_source is None and with_db and not records_rejected:
+        notes.append("no record")
+    if choice.record_source is not None and not choice.is_record:
+        notes.append("record slower than default")
+    notes += choice.notes
+    if choice.knobs is not None:
+        notes.append("tirx kernel " + ",".join(f"{k}={v}" for k, v in choice.knobs.items()))
+    applied = "record" if choice.is_record else ("template-default" if choice.source == TEMPLATE_DEFAULT
+                                                 else "default")
+    ms = (lambda secs: secs * 1e3 if secs is not None else None)
+    return KernelDecision(kernel.name, kernel.pattern.name if kernel.pattern else None, applied,
+                          choice.record_source, ms(choice.default_secs), ms(choice.record_secs), "; ".join(notes),
+                          records)
 
 
-def time_module(mod: tvm.IRModule, func: tirx.PrimFunc, target: Target, dev, repeat: int = 5) -> float:
-    rt = build_kernel(mod, target)
-    args = to_device(param_arrays(func, seed=0), dev)
-    return time_function(rt, args, dev, repeat=repeat, min_repeat_ms=20).median_secs
-
-
-def finite(values) -> bool:
-    return all(np.all(np.isfinite(v)) for v in values)
+def _as_kernel(scheduled, kernel: Kernel):
+    """The scheduled PrimFunc under the original kernel's attributes (name, visibility)."""
+    func = scheduled.without_attr("global_symbol")
+    if kernel.original.attrs and "global_symbol" in kernel.original.attrs:
+        func = func.with_attr("global_symbol", kernel.original.attrs["global_symbol"])
+    if kernel_templates.is_tirx(func):  # a kernel template's kernel: still this pattern's kernel
+        for key in (PATTERN_ATTR, SHAPE_ATTR, DTYPE_ATTR, "op_pattern"):
+            if key in kernel.original.attrs:
+                func = func.with_attr(key, kernel.original.attrs[key])
+    return func.with_attr("tirx.is_scheduled", True)
 
 
 def kernel_figures(mod: tvm.IRModule, target: Target, dev, repeat: int = 5) -> list[dict]:
     """Every kernel of a built module as it will run: its latency on seeded data, FLOPs and bytes.
     A pattern kernel counts them as its pattern does; any other kernel gets TVM's FLOP estimate
     and the bytes of its buffers, each read or written once (the traffic a perfect schedule moves)."""
-    from tvm.s_tir.analysis import estimate_tir_flops
-
     figures = []
     for kernel in kernels(mod):
-        workload = kernel.workload
         if kernel.pattern is not None:
-            shape, dtype = kernel.pattern_shape()
-            flops, nbytes = kernel.pattern.flops(shape), kernel.pattern.bytes(shape, dtype)
+            flops, nbytes = kernel.pattern.flops(kernel.shape), kernel.pattern.bytes(kernel.shape, kernel.dtype)
         else:
             try:
-                flops = float(estimate_tir_flops(workload))
+                flops = float(estimate_tir_flops(kernel.workload))
             except Exception:  # the estimator rejects some TIR (Let expressions); FLOPs stay unknown
                 flops = None
             nbytes = param_bytes(kernel.func)
+        secs = time_kernel(kernel, build_kernel(kernel.workload, target), dev, repeat, min_repeat_ms=20)
         figures.append({"name": kernel.name, "pattern": kernel.pattern.name if kernel.pattern else None,
-                        "ms": time_module(workload, kernel.func, target, dev, repeat=repeat) * 1e3,
-                        "flops": float(flops) if flops else None, "bytes": float(nbytes)})
+                        "ms": secs * 1e3, "flops": float(flops) if flops else None, "bytes": float(nbytes)})
     return figures

@@ -85,26 +85,70 @@ def test_a_small_shared_budget_still_reaches_every_kernel(tuned_mlp_db, tmp_path
 @pytest.mark.parametrize("record_faster", [True, False])
 def test_a_record_is_applied_exactly_when_it_beats_the_default(tuned_mlp_db, monkeypatch, record_faster):
     import tvm
+    import tvm_ffi
+    from autofuse import verify
     from autofuse.database import TuningDatabase
-    from autofuse.model import build
+    from autofuse.model.kernels import apply_database
 
-    def fake_time(mod, func, target, dev):  # the template default vs the record, by a wide margin
-        is_default = any(mod.same_as(default) for default in default_mods)
+    built = []  # (runtime module, the IRModule it was built from)
+    real_build = verify.build_kernel
+
+    def recording_build(mod, target):
+        rt = real_build(mod, target)
+        built.append((rt, mod))
+        return rt
+
+    def fake_time(kernel, rt, dev, *args):  # the template default vs the record, by a wide margin
+        mod = next(m for r, m in built if r is rt)
+        is_default = tvm_ffi.structural_equal(mod, verify.default_schedule(kernel.func, TARGET, kernel.pattern).mod)
         return (2.0 if is_default else 1.0) if record_faster else (1.0 if is_default else 2.0)
 
-    default_mods = []
-    real_default = build.default_schedule
-
-    def recording_default(kernel, target):
-        sch = real_default(kernel, target)
-        default_mods.append(sch.mod)
-        return sch
-
-    monkeypatch.setattr(build, "default_schedule", recording_default)
-    monkeypatch.setattr(build, "time_module", fake_time)
+    monkeypatch.setattr(verify, "build_kernel", recording_build)
+    monkeypatch.setattr(verify, "time_kernel", fake_time)
     prepared = prepare(os.path.join(REPO, "models", "mlp.onnx"), "patterns")
-    mod, decisions = build.apply_database(prepared.mod, TuningDatabase(str(tuned_mlp_db), TARGET), TARGET,
-                                          tvm.cpu())
+    mod, decisions = apply_database(prepared.mod, TuningDatabase(str(tuned_mlp_db), TARGET), TARGET, tvm.cpu())
     assert len(decisions) == 2
     expected = "record" if record_faster else "template-default"
     assert [d.applied for d in decisions] == [expected, expected], decisions
+
+
+def test_a_library_that_fails_verification_never_reaches_the_output_path(monkeypatch, tmp_path):
+    """Staged under a temporary name, checked, and dropped: the good library already at the path
+    stays as it was, and no .json appears beside it."""
+    from autofuse.accuracy import Check
+    from autofuse.model import build as model_build
+
+    monkeypatch.setattr(model_build, "check_against",
+                        lambda *args: Check(False, 1.0, 1.0, 1e-5, "output 0: off (injected)"))
+    output = tmp_path / "m.so"
+    output.write_bytes(b"the previous good library")
+    result = build_model(prepare(os.path.join(REPO, "models", "mlp.onnx"), "auto"), TARGET, None, str(output),
+                         repeat=1)
+    assert result.verified is False and result.library is None
+    assert output.read_bytes() == b"the previous good library"
+    assert sorted(os.listdir(tmp_path)) == ["m.so"], "nothing of the failed build is left behind"
+
+
+def test_a_template_default_that_fails_its_check_is_not_used_in_a_model(monkeypatch, tmp_path):
+    """A deliberately broken template (the weights staged through float16) as linear_bias_relu's
+    only one: each mlp kernel falls back to the TensorIR as written, the table says why, and the
+    model still matches onnxruntime."""
+    from autofuse.pattern import template
+    from autofuse.registry import get_pattern
+
+    @template("fp16_weights")
+    def fp16_weights(sch, target, knobs):
+        mm = sch.get_sblock("matmul")
+        staged = sch.cache_read(mm, 1, "global")
+        sch.unsafe_set_dtype(staged, 0, "float16")  # the bug: the weights lose precision
+
+    monkeypatch.setattr(get_pattern("linear_bias_relu"), "templates", [fp16_weights])
+    prepared = prepare(os.path.join(REPO, "models", "mlp.onnx"), "patterns")
+    result = build_model(prepared, TARGET, None, str(tmp_path / "m.so"), repeat=1)
+    assert result.verified, result.message
+    kernels = [d for d in result.decisions if d.pattern == "linear_bias_relu"]
+    assert len(kernels) == 2
+    for decision in kernels:
+        assert decision.applied == "default", decision
+        assert "template default failed the numerical check (fp16_weights)" in decision.note, decision
+        assert "unscheduled used" in decision.note, decision

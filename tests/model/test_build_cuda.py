@@ -7,11 +7,11 @@ import os
 import shutil
 
 import pytest
-import tvm
 from tvm import tirx
 
 from autofuse.model import build as model_build
 from autofuse.model.jobs import prepare
+from autofuse.model.kernels import apply_database
 from autofuse.target import device_for, parse_target
 from conftest import REPO, run_cli
 
@@ -27,7 +27,7 @@ def _bound(func: tirx.PrimFunc) -> bool:
 @pytest.mark.parametrize("model,fusion", [("mlp", "patterns"), ("decoder_block", "patterns"), ("mlp", "auto")])
 def test_every_kernel_gets_a_gpu_schedule_and_the_model_compiles(model, fusion):
     prepared = prepare(os.path.join(REPO, "models", f"{model}.onnx"), fusion)
-    mod, decisions = model_build.apply_database(prepared.mod, None, H200, dev=None)
+    mod, decisions = apply_database(prepared.mod, None, H200, dev=None)
     funcs = [f for _, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
     assert funcs and all(_bound(f) for f in funcs)
     by_kind = {d.applied for d in decisions}
@@ -42,7 +42,7 @@ def test_every_kernel_gets_a_gpu_schedule_and_the_model_compiles(model, fusion):
 @needs_nvcc
 def test_cuda_graph_rewrite_captures_the_launches():
     prepared = prepare(os.path.join(REPO, "models", "mlp.onnx"), "patterns")
-    mod, _ = model_build.apply_database(prepared.mod, None, H200, dev=None)
+    mod, _ = apply_database(prepared.mod, None, H200, dev=None)
     plain = model_build.build(mod, H200).as_text()
     graphed = model_build.build(mod, H200, cuda_graph=True).as_text()
     assert "cuda_graph" not in plain and "cuda_graph" in graphed
