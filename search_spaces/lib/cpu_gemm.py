@@ -73,13 +73,10 @@ def register_tile(unit: VectorUnit, m: int, n: int) -> RegisterTile:
     NR, the widest smaller multiple of the lanes that divides n (with MR grown to fill the
     registers again), else NR and n padded."""
     top = 4 if unit.registers >= 32 else 2
-    for vectors in range(top, 0, -1):
-        if n % (vectors * unit.lanes) == 0 or vectors == 1 and n % unit.lanes:
-            break
-    if n % (vectors * unit.lanes):
-        vectors = top  # none divides n: pad it
+    dividing = [v for v in range(top, 0, -1) if n % (v * unit.lanes) == 0]
+    vectors = dividing[0] if dividing else top  # none divides n: n is padded
+    # Fewer vectors leave room for more rows than the full tile's 6; 8 is plenty.
     rows = min(8, (unit.registers - vectors - 1) // vectors)
-    # A smaller multiple of the lanes may need more rows than the 6 of the full tile; 8 is plenty.
     return RegisterTile(rows=max(1, min(rows, m)), cols=vectors * unit.lanes, lanes=unit.lanes)
 
 
