@@ -10,12 +10,14 @@ and hand-designed schedule templates. A template has the shape of dlight's ``Sch
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import tvm
 from tvm import s_tir, tirx
+from tvm.s_tir.dlight import gpu
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.target import Target
 
@@ -137,7 +139,6 @@ def template(name: str, target_kinds: Sequence[str] = ("llvm",)):
 
 
 def _dlight_rules():
-    from tvm.s_tir.dlight import gpu
     return (gpu.Matmul(), gpu.GEMV(), gpu.Reduction(), gpu.GeneralReduction(), gpu.Fallback())
 
 
@@ -258,7 +259,6 @@ class Pattern:
     more_work: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def run_reference(self, inputs, shape: Shape) -> list[np.ndarray]:
-        import inspect
         takes_shape = "shape" in inspect.signature(self.reference).parameters
         out = self.reference(*inputs, shape=shape) if takes_shape else self.reference(*inputs)
         return list(out) if isinstance(out, (tuple, list)) else [out]
@@ -311,18 +311,12 @@ class Pattern:
                 return []
         return [DLIGHT]
 
-    def default_schedule(self, func: tirx.PrimFunc, target: Target) -> s_tir.Schedule:
-        """The first applicable template with fixed knobs, or the unscheduled function."""
-        for t in self.templates_for(target):
-            sch = t.apply(func, target, tunable=False)
-            if sch is not None:
-                return sch
-        return s_tir.Schedule(func)
-
     def check(self, outputs, inputs, shape: Shape, dtype: str, func: tirx.PrimFunc | None = None) -> Check:
         """``outputs`` against the reference on ``inputs``, at the bound for ``dtype`` and the
         PrimFunc's longest reduction (``func``: the PrimFunc at ``shape``, built when not given)."""
-        return compare(outputs, self.run_reference(inputs, shape), **self.check_args(shape, dtype, func))
+        expected = self.run_reference(inputs, shape)
+        bounds = self.check_args(shape, dtype, func)
+        return compare(outputs, expected, **bounds)
 
     def check_args(self, shape: Shape, dtype: str, func: tirx.PrimFunc | None = None) -> dict:
         """``accumulation`` and ``bound`` for ``autofuse.accuracy.compare`` of this pattern's outputs."""
