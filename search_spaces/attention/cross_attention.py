@@ -14,8 +14,10 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
-from search_spaces.lib.attention import load_lanes, row_lanes, vector_split
-from search_spaces.lib.tir_math import dtype_bytes, exp_f32
+from search_spaces.lib.attention import cpu_softmax_tail, load_lanes, row_lanes, softmax_stages, vector_split
+from search_spaces.lib.cpu_rows import rfactor_lanes
+from search_spaces.lib.tiling import unroll, vectorize_inner
+from search_spaces.lib.tir_math import dtype_bytes
 
 
 def _dims(shape):
@@ -25,50 +27,14 @@ def _dims(shape):
 def build(shape, dtype):
     nb, nh, sq, skv, hd = _dims(shape)
     scale = 1.0 / math.sqrt(hd)
+    stages = softmax_stages()
 
     @T.prim_func(s_tir=True)
     def cross_attention(q: T.Buffer((nb, nh, sq, hd), dtype), k: T.Buffer((nb, nh, skv, hd), dtype),
                         v: T.Buffer((nb, nh, skv, hd), dtype), out: T.Buffer((nb, nh, sq, hd), dtype)):
         T.func_attr({"global_symbol": "cross_attention", "tirx.noalias": True})
-        s = T.sblock_alloc_buffer((nb, nh, sq, skv), "float32")
-        row_max = T.sblock_alloc_buffer((nb, nh, sq), "float32")
-        p = T.sblock_alloc_buffer((nb, nh, sq, skv), "float32")
-        row_sum = T.sblock_alloc_buffer((nb, nh, sq), "float32")
-        acc = T.sblock_alloc_buffer((nb, nh, sq, hd), "float32")
-        for b, h, i, j, d in T.grid(nb, nh, sq, skv, hd):
-            with T.sblock("scores"):
-                vb, vh, vi, vj, vd = T.axis.remap("SSSSR", [b, h, i, j, d])
-                with T.init():
-                    s[vb, vh, vi, vj] = T.float32(0)
-                s[vb, vh, vi, vj] = s[vb, vh, vi, vj] + (T.Cast("float32", q[vb, vh, vi, vd])
-                                                         * T.Cast("float32", k[vb, vh, vj, vd]))
-        for b, h, i, j in T.grid(nb, nh, sq, skv):
-            with T.sblock("row_max"):
-                vb, vh, vi, vj = T.axis.remap("SSSR", [b, h, i, j])
-                with T.init():
-                    row_max[vb, vh, vi] = T.min_value("float32")
-                row_max[vb, vh, vi] = T.max(row_max[vb, vh, vi], s[vb, vh, vi, vj])
-        for b, h, i, j in T.grid(nb, nh, sq, skv):
-            with T.sblock("exp"):
-                vb, vh, vi, vj = T.axis.remap("SSSS", [b, h, i, j])
-                p[vb, vh, vi, vj] = exp_f32((s[vb, vh, vi, vj] - row_max[vb, vh, vi]) * T.float32(scale))
-        for b, h, i, j in T.grid(nb, nh, sq, skv):
-            with T.sblock("row_sum"):
-                vb, vh, vi, vj = T.axis.remap("SSSR", [b, h, i, j])
-                with T.init():
-                    row_sum[vb, vh, vi] = T.float32(0)
-                row_sum[vb, vh, vi] = row_sum[vb, vh, vi] + p[vb, vh, vi, vj]
-        for b, h, i, d, j in T.grid(nb, nh, sq, hd, skv):
-            with T.sblock("pv"):
-                vb, vh, vi, vd, vj = T.axis.remap("SSSSR", [b, h, i, d, j])
-                with T.init():
-                    acc[vb, vh, vi, vd] = T.float32(0)
-                acc[vb, vh, vi, vd] = acc[vb, vh, vi, vd] + p[vb, vh, vi, vj] * T.Cast(
-                    "float32", v[vb, vh, vj, vd])
-        for b, h, i, d in T.grid(nb, nh, sq, hd):
-            with T.sblock("normalise"):
-                vb, vh, vi, vd = T.axis.remap("SSSS", [b, h, i, d])
-                out[vb, vh, vi, vd] = T.Cast(dtype, acc[vb, vh, vi, vd] / row_sum[vb, vh, vi])
+        stages(lambda b, h, i, d: q[b, h, i, d], lambda b, h, i, j, d: k[b, h, j, d],
+               lambda b, h, i, j, d: v[b, h, j, d], out, lambda b, h, i, d: [b, h, i, d], (nb, nh, sq, skv, hd), scale)
 
     return cross_attention
 
@@ -102,16 +68,6 @@ def nbytes(shape, dtype):
     return np.dtype(dtype).itemsize * nb * nh * hd * (2 * sq + 2 * skv)
 
 
-def _vector_reduce(sch, knobs, name, default_width):
-    """Split the reduction's key loop into (outer, lanes) and rfactor the lanes, so the partials are
-    a spatial (vectorisable) axis; rfactor must precede compute_at (it needs the reduction to be the
-    first child of its loop). Returns (rf block, final block)."""
-    block = sch.get_sblock(name)
-    j = sch.get_loops(block)[-1]
-    _, lanes = sch.split(j, knobs.tile(j, 2, [default_width], max_innermost_factor=32))
-    return sch.rfactor(lanes, factor_axis=3), block
-
-
 @template("query_tile")
 def query_tile(sch, target, knobs):
     """(batch, head, query tile) in parallel; scores, softmax stages and P*V computed per tile in
@@ -120,8 +76,8 @@ def query_tile(sch, target, knobs):
     exp = sch.get_sblock("exp")
     pv = sch.get_sblock("pv")
     norm = sch.get_sblock("normalise")
-    max_rf, max_fin = _vector_reduce(sch, knobs, "row_max", 16)
-    sum_rf, sum_fin = _vector_reduce(sch, knobs, "row_sum", 16)
+    max_rf, max_fin = rfactor_lanes(sch, knobs, "row_max", 16, factor_axis=3, max_lanes=32)
+    sum_rf, sum_fin = rfactor_lanes(sch, knobs, "row_sum", 16, factor_axis=3, max_lanes=32)
     # K^T of the head: the score stage's key-axis lanes then read contiguous memory.
     k_t = sch.cache_read(scores, "k", "global")
     sch.transform_layout(k_t, ("write", 0), lambda b, h, j, d: (b, h, d, j))
@@ -130,8 +86,7 @@ def query_tile(sch, target, knobs):
     i0, i1 = sch.split(i, knobs.tile(i, 2, [16], max_innermost_factor=32))
     tile = sch.fuse(b, h, i0)
     sch.parallel(tile)
-    _, d1 = sch.split(d, knobs.tile(d, 2, [16], max_innermost_factor=64))
-    sch.vectorize(d1)
+    vectorize_inner(sch, knobs, d)
     # Consumers first, so each producer lands ahead of everything under the tile that reads it.
     for blk in (pv, sum_fin, sum_rf, exp, max_fin, max_rf, scores, k_t):
         sch.compute_at(blk, tile, preserve_unit_loops=True)
@@ -143,26 +98,8 @@ def query_tile(sch, target, knobs):
     sch.vectorize(j1)
     sch.decompose_reduction(scores, d)
 
-    for rf in (max_rf, sum_rf):
-        # compute_at regenerates the rf block's loops in its iter order: lanes, b, h, row, outer.
-        lanes, _, _, row, outer = sch.get_loops(rf)[-5:]
-        sch.reorder(row, outer, lanes)
-        sch.vectorize(lanes)
-        sch.decompose_reduction(rf, outer)
-
-    j = sch.get_loops(exp)[-1]
-    _, j1 = sch.split(j, knobs.tile(j, 2, [16], max_innermost_factor=32))
-    sch.vectorize(j1)
-
-    # P*V: head_dim chunks as vectors, the tile's rows inside so each V row chunk serves them all.
-    i, d, j = sch.get_loops(pv)[-3:]
-    d0, d1 = sch.split(d, knobs.tile(d, 2, [16], max_innermost_factor=64))
-    sch.reorder(d0, j, i, d1)
-    sch.vectorize(d1)
-    sch.decompose_reduction(pv, j)
-
-    sch.annotate(tile, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(tile, "pragma_unroll_explicit", 1)
+    cpu_softmax_tail(sch, knobs, (max_rf, sum_rf), exp, pv)
+    unroll(sch, knobs, tile)
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------
@@ -285,8 +222,7 @@ def cuda_query_rows(sch, target, knobs):
     for loop in sch.get_loops(scores)[-2:]:
         sch.unroll(loop)
     sch.decompose_reduction(pv, pjo)
-    sch.annotate(pjk, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(pjk, "pragma_unroll_explicit", 0)
+    unroll(sch, knobs, pjk, explicit=0)
 
 
 def onnx_graph(shape, dtype):
@@ -311,20 +247,14 @@ def sdpa(torch, shape, q, k, v):
 
 
 PATTERN = Pattern(
-    name="cross_attention",
-    family="attention",
+    name="cross_attention", family="attention",
     description="softmax(q k^T / sqrt(d)) v with seq_q != seq_kv, no mask, scores kept per query tile",
     shape_params=[ShapeParam("batch", 1, 1, "batch size"),
                   ShapeParam("heads", 8, 2, "attention heads"),
                   ShapeParam("seq_q", 128, 8, "decoder (query) length"),
                   ShapeParam("seq_kv", 384, 12, "encoder (key/value) length"),
                   ShapeParam("head_dim", 64, 8, "per-head feature size")],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     templates=[query_tile, cuda_query_rows],
     sdpa=sdpa,

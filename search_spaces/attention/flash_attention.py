@@ -29,6 +29,7 @@ from tvm.script import tirx as T
 from autofuse.pattern import (Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, onnx_model, static_shape,
                               template)
 from search_spaces.lib.attention import CUDA_LOAD_LANES, annotate_read, row_lanes, vector_split
+from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import dtype_bytes, exp_f32
 
 KV_TILE = 64
@@ -320,8 +321,7 @@ def flash_tiles(sch, target, knobs):
     # Running state: initialised once per query tile, before the key-tile loop.
     for name in ("run_max", "run_sum", "run_acc"):
         sch.decompose_reduction(sch.get_sblock(name), t)
-    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(outer, "pragma_unroll_explicit", 1)
+    unroll(sch, knobs, outer)
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------
@@ -495,8 +495,7 @@ def cuda_flash(sch, target, knobs):
     # (registers) instead of a whole row per thread.
     for name in ("run_max", "run_sum", "run_acc"):
         sch.decompose_reduction(sch.get_sblock(name), t)
-    sch.annotate(pc, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(pc, "pragma_unroll_explicit", 0)
+    unroll(sch, knobs, pc, explicit=0)
 
 
 def onnx_graph(shape, dtype):
@@ -634,8 +633,7 @@ def sdpa(torch, shape, q, k, v):
 
 
 PATTERN = Pattern(
-    name="flash_attention",
-    family="attention",
+    name="flash_attention", family="attention",
     description="softmax(q k^T / sqrt(d) [+ causal mask]) v in one kernel, online softmax over key tiles",
     shape_params=[ShapeParam("batch", 1, 1, "batch size"),
                   ShapeParam("heads", 8, 2, "attention heads"),
@@ -645,12 +643,7 @@ PATTERN = Pattern(
                   ShapeParam("head_dim", 64, 8, "per-head feature size"),
                   ShapeParam("causal", 1, 1, "1: key j visible to query i iff j <= i + seq_kv - seq_q",
                              minimum=0)],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     templates=[flash_tiles, cuda_flash],
     sdpa=sdpa,

@@ -18,9 +18,10 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
-from search_spaces.lib.attention import cuda_decode_attention, decode_vector
+from search_spaces.lib.attention import cpu_softmax_tail, cuda_decode_attention, decode_vector, softmax_stages
+from search_spaces.lib.cpu_rows import rfactor_lanes
 from search_spaces.lib.cuda_rows import vector_load
-from search_spaces.lib.tir_math import exp_f32
+from search_spaces.lib.tiling import unroll, vectorize_inner
 
 
 def _dims(shape):
@@ -37,6 +38,7 @@ def build(shape, dtype):
     nb, hq, hkv, grp, hd, smax, length = _dims(shape)
     n = length + 1  # positions attended: the old cache_len rows plus the new one
     scale = 1.0 / math.sqrt(hd)
+    stages = softmax_stages()
 
     @T.prim_func(s_tir=True)
     def gqa_decode_attention(q: T.Buffer((nb, hq, hd), dtype), k_new: T.Buffer((nb, hkv, hd), dtype),
@@ -47,11 +49,6 @@ def build(shape, dtype):
                              k_cache_out: T.Buffer((nb, hkv, smax, hd), dtype),
                              v_cache_out: T.Buffer((nb, hkv, smax, hd), dtype)):
         T.func_attr({"global_symbol": "gqa_decode_attention", "tirx.noalias": True})
-        s = T.sblock_alloc_buffer((nb, hkv, grp, n), "float32")
-        row_max = T.sblock_alloc_buffer((nb, hkv, grp), "float32")
-        p = T.sblock_alloc_buffer((nb, hkv, grp, n), "float32")
-        row_sum = T.sblock_alloc_buffer((nb, hkv, grp), "float32")
-        acc = T.sblock_alloc_buffer((nb, hkv, grp, hd), "float32")
         for b, h, t, d in T.grid(nb, hkv, smax, hd):
             with T.sblock("append"):
                 vb, vh, vt, vd = T.axis.remap("SSSS", [b, h, t, d])
@@ -59,40 +56,9 @@ def build(shape, dtype):
                                                        k_cache[vb, vh, vt, vd])
                 v_cache_out[vb, vh, vt, vd] = T.Select(vt == length, v_new[vb, vh, vd],
                                                        v_cache[vb, vh, vt, vd])
-        for b, h, g, j, d in T.grid(nb, hkv, grp, n, hd):
-            with T.sblock("scores"):
-                vb, vh, vg, vj, vd = T.axis.remap("SSSSR", [b, h, g, j, d])
-                with T.init():
-                    s[vb, vh, vg, vj] = T.float32(0)
-                s[vb, vh, vg, vj] = s[vb, vh, vg, vj] + (T.Cast("float32", q[vb, vh * grp + vg, vd])
-                                                         * T.Cast("float32", k_cache_out[vb, vh, vj, vd]))
-        for b, h, g, j in T.grid(nb, hkv, grp, n):
-            with T.sblock("row_max"):
-                vb, vh, vg, vj = T.axis.remap("SSSR", [b, h, g, j])
-                with T.init():
-                    row_max[vb, vh, vg] = T.min_value("float32")
-                row_max[vb, vh, vg] = T.max(row_max[vb, vh, vg], s[vb, vh, vg, vj])
-        for b, h, g, j in T.grid(nb, hkv, grp, n):
-            with T.sblock("exp"):
-                vb, vh, vg, vj = T.axis.remap("SSSS", [b, h, g, j])
-                p[vb, vh, vg, vj] = exp_f32((s[vb, vh, vg, vj] - row_max[vb, vh, vg]) * T.float32(scale))
-        for b, h, g, j in T.grid(nb, hkv, grp, n):
-            with T.sblock("row_sum"):
-                vb, vh, vg, vj = T.axis.remap("SSSR", [b, h, g, j])
-                with T.init():
-                    row_sum[vb, vh, vg] = T.float32(0)
-                row_sum[vb, vh, vg] = row_sum[vb, vh, vg] + p[vb, vh, vg, vj]
-        for b, h, g, d, j in T.grid(nb, hkv, grp, hd, n):
-            with T.sblock("pv"):
-                vb, vh, vg, vd, vj = T.axis.remap("SSSSR", [b, h, g, d, j])
-                with T.init():
-                    acc[vb, vh, vg, vd] = T.float32(0)
-                acc[vb, vh, vg, vd] = acc[vb, vh, vg, vd] + p[vb, vh, vg, vj] * T.Cast(
-                    "float32", v_cache_out[vb, vh, vj, vd])
-        for b, h, g, d in T.grid(nb, hkv, grp, hd):
-            with T.sblock("normalise"):
-                vb, vh, vg, vd = T.axis.remap("SSSS", [b, h, g, d])
-                out[vb, vh * grp + vg, vd] = T.Cast(dtype, acc[vb, vh, vg, vd] / row_sum[vb, vh, vg])
+        stages(lambda b, h, g, d: q[b, h * grp + g, d], lambda b, h, g, j, d: k_cache_out[b, h, j, d],
+               lambda b, h, g, j, d: v_cache_out[b, h, j, d], out, lambda b, h, g, d: [b, h * grp + g, d],
+               (nb, hkv, grp, n, hd), scale)
 
     return gqa_decode_attention
 
@@ -143,35 +109,21 @@ def nbytes(shape, dtype):
     return np.dtype(dtype).itemsize * nb * hd * (2 * hq + 2 * hkv + 4 * hkv * smax)
 
 
-def _vector_reduce(sch, knobs, name, default_width, factor_axis):
-    """Split the block's innermost (reduction) loop into (outer, lanes) and rfactor the lanes: the
-    partials become a spatial, vectorisable axis. rfactor must precede the compute-at moves (it
-    needs the reduction to be the first child of its loop). Returns (rf block, final block)."""
-    block = sch.get_sblock(name)
-    r = sch.get_loops(block)[-1]
-    _, lanes = sch.split(r, knobs.tile(r, 2, [default_width], max_innermost_factor=32))
-    return sch.rfactor(lanes, factor_axis=factor_axis), block
-
-
 @template("kv_head")
 def kv_head(sch, target, knobs):
     """(batch, K/V head) in parallel: that head's cache slabs copied, then scores, softmax and P*V
     for its whole query group while the slabs are in cache; dot products vectorised via rfactor
     over head_dim lanes, max/sum/exp along keys, P*V and the copy along head_dim."""
-    append = sch.get_sblock("append")
-    exp = sch.get_sblock("exp")
-    pv = sch.get_sblock("pv")
-    norm = sch.get_sblock("normalise")
-    score_rf, score_fin = _vector_reduce(sch, knobs, "scores", 16, 4)
-    max_rf, max_fin = _vector_reduce(sch, knobs, "row_max", 16, 3)
-    sum_rf, sum_fin = _vector_reduce(sch, knobs, "row_sum", 16, 3)
+    append, exp, pv, norm = (sch.get_sblock(name) for name in ("append", "exp", "pv", "normalise"))
+    score_rf, score_fin = rfactor_lanes(sch, knobs, "scores", 16, factor_axis=4, max_lanes=32)
+    max_rf, max_fin = rfactor_lanes(sch, knobs, "row_max", 16, factor_axis=3, max_lanes=32)
+    sum_rf, sum_fin = rfactor_lanes(sch, knobs, "row_sum", 16, factor_axis=3, max_lanes=32)
 
     # The attention stages gather under normalise's (batch, K/V head) loop, computed at it
     # consumers first (each producer then lands ahead of its readers).
     b, h, _, d = sch.get_loops(norm)
     attn_head = sch.fuse(b, h)
-    _, d1 = sch.split(d, knobs.tile(d, 2, [16], max_innermost_factor=64))
-    sch.vectorize(d1)
+    vectorize_inner(sch, knobs, d)
     for blk in (pv, sum_fin, sum_rf, exp, max_fin, max_rf, score_fin, score_rf):
         sch.compute_at(blk, attn_head, preserve_unit_loops=True)
 
@@ -181,8 +133,7 @@ def kv_head(sch, target, knobs):
     # must run before the blocks share a loop with the copy.)
     b, h, _, d = sch.get_loops(append)
     copy_head = sch.fuse(b, h)
-    _, d1 = sch.split(d, knobs.tile(d, 2, [16], max_innermost_factor=64))
-    sch.vectorize(d1)
+    vectorize_inner(sch, knobs, d)
     head = sch.merge(copy_head, attn_head)
     sch.parallel(head)
 
@@ -196,25 +147,9 @@ def kv_head(sch, target, knobs):
     lanes, _, _, g, j = sch.get_loops(score_fin)[-5:]
     sch.reorder(g, j, lanes)
 
-    for rf in (max_rf, sum_rf):
-        lanes, _, _, g, j0 = sch.get_loops(rf)[-5:]
-        sch.reorder(g, j0, lanes)
-        sch.vectorize(lanes)
-        sch.decompose_reduction(rf, j0)
-
-    j = sch.get_loops(exp)[-1]
-    _, j1 = sch.split(j, knobs.tile(j, 2, [16], max_innermost_factor=32))
-    sch.vectorize(j1)
-
-    # P*V: head_dim chunks as vectors, the group inside so each V row chunk serves all of it.
-    g, d, j = sch.get_loops(pv)[-3:]
-    d0, d1 = sch.split(d, knobs.tile(d, 2, [16], max_innermost_factor=64))
-    sch.reorder(d0, j, g, d1)
-    sch.vectorize(d1)
-    sch.decompose_reduction(pv, j)
-
-    sch.annotate(head, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(head, "pragma_unroll_explicit", 1)
+    # Max, sum and exp along keys; P*V with each V row chunk serving the whole group.
+    cpu_softmax_tail(sch, knobs, (max_rf, sum_rf), exp, pv)
+    unroll(sch, knobs, head)
 
 
 # ---- CUDA ------------------------------------------------------------------------------------
@@ -317,8 +252,7 @@ def sdpa(torch, shape, q, k_new, v_new, k_cache, v_cache):
 
 
 PATTERN = Pattern(
-    name="gqa_decode_attention",
-    family="attention",
+    name="gqa_decode_attention", family="attention",
     description="one-token GQA decode: append k/v at cache_len, attend over positions 0..cache_len",
     shape_params=[ShapeParam("batch", 2, 2, "sequences, one new token each"),
                   ShapeParam("num_heads", 32, 4, "query heads"),
@@ -327,12 +261,7 @@ PATTERN = Pattern(
                   ShapeParam("max_seq", 1024, 16, "cache capacity (positions)"),
                   ShapeParam("cache_len", 511, 9, "tokens already cached; the new one goes there",
                              minimum=0)],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     templates=[kv_head, cuda_kv_head],
     sdpa=sdpa,

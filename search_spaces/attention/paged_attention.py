@@ -18,8 +18,11 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, template
-from search_spaces.lib.attention import cuda_decode_attention
-from search_spaces.lib.tir_math import exp_f32
+from search_spaces.lib.attention import cuda_decode_attention, softmax_stages
+from search_spaces.lib.cpu_rows import lanes_innermost, rfactor_lanes
+from search_spaces.lib.tiling import unroll, vectorize_inner
+
+PAGED_STAGES = ("qk", "row_max", "probs", "exp_sum", "pv", "out")
 
 
 def _dims(shape):
@@ -37,56 +40,19 @@ def build(shape, dtype):
     C = MP * PS
     G = H // KVH
     scale = 1.0 / math.sqrt(D)
+    stages = softmax_stages()
 
     @T.prim_func(s_tir=True)
     def paged_attention(q: T.Buffer((B, Q, H, D), dtype), k_pages: T.Buffer((NP, KVH, PS, D), dtype),
                         v_pages: T.Buffer((NP, KVH, PS, D), dtype), block_table: T.Buffer((B, MP), "int32"),
                         seq_lens: T.Buffer((B,), "int32"), o: T.Buffer((B, Q, H, D), dtype)):
         T.func_attr({"global_symbol": "paged_attention", "tirx.noalias": True})
-        scores = T.sblock_alloc_buffer((B, Q, H, C), "float32")
-        row_max = T.sblock_alloc_buffer((B, Q, H), "float32")
-        probs = T.sblock_alloc_buffer((B, Q, H, C), "float32")
-        row_sum = T.sblock_alloc_buffer((B, Q, H), "float32")
-        acc = T.sblock_alloc_buffer((B, Q, H, D), "float32")
-        for b, t, h, j, d in T.grid(B, Q, H, C, D):
-            with T.sblock("qk"):
-                vb, vt, vh, vj, vd = T.axis.remap("SSSSR", [b, t, h, j, d])
-                with T.init():
-                    scores[vb, vt, vh, vj] = T.float32(0)
-                scores[vb, vt, vh, vj] = scores[vb, vt, vh, vj] + T.Cast(
-                    "float32", q[vb, vt, vh, vd]) * T.Cast(
-                    "float32", k_pages[block_table[vb, vj // PS], vh // G, vj % PS, vd])
         # Key j is visible to query t when j <= seq_lens[b] - Q + t (causal, and inside the sequence).
-        for b, t, h, j in T.grid(B, Q, H, C):
-            with T.sblock("row_max"):
-                vb, vt, vh, vj = T.axis.remap("SSSR", [b, t, h, j])
-                with T.init():
-                    row_max[vb, vt, vh] = T.min_value("float32")
-                row_max[vb, vt, vh] = T.max(row_max[vb, vt, vh], T.Select(
-                    vj + (Q - vt) <= seq_lens[vb], scores[vb, vt, vh, vj], T.min_value("float32")))
-        for b, t, h, j in T.grid(B, Q, H, C):
-            with T.sblock("probs"):
-                vb, vt, vh, vj = T.axis.remap("SSSS", [b, t, h, j])
-                probs[vb, vt, vh, vj] = T.Select(
-                    vj + (Q - vt) <= seq_lens[vb],
-                    exp_f32((scores[vb, vt, vh, vj] - row_max[vb, vt, vh]) * T.float32(scale)), T.float32(0))
-        for b, t, h, j in T.grid(B, Q, H, C):
-            with T.sblock("exp_sum"):
-                vb, vt, vh, vj = T.axis.remap("SSSR", [b, t, h, j])
-                with T.init():
-                    row_sum[vb, vt, vh] = T.float32(0)
-                row_sum[vb, vt, vh] = row_sum[vb, vt, vh] + probs[vb, vt, vh, vj]
-        for b, t, h, d, j in T.grid(B, Q, H, D, C):
-            with T.sblock("pv"):
-                vb, vt, vh, vd, vj = T.axis.remap("SSSSR", [b, t, h, d, j])
-                with T.init():
-                    acc[vb, vt, vh, vd] = T.float32(0)
-                acc[vb, vt, vh, vd] = acc[vb, vt, vh, vd] + probs[vb, vt, vh, vj] * T.Cast(
-                    "float32", v_pages[block_table[vb, vj // PS], vh // G, vj % PS, vd])
-        for b, t, h, d in T.grid(B, Q, H, D):
-            with T.sblock("out"):
-                vb, vt, vh, vd = T.axis.remap("SSSS", [b, t, h, d])
-                o[vb, vt, vh, vd] = T.Cast(dtype, acc[vb, vt, vh, vd] / row_sum[vb, vt, vh])
+        stages(lambda b, t, h, d: q[b, t, h, d],
+               lambda b, t, h, j, d: k_pages[block_table[b, j // PS], h // G, j % PS, d],
+               lambda b, t, h, j, d: v_pages[block_table[b, j // PS], h // G, j % PS, d],
+               o, lambda b, t, h, d: [b, t, h, d], (B, Q, H, C, D), scale, PAGED_STAGES,
+               lambda b, t, h, j: j + (Q - t) <= seq_lens[b])
 
     return paged_attention
 
@@ -151,30 +117,16 @@ def nbytes(shape, dtype):
     return item * (2 * B * Q * H * D + 2 * B * MP * KVH * PS * D) + 4 * (B * MP + B)
 
 
-def _vector_reduce(sch, knobs, name, default_width, max_width, factor_axis):
-    """Split the reduction block's innermost loop into (outer, lanes) and rfactor the lanes: the rf
-    block keeps one partial per lane (a spatial axis, which vectorises) and the original block
-    becomes a short sum/max over the lanes. rfactor comes before compute_at (it needs the reduction
-    loop to lead its block)."""
-    block = sch.get_sblock(name)
-    k = sch.get_loops(block)[-1]
-    _, lanes = sch.split(k, knobs.tile(k, 2, [default_width], max_innermost_factor=max_width))
-    rf = sch.rfactor(lanes, factor_axis=factor_axis)
-    return rf, block
-
-
 @template("row_parallel")
 def row_parallel(sch, target, knobs):
     """(batch, query, head) rows in parallel with all six stages at the row; q.k vectorised along
     head_dim, the max, exponentials and sum along the key axis, P*V along head_dim."""
-    out = sch.get_sblock("out")
-    pv = sch.get_sblock("pv")
-    probs = sch.get_sblock("probs")
+    out, pv, probs = (sch.get_sblock(name) for name in ("out", "pv", "probs"))
     # The q.k partials are laid out (row, key, lane) so each key's lane vector is contiguous; the
     # max/sum partials are one short lane vector per row.
-    qk_rf, qk_fin = _vector_reduce(sch, knobs, "qk", 8, 32, 4)
-    max_rf, max_fin = _vector_reduce(sch, knobs, "row_max", 16, 32, 0)
-    sum_rf, sum_fin = _vector_reduce(sch, knobs, "exp_sum", 16, 32, 0)
+    qk_rf, qk_fin = rfactor_lanes(sch, knobs, "qk", 8, factor_axis=4, max_lanes=32)
+    max_rf, max_fin = rfactor_lanes(sch, knobs, "row_max", 16, factor_axis=0, max_lanes=32)
+    sum_rf, sum_fin = rfactor_lanes(sch, knobs, "exp_sum", 16, factor_axis=0, max_lanes=32)
 
     b, t, h, d = sch.get_loops(out)
     # One fused row loop, not split further: an inner row tile that does not divide num_heads
@@ -196,9 +148,7 @@ def row_parallel(sch, target, knobs):
     sch.vectorize(pd1)
     sch.decompose_reduction(pv, pj)
 
-    pj = sch.get_loops(probs)[-1]
-    _, pj1 = sch.split(pj, knobs.tile(pj, 2, [16], max_innermost_factor=32))
-    sch.vectorize(pj1)
+    vectorize_inner(sch, knobs, sch.get_loops(probs)[-1], max_lanes=32)
 
     # The final q.k block sums each key's lanes: the key loop outside, the lanes inside, so it
     # reads its (key, lane) partials in order.
@@ -206,16 +156,11 @@ def row_parallel(sch, target, knobs):
     sch.reorder(*fin[2:], fin[1])
 
     for rf in (qk_rf, max_rf, sum_rf):
-        loops = sch.get_loops(rf)
         # After compute_at the rf block's loops follow its iter order: lanes, (unit b, t, h),
-        # [key for qk], outer reduction. Put the lanes innermost.
-        lanes = loops[1]
-        rest = loops[2:]
-        sch.reorder(*rest, lanes)
-        sch.vectorize(lanes)
-        sch.decompose_reduction(rf, rest[-1])
-    sch.annotate(row, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(row, "pragma_unroll_explicit", 1)
+        # [key for qk], outer reduction.
+        _, lanes, *rest = sch.get_loops(rf)
+        lanes_innermost(sch, rf, lanes, rest)
+    unroll(sch, knobs, row)
 
 
 @template("cuda_kv_head", target_kinds=("cuda",))
@@ -315,8 +260,7 @@ def onnx_graph(shape, dtype):
 
 
 PATTERN = Pattern(
-    name="paged_attention",
-    family="attention",
+    name="paged_attention", family="attention",
     description="attention over a block-table paged KV cache (vLLM layout), GQA; q_len=1 is decode, "
                 "q_len>1 causal chunked prefill",
     shape_params=[ShapeParam("batch", 4, 2, "sequences"),
@@ -327,12 +271,7 @@ PATTERN = Pattern(
                   ShapeParam("page_size", 16, 4, "tokens per KV page"),
                   ShapeParam("max_pages", 32, 3, "block-table entries per sequence"),
                   ShapeParam("num_pages", 160, 8, "physical pages in the pool (>= batch*max_pages)")],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     templates=[row_parallel, cuda_kv_head],
 )

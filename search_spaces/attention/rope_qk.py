@@ -15,6 +15,7 @@ from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
 from search_spaces.lib.cuda_gemm import cuda_tile_output, cuda_unroll, cuda_vector_lanes
+from search_spaces.lib.tiling import unroll
 
 BASE = 10000.0
 
@@ -147,8 +148,7 @@ def key_tiles(sch, target, knobs):
     sch.vectorize(sch.get_loops(rq)[-1])
     sch.vectorize(j2)
     sch.decompose_reduction(qk, c)
-    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(outer, "pragma_unroll_explicit", 1)
+    unroll(sch, knobs, outer)
 
 
 # ---- CUDA ------------------------------------------------------------------------------------
@@ -238,20 +238,14 @@ def onnx_graph(shape, dtype):
 
 
 PATTERN = Pattern(
-    name="rope_qk",
-    family="attention",
+    name="rope_qk", family="attention",
     description="rope(q) @ rope(k)^T / sqrt(D), rotate-half RoPE fused into the attention scores",
     shape_params=[ShapeParam("batch", 1, 1, "batch size"),
                   ShapeParam("heads", 8, 2, "attention heads"),
                   ShapeParam("seq_q", 256, 8, "queries (the last seq_q positions)"),
                   ShapeParam("seq_k", 256, 12, "keys (positions 0..seq_k-1), >= seq_q"),
                   ShapeParam("head_dim", 64, 8, "head dimension D (even)", minimum=2)],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     templates=[key_tiles, cuda_score_tiles],
 )

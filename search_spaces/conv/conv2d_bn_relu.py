@@ -14,6 +14,7 @@ from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, onnx_model, static_shape, template
 from search_spaces.lib.cuda_gemm import cuda_unroll
+from search_spaces.lib.tiling import unroll
 
 
 def _dims(shape):
@@ -128,8 +129,7 @@ def tiled_direct(sch, target, knobs):
     sch.vectorize(sch.get_loops(epi)[-1])
     sch.vectorize(j2)
     sch.decompose_reduction(conv, c0)
-    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64, 512], 64))
-    sch.annotate(outer, "pragma_unroll_explicit", 1)
+    unroll(sch, knobs, outer, depths=(0, 16, 64, 512), default=64)
 
 
 # ---- CUDA ------------------------------------------------------------------------------------
@@ -291,8 +291,7 @@ def onnx_graph(shape, dtype):
                       [("y", (n, co, oh, ow))], dtype, consts)
 
 PATTERN = Pattern(
-    name="conv2d_bn_relu",
-    family="conv",
+    name="conv2d_bn_relu", family="conv",
     description="relu(batchnorm(conv2d(x, W))): NCHW 'same' conv, stride 1, folded inference BN + ReLU",
     shape_params=[ShapeParam("n", 1, 1, "batch"),
                   ShapeParam("c_in", 64, 4, "input channels"),
@@ -300,12 +299,7 @@ PATTERN = Pattern(
                   ShapeParam("w", 56, 8, "input width"),
                   ShapeParam("c_out", 64, 8, "output channels"),
                   ShapeParam("kernel", 3, 3, "kernel size (square); padding is kernel // 2")],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     templates=[tiled_direct, cuda_direct],
     relax_rules=[RelaxRule("conv2d_batch_norm_relu", _relax_pattern, _relax_rewrite)],

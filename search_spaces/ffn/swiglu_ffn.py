@@ -17,26 +17,19 @@ from autofuse.pattern import (Pattern, RelaxRule, ShapeParam, constant_value, dt
                               template)
 from search_spaces.lib.cuda_gemm import (cuda_fetch_shared, cuda_pipeline, cuda_split_k, cuda_tile_output, cuda_unroll,
                                          cuda_vector_lanes)
+from search_spaces.lib.tiling import epilogue_on_tile, parallel_register_tile, unroll
 from search_spaces.lib.tir_math import DROPOUT_SEED as SEED
-from search_spaces.lib.tir_math import dropout_mask, dropout_threshold, exp_f32, hash_keep, seed_mix
-
-
-def _p(shape):
-    return shape.get("p_permille", 100) / 1000.0
+from search_spaces.lib.tir_math import dropout_constants, dropout_mask, dropout_p, exp_f32, hash_keep
 
 
 def build(shape, dtype):
-    return build_with(shape, dtype, _p(shape), SEED)
+    return build_with(shape, dtype, dropout_p(shape), SEED)
 
 
 def build_with(shape, dtype, p, seed):
     """The kernel with dropout probability ``p`` and mask seed ``seed`` baked in as constants."""
     tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
-    if tokens * hidden >= 1 << 31:
-        raise ValueError("tokens*hidden must fit the int32 flat index the mask hashes")
-    mix = seed_mix(seed)
-    thresh = dropout_threshold(p)
-    keep_scale = 1.0 / (1.0 - p)
+    mix, thresh, keep_scale = dropout_constants(p, seed, tokens, hidden)
 
     @T.prim_func(s_tir=True)
     def swiglu_ffn(x: T.Buffer((tokens, hidden), dtype), w1: T.Buffer((hidden, inter), dtype),
@@ -96,7 +89,7 @@ def reference_with(x, w1, w3, w2, r, p, seed):
 
 
 def reference(x, w1, w3, w2, r, shape=None):
-    return reference_with(x, w1, w3, w2, r, _p(shape or {}), SEED)
+    return reference_with(x, w1, w3, w2, r, dropout_p(shape or {}), SEED)
 
 
 def make_inputs(shape, dtype, seed):
@@ -146,22 +139,11 @@ def two_gemms(sch, target, knobs):
         sch.reorder(bk, bt, bn)
         sch.vectorize(bn)
         sch.decompose_reduction(blk, bk)
-    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(outer, "pragma_unroll_explicit", 1)
+    unroll(sch, knobs, outer)
 
-    t, m, k = sch.get_loops(down)
-    t0, t1, t2 = sch.split(t, knobs.tile(t, 3, [8, 4], max_innermost_factor=8))
-    m0, m1, m2 = sch.split(m, knobs.tile(m, 3, [4, 16], max_innermost_factor=32))
-    k0, k1 = sch.split(k, knobs.tile(k, 2, [64], max_innermost_factor=64))
-    sch.reorder(t0, m0, t1, m1, k0, k1, t2, m2)
-    outer2 = sch.fuse(t0, m0)
-    sch.parallel(outer2)
-    sch.reverse_compute_at(epi, m1, preserve_unit_loops=True)
-    sch.vectorize(m2)
-    sch.decompose_reduction(down, k0)
-    sch.vectorize(sch.get_loops(epi)[-1])
-    sch.annotate(outer2, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(outer2, "pragma_unroll_explicit", 1)
+    outer, tile, k0, vec = parallel_register_tile(sch, knobs, down, [8, 4], [4, 16], 64, max_i=8, max_j=32)
+    epilogue_on_tile(sch, down, epi, tile, k0, vec)
+    unroll(sch, knobs, outer)
 
 
 @template("cuda_two_gemms", target_kinds=("cuda",))
@@ -279,7 +261,7 @@ def onnx_graph(shape, dtype):
     softmax_dropout's graph: p and the seed are compile-time constants), Add the residual."""
     from onnx import helper
     tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
-    p = _p(shape)
+    p = dropout_p(shape)
     scale = np.where(dropout_mask(tokens, hidden, p, SEED), 1.0 / (1.0 - p), 0.0).astype(dtype)
     nodes = [helper.make_node("MatMul", ["x", "w1"], ["g"]),
              helper.make_node("Sigmoid", ["g"], ["sg"]),
@@ -296,19 +278,13 @@ def onnx_graph(shape, dtype):
 
 
 PATTERN = Pattern(
-    name="swiglu_ffn",
-    family="ffn",
+    name="swiglu_ffn", family="ffn",
     description="r + dropout((silu(x W1) * (x W3)) W2): SwiGLU FFN with hashed dropout and residual fused",
     shape_params=[ShapeParam("tokens", 128, 8, "tokens (rows of x)"),
                   ShapeParam("hidden", 256, 16, "model width (x, y and the residual)"),
                   ShapeParam("inter", 704, 24, "intermediate width (~2.75x hidden, Llama-style)"),
                   ShapeParam("p_permille", 100, 100, "dropout probability in 1/1000 (0: inference)", minimum=0)],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     templates=[two_gemms, cuda_two_gemms],
     relax_rules=[RelaxRule("swiglu_residual", _relax_pattern, _relax_rewrite)],

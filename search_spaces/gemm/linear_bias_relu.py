@@ -20,6 +20,7 @@ from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_
                                          cuda_split_k, cuda_tile_output, cuda_unroll, cuda_vector_lanes,
                                          cuda_wmma_fetch, cuda_wmma_group, cuda_wmma_stage_out, cuda_wmma_tensorize,
                                          cuda_wmma_tile)
+from search_spaces.lib.tiling import epilogue_on_tile, parallel_register_tile, unroll
 
 
 def build(shape, dtype):
@@ -84,21 +85,9 @@ def tiled_epilogue(sch, target, knobs):
     """Register-blocked GEMM: outer tiles in parallel, K split for cache, vectorised inner N,
     accumulator tile written once through a cache_write with bias+ReLU fused at the tile."""
     mm = sch.get_sblock("matmul")
-    epi = sch.get_sblock("bias_relu")
-    i, j, k = sch.get_loops(mm)
-    i0, i1, i2 = sch.split(i, knobs.tile(i, 3, [4, 4], max_innermost_factor=16))
-    j0, j1, j2 = sch.split(j, knobs.tile(j, 3, [4, 16], max_innermost_factor=64))
-    k0, k1 = sch.split(k, knobs.tile(k, 2, [8], max_innermost_factor=64))
-    sch.reorder(i0, j0, i1, j1, k0, k1, i2, j2)
-    outer = sch.fuse(i0, j0)
-    sch.parallel(outer)
-    # The epilogue joins the matmul at the tile, so each acc tile is read back while hot.
-    sch.reverse_compute_at(epi, j1, preserve_unit_loops=True)
-    sch.vectorize(j2)
-    sch.decompose_reduction(mm, k0)
-    sch.vectorize(sch.get_loops(epi)[-1])
-    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(outer, "pragma_unroll_explicit", 1)
+    outer, tile, k0, vec = parallel_register_tile(sch, knobs, mm, [4, 4], [4, 16], 8)
+    epilogue_on_tile(sch, mm, sch.get_sblock("bias_relu"), tile, k0, vec)
+    unroll(sch, knobs, outer)
 
 
 # ---- CUDA ------------------------------------------------------------------------------------
@@ -208,18 +197,12 @@ def onnx_graph(shape, dtype):
                       [("x", (m, k)), ("w", (n, k)), ("b", (n,))], [("y", (m, n))], dtype)
 
 PATTERN = Pattern(
-    name="linear_bias_relu",
-    family="gemm",
+    name="linear_bias_relu", family="gemm",
     description="relu(x @ W^T + b): GEMM with bias and ReLU fused in its epilogue",
     shape_params=[ShapeParam("m", 256, 16, "rows of x (tokens)"),
                   ShapeParam("n", 256, 32, "output features"),
                   ShapeParam("k", 256, 16, "input features")],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     templates=[packed_tile, tiled_epilogue, cuda_tiled_epilogue, cuda_wmma],
     relax_rules=[RelaxRule("matmul_add_relu", _relax_pattern, _relax_rewrite)],

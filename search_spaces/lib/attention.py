@@ -1,11 +1,16 @@
-"""Attention building blocks shared by the attention patterns: the lane counts and vector splits of
-their CUDA kernels, a read-region annotation for staged K/V windows, and ``cuda_decode_attention``,
-the decode kernel (a thread block per (batch, K/V head)) that gqa_decode_attention and
-paged_attention schedule onto their stages."""
+"""Attention building blocks shared by the attention patterns: the unfused softmax stages in
+TensorIR (``softmax_stages``), the lane counts and vector splits of their CUDA kernels, a
+read-region annotation for staged K/V windows, and ``cuda_decode_attention``, the decode kernel (a
+thread block per (batch, K/V head)) that gqa_decode_attention and paged_attention schedule onto
+those stages."""
+
+from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
+from search_spaces.lib.cpu_rows import lanes_innermost
 from search_spaces.lib.cuda_rows import VECTOR_BYTES
-from search_spaces.lib.tir_math import dtype_bytes
+from search_spaces.lib.tiling import vectorize_inner
+from search_spaces.lib.tir_math import dtype_bytes, exp_f32
 
 CUDA_LOAD_LANES = 4     # elements per thread and instruction in the K/V tile loads
 
@@ -220,3 +225,98 @@ def cuda_decode_attention(sch, target, knobs, stages, head_rows, row_index):
     sch.decompose_reduction(pv_rf, pv_step)
     sch.decompose_reduction(pv, slot_sum)
     sch.decompose_reduction(score_rf, rf_chunk)
+
+
+# ---- TensorIR: the unfused softmax-attention stages ---------------------------------------------
+
+SOFTMAX_STAGES = ("scores", "row_max", "exp", "row_sum", "pv", "normalise")
+
+
+def softmax_stages():
+    """A fresh ``T.macro`` writing the six stages of attention over whole score rows: q.k scores,
+    row max, exp((s - max) * scale), row sum, P.V and the division by the sum once per output.
+
+    Called in a prim_func as ``stages(q_at, k_at, v_at, out, out_at, dims, scale, names=
+    SOFTMAX_STAGES, visible=None)``, ``dims`` = (a, b, rows, keys, head_dim): it allocates the
+    float32 scores and probabilities (a, b, rows, keys), row statistics (a, b, rows) and the P.V
+    accumulator (a, b, rows, head_dim). ``q_at(a, b, row, d)``, ``k_at(a, b, row, key, d)`` and
+    ``v_at`` (alike) load the operands, ``out_at(a, b, row, d)`` gives the output's indices;
+    ``visible(a, b, row, key)``, when given, masks keys out of the max and the probabilities. Fresh
+    per prim_func: a macro renames its blocks from its second call on, and templates find the
+    stages by name."""
+
+    @T.macro
+    def stages(q_at, k_at, v_at, out, out_at, dims, scale, names=SOFTMAX_STAGES, visible=None):
+        s = T.sblock_alloc_buffer(dims[:4], "float32")
+        row_max = T.sblock_alloc_buffer(dims[:3], "float32")
+        p = T.sblock_alloc_buffer(dims[:4], "float32")
+        row_sum = T.sblock_alloc_buffer(dims[:3], "float32")
+        acc = T.sblock_alloc_buffer((*dims[:3], dims[4]), "float32")
+        for b, h, i, j, d in T.grid(*dims):
+            with T.sblock(names[0]):
+                vb, vh, vi, vj, vd = T.axis.remap("SSSSR", [b, h, i, j, d])
+                with T.init():
+                    s[vb, vh, vi, vj] = T.float32(0)
+                s[vb, vh, vi, vj] = s[vb, vh, vi, vj] + (T.Cast("float32", q_at(vb, vh, vi, vd))
+                                                         * T.Cast("float32", k_at(vb, vh, vi, vj, vd)))
+        for b, h, i, j in T.grid(*dims[:4]):
+            with T.sblock(names[1]):
+                vb, vh, vi, vj = T.axis.remap("SSSR", [b, h, i, j])
+                with T.init():
+                    row_max[vb, vh, vi] = T.min_value("float32")
+                if visible is None:
+                    row_max[vb, vh, vi] = T.max(row_max[vb, vh, vi], s[vb, vh, vi, vj])
+                else:
+                    row_max[vb, vh, vi] = T.max(row_max[vb, vh, vi], T.Select(
+                        visible(vb, vh, vi, vj), s[vb, vh, vi, vj], T.min_value("float32")))
+        for b, h, i, j in T.grid(*dims[:4]):
+            with T.sblock(names[2]):
+                vb, vh, vi, vj = T.axis.remap("SSSS", [b, h, i, j])
+                if visible is None:
+                    p[vb, vh, vi, vj] = exp_f32((s[vb, vh, vi, vj] - row_max[vb, vh, vi]) * T.float32(scale))
+                else:
+                    # A Select, so a masked key adds exactly nothing however large its stale score.
+                    p[vb, vh, vi, vj] = T.Select(
+                        visible(vb, vh, vi, vj),
+                        exp_f32((s[vb, vh, vi, vj] - row_max[vb, vh, vi]) * T.float32(scale)), T.float32(0))
+        for b, h, i, j in T.grid(*dims[:4]):
+            with T.sblock(names[3]):
+                vb, vh, vi, vj = T.axis.remap("SSSR", [b, h, i, j])
+                with T.init():
+                    row_sum[vb, vh, vi] = T.float32(0)
+                row_sum[vb, vh, vi] = row_sum[vb, vh, vi] + p[vb, vh, vi, vj]
+        for b, h, i, d, j in T.grid(*dims[:3], dims[4], dims[3]):
+            with T.sblock(names[4]):
+                vb, vh, vi, vd, vj = T.axis.remap("SSSSR", [b, h, i, d, j])
+                with T.init():
+                    acc[vb, vh, vi, vd] = T.float32(0)
+                acc[vb, vh, vi, vd] = acc[vb, vh, vi, vd] + p[vb, vh, vi, vj] * T.Cast(
+                    "float32", v_at(vb, vh, vi, vj, vd))
+        for b, h, i, d in T.grid(*dims[:3], dims[4]):
+            with T.sblock(names[5]):
+                vb, vh, vi, vd = T.axis.remap("SSSS", [b, h, i, d])
+                T.buffer_store(out, T.Cast(out.dtype, acc[vb, vh, vi, vd] / row_sum[vb, vh, vi]),
+                               out_at(vb, vh, vi, vd))
+
+    return stages
+
+
+def cpu_softmax_tail(sch, knobs, rfs, exp, pv):
+    """The end of a CPU softmax-attention schedule whose stages sit at a tile loop (rfactored max and
+    sum partials ``rfs`` under (lanes, batch, head, row, outer key) loops): the partials' lanes
+    vectorised innermost, the exponentials vectorised along keys, P.V tiled (``cpu_pv_tile``)."""
+    for rf in rfs:
+        lanes, _, _, row, outer = sch.get_loops(rf)[-5:]
+        lanes_innermost(sch, rf, lanes, (row, outer))
+    vectorize_inner(sch, knobs, sch.get_loops(exp)[-1], max_lanes=32)
+    cpu_pv_tile(sch, knobs, pv)
+
+
+def cpu_pv_tile(sch, knobs, pv, lanes=16):
+    """P.V on a CPU, a (row, head_dim, key) nest: head_dim in vectors of ``lanes``, the key loop
+    outside the rows so each vector of V serves every row of the tile, the init split out."""
+    i, d, j = sch.get_loops(pv)[-3:]
+    d0, d1 = sch.split(d, knobs.tile(d, 2, [lanes], max_innermost_factor=64))
+    sch.reorder(d0, j, i, d1)
+    sch.vectorize(d1)
+    sch.decompose_reduction(pv, j)

@@ -30,3 +30,14 @@ def lanes_innermost(sch, rf, lanes, loops):
     sch.reorder(*loops, lanes)
     sch.vectorize(lanes)
     sch.decompose_reduction(rf, loops[-1])
+
+
+def parallel_rows(sch, knobs, block, lanes, rows=4):
+    """``block``'s (row, col) loops: rows split (``rows`` a task untuned) and the outer part
+    parallel, cols split with the inner ``lanes`` vectorised. Returns (parallel loop, row loop)."""
+    i, j = sch.get_loops(block)[-2:]
+    i0, i1 = sch.split(i, knobs.tile(i, 2, [rows], max_innermost_factor=16))
+    sch.parallel(i0)
+    _, j1 = sch.split(j, knobs.tile(j, 2, [lanes], max_innermost_factor=64))
+    sch.vectorize(j1)
+    return i0, i1

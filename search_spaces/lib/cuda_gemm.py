@@ -12,6 +12,8 @@ import numpy as np
 from tvm import tirx
 from tvm.s_tir import SBlockRealize
 
+from search_spaces.lib.tiling import unroll
+
 
 def cuda_vector_lanes(dtype, contiguous, max_bytes=8):
     """Lanes of the widest vector access (at most ``max_bytes``, at most 4 lanes) that keeps every
@@ -130,8 +132,8 @@ def cuda_pipeline(sch, k0, fetches):
 
 
 def cuda_unroll(sch, knobs, loop):
-    sch.annotate(loop, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64, 512], 512))
-    sch.annotate(loop, "pragma_unroll_explicit", 1)
+    """The GEMM kernels' unroll knob: up to 512, unrolled in TIR."""
+    unroll(sch, knobs, loop, depths=(0, 16, 64, 512), default=512)
 
 
 def cuda_drop_acc(sch, wb):

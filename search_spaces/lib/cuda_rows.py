@@ -157,3 +157,17 @@ def unroll_chunks(sch, loops):
     for _, _, kc, kv in loops:
         sch.unroll(kc)
         sch.unroll(kv)
+
+
+def output_rows(sch, target, knobs, out, reductions, itemsize, keep, keep_bytes=None):
+    """The usual start of a row kernel whose last pass ``out`` writes the output rows: where the
+    row can be kept (``row_keeping``, rows of ``keep_bytes`` per element, default ``itemsize``),
+    the layout set up on ``out`` with its vector store, the ``reductions`` attached (consumers
+    first). Returns (layout, keep, {block: its loops})."""
+    keep, max_rows = row_keeping(sch, target, keep, out, keep_bytes or itemsize)
+    rows = CudaRows(sch, knobs, out, itemsize, keep == "local", max_rows)
+    loops = {out: rows.loops}
+    vector_store(sch, out, rows.loops[2])
+    for blk in reductions:
+        loops[blk] = rows.reduction(sch, blk)
+    return rows, keep, loops

@@ -1,7 +1,9 @@
-"""LayerNorm over the last axis as the normalization patterns define it: eps, the float64 numpy
-reference, and the seeded (x, r, gamma, beta) inputs of a residual-then-LayerNorm kernel."""
+"""LayerNorm over the last axis as the normalization patterns define it: eps, its three TensorIR
+stages (``layernorm_stages``), the float64 numpy reference, and the seeded (x, r, gamma, beta)
+inputs of a residual-then-LayerNorm kernel."""
 
 import numpy as np
+from tvm.script import tirx as T
 
 EPS = 1e-5
 
@@ -22,3 +24,37 @@ def residual_inputs(shape, dtype, seed):
     arrays = [rng.standard_normal((rows, hidden)), rng.standard_normal((rows, hidden)),
               1.0 + 0.1 * rng.standard_normal(hidden), 0.1 * rng.standard_normal(hidden)]
     return [a.astype(np.float32).astype(dtype) for a in arrays]
+
+
+def layernorm_stages():
+    """A fresh ``T.macro`` writing LayerNorm's stages over rows of ``h``: ``mean`` and ``sumsq``
+    (float32 row sums of h and h*h, in buffers it allocates) and ``norm`` (var = sumsq/hidden -
+    mean^2, biased; y rounded to its dtype once). Called in a prim_func as ``stages(h_at, gamma,
+    beta, y, rows, hidden)``, ``h_at(row, col)`` loading h as float32. Fresh per prim_func: a macro
+    renames its blocks from its second call on, and templates find them by name."""
+
+    @T.macro
+    def stages(h_at, gamma, beta, y, rows, hidden):
+        row_sum = T.sblock_alloc_buffer((rows,), "float32")
+        row_sq = T.sblock_alloc_buffer((rows,), "float32")
+        for i, k in T.grid(rows, hidden):
+            with T.sblock("mean"):
+                vi, vk = T.axis.remap("SR", [i, k])
+                with T.init():
+                    row_sum[vi] = T.float32(0)
+                row_sum[vi] = row_sum[vi] + h_at(vi, vk)
+        for i, k in T.grid(rows, hidden):
+            with T.sblock("sumsq"):
+                vi, vk = T.axis.remap("SR", [i, k])
+                with T.init():
+                    row_sq[vi] = T.float32(0)
+                row_sq[vi] = row_sq[vi] + h_at(vi, vk) * h_at(vi, vk)
+        for i, j in T.grid(rows, hidden):
+            with T.sblock("norm"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                mu: T.let = row_sum[vi] * T.float32(1.0 / hidden)
+                var: T.let = T.max(row_sq[vi] * T.float32(1.0 / hidden) - mu * mu, T.float32(0))
+                y[vi, vj] = T.Cast(y.dtype, (h_at(vi, vj) - mu) * T.rsqrt(var + T.float32(EPS))
+                                   * T.Cast("float32", gamma[vj]) + T.Cast("float32", beta[vj]))
+
+    return stages

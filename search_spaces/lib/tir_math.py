@@ -97,3 +97,16 @@ def dropout_mask(rows, cols, p=DROPOUT_P, seed=DROPOUT_SEED):
     h = (h ^ (h >> np.uint32(13))) * np.uint32(_FMIX_C2)
     h = h ^ (h >> np.uint32(16))
     return (h >> np.uint32(8)) >= np.uint32(dropout_threshold(p))
+
+
+def dropout_p(shape):
+    """The dropout probability of the shape parameter ``p_permille`` (100, p = 0.1, when absent)."""
+    return shape.get("p_permille", 100) / 1000.0
+
+
+def dropout_constants(p, seed, rows, cols):
+    """(seed mix, keep threshold, 1 / (1 - p)) baked into a kernel masking a rows x cols output,
+    whose row-major flat index ``hash_keep`` takes must fit int32."""
+    if rows * cols >= 1 << 31:
+        raise ValueError(f"{rows} x {cols} does not fit the int32 flat index the dropout mask hashes")
+    return seed_mix(seed), dropout_threshold(p), 1.0 / (1.0 - p)

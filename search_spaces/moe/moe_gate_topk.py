@@ -18,6 +18,7 @@ from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, fit_tiles, onnx_model, template
 from search_spaces.lib.cuda_gemm import cuda_vector_lanes
+from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tir_math import exp_f32
 
 # Rows of an expert's token list per skip test (and the register tile of the expert GEMMs).
@@ -237,13 +238,10 @@ def expert_tiles(sch, target, knobs):
     # reduction block, and a decomposed update block is neither.
     outer = sch.fuse(e, rt)
     sch.parallel(outer)
-    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 64))
-    sch.annotate(outer, "pragma_unroll_explicit", 1)
+    unroll(sch, knobs, outer, default=64)
     _expert_gemm(sch, knobs, "up", 16)
     _expert_gemm(sch, knobs, "down", 16)
-    n = sch.get_loops(relu)[-1]
-    _, n1 = sch.split(n, knobs.tile(n, 2, [16], max_innermost_factor=32))
-    sch.vectorize(n1)
+    vectorize_inner(sch, knobs, sch.get_loops(relu)[-1], max_lanes=32)
 
     comb = sch.get_sblock("combine")
     t, m, j = sch.get_loops(comb)
@@ -369,8 +367,7 @@ def _cuda_experts(sch, knobs):
     sch.bind(tx, "threadIdx.x")
     # #pragma unroll for nvcc, not unrolled in TIR: an unrolled copy of a cross-thread reduction
     # makes TVM's allreduce lowering fail (one reduction buffer, several reductions).
-    sch.annotate(bx, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64, 512], 512))
-    sch.annotate(bx, "pragma_unroll_explicit", 0)
+    unroll(sch, knobs, bx, depths=(0, 16, 64, 512), default=512, explicit=0)
 
 
 def _cuda_combine(sch, target, knobs):
@@ -493,20 +490,14 @@ def onnx_graph(shape, dtype):
 
 
 PATTERN = Pattern(
-    name="moe_gate_topk",
-    family="moe",
+    name="moe_gate_topk", family="moe",
     description="MoE layer: router softmax, renormalised top-k gate, ReLU expert FFNs on routed tokens only, combine",
     shape_params=[ShapeParam("tokens", 64, 8, "tokens (rows of x)"),
                   ShapeParam("hidden", 256, 16, "model width"),
                   ShapeParam("inter", 512, 32, "expert FFN intermediate width"),
                   ShapeParam("experts", 8, 4, "number of experts"),
                   ShapeParam("k", 2, 2, "experts per token (top-k), at most experts")],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     templates=[expert_tiles, cuda_routed],
     more_work={"onnx_graph": "ONNX has no grouped GEMM: the graph runs the routed rows in 8-row expert "

@@ -15,10 +15,11 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
-from search_spaces.lib.cpu_rows import rfactor_lanes, vectorize_rf
-from search_spaces.lib.cuda_rows import CudaRows, row_keeping, unroll_chunks, vector_load, vector_store
-from search_spaces.lib.layernorm import EPS, layernorm
+from search_spaces.lib.cpu_rows import parallel_rows, rfactor_lanes, vectorize_rf
+from search_spaces.lib.cuda_rows import output_rows, unroll_chunks, vector_load
+from search_spaces.lib.layernorm import EPS, layernorm, layernorm_stages
 from search_spaces.lib.layernorm import residual_inputs as make_inputs
+from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tir_math import dtype_bytes, erf_f32
 
 ERF = "rational"
@@ -36,7 +37,7 @@ def build_with(shape, dtype, erf_impl):
         raise ValueError(f"erf_impl must be 'rational' or 'libm', not {erf_impl!r}")
     erf = erf_f32 if erf_impl == "rational" else tirx.erf
     rows, hidden = shape["rows"], shape["hidden"]
-    inv_n = 1.0 / hidden
+    stages = layernorm_stages()
 
     @T.prim_func(s_tir=True)
     def gelu_add_layernorm(x: T.Buffer((rows, hidden), dtype), r: T.Buffer((rows, hidden), dtype),
@@ -44,8 +45,6 @@ def build_with(shape, dtype, erf_impl):
                            y: T.Buffer((rows, hidden), dtype)):
         T.func_attr({"global_symbol": "gelu_add_layernorm", "tirx.noalias": True})
         h = T.sblock_alloc_buffer((rows, hidden), "float32")
-        row_sum = T.sblock_alloc_buffer((rows,), "float32")
-        row_sq = T.sblock_alloc_buffer((rows,), "float32")
         for i, j in T.grid(rows, hidden):
             with T.sblock("gelu_add"):
                 vi, vj = T.axis.remap("SS", [i, j])
@@ -55,25 +54,7 @@ def build_with(shape, dtype, erf_impl):
                 h[vi, vj] = (T.float32(0.5) * T.Cast("float32", x[vi, vj])
                              * (T.float32(1) + erf(T.Cast("float32", x[vi, vj]) * T.float32(_INV_SQRT2)))
                              + T.Cast("float32", r[vi, vj]))
-        for i, k in T.grid(rows, hidden):
-            with T.sblock("mean"):
-                vi, vk = T.axis.remap("SR", [i, k])
-                with T.init():
-                    row_sum[vi] = T.float32(0)
-                row_sum[vi] = row_sum[vi] + h[vi, vk]
-        for i, k in T.grid(rows, hidden):
-            with T.sblock("sumsq"):
-                vi, vk = T.axis.remap("SR", [i, k])
-                with T.init():
-                    row_sq[vi] = T.float32(0)
-                row_sq[vi] = row_sq[vi] + h[vi, vk] * h[vi, vk]
-        for i, j in T.grid(rows, hidden):
-            with T.sblock("norm"):
-                vi, vj = T.axis.remap("SS", [i, j])
-                mu: T.let = row_sum[vi] * T.float32(inv_n)
-                var: T.let = T.max(row_sq[vi] * T.float32(inv_n) - mu * mu, T.float32(0))
-                y[vi, vj] = T.Cast(dtype, (h[vi, vj] - mu) * T.rsqrt(var + T.float32(EPS))
-                                   * T.Cast("float32", gamma[vj]) + T.Cast("float32", beta[vj]))
+        stages(lambda i, k: h[i, k], gamma, beta, y, rows, hidden)
 
     return gelu_add_layernorm
 
@@ -106,27 +87,19 @@ def _row_fused(sch, knobs, recompute):
     norm = sch.get_sblock("norm")
     if recompute:
         sch.compute_inline(sch.get_sblock("gelu_add"))
-    i, j = sch.get_loops(norm)
     mean_rf, mean = rfactor_lanes(sch, knobs, "mean", 16)
     sq_rf, sq = rfactor_lanes(sch, knobs, "sumsq", 16)
-
-    i0, i1 = sch.split(i, knobs.tile(i, 2, [4], max_innermost_factor=16))
-    sch.parallel(i0)
-    _, j1 = sch.split(j, knobs.tile(j, 2, [16], max_innermost_factor=64))
-    sch.vectorize(j1)
+    i0, i1 = parallel_rows(sch, knobs, norm, 16)
     # Producers join the output at its row loop, in reverse order so each lands before the last.
     for blk in (sq, sq_rf, mean, mean_rf):
         sch.compute_at(blk, i1, preserve_unit_loops=True)
     if not recompute:
         gelu = sch.get_sblock("gelu_add")
         sch.compute_at(gelu, i1, preserve_unit_loops=True)
-        g = sch.get_loops(gelu)[-1]
-        _, g1 = sch.split(g, knobs.tile(g, 2, [16], max_innermost_factor=64))
-        sch.vectorize(g1)
+        vectorize_inner(sch, knobs, sch.get_loops(gelu)[-1])
     for rf in (mean_rf, sq_rf):
         vectorize_rf(sch, rf)
-    sch.annotate(i0, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(i0, "pragma_unroll_explicit", 1)
+    unroll(sch, knobs, i0)
 
 
 @template("row_fused")
@@ -152,12 +125,8 @@ def _gelu_layernorm_cuda(sch, target, knobs, keep):
     gelu = sch.get_sblock("gelu_add")
     mean, sq, norm = (sch.get_sblock(n) for n in ("mean", "sumsq", "norm"))
     itemsize = dtype_bytes(sch.get(norm).writes[0].source.dtype)
-    keep, max_rows = row_keeping(sch, target, keep, norm, 4)
-    rows = CudaRows(sch, knobs, norm, itemsize, keep == "local", max_rows)
-    loops = {norm: rows.loops}
-    vector_store(sch, norm, rows.loops[2])
-    for blk in (sq, mean):
-        loops[blk] = rows.reduction(sch, blk)
+    # The row kept is h, float32 in every dtype.
+    rows, keep, loops = output_rows(sch, target, knobs, norm, (sq, mean), itemsize, keep, keep_bytes=4)
     if keep is None:
         sch.compute_inline(gelu)
         readers = [mean, sq, norm]
@@ -210,17 +179,11 @@ def onnx_graph(shape, dtype):
                       [("y", (rows, hidden))], dtype, consts)
 
 PATTERN = Pattern(
-    name="gelu_add_layernorm",
-    family="normalization",
+    name="gelu_add_layernorm", family="normalization",
     description="LayerNorm(GELU(x) + r) * gamma + beta over the last axis, exact (erf) GELU, eps=1e-5",
     shape_params=[ShapeParam("rows", 512, 8, "rows (tokens); LayerNorm is over each row"),
                   ShapeParam("hidden", 768, 64, "hidden size (the normalised axis)")],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     # The first CUDA template is the default of builds without records: the fastest on the H200
     # (benchmarks/results/h200/check-rows-*.json, check-large-*.json).

@@ -13,47 +13,28 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, onnx_model, static_shape, template
-from search_spaces.lib.cpu_rows import rfactor_lanes, vectorize_rf
+from search_spaces.lib.cpu_rows import parallel_rows, rfactor_lanes, vectorize_rf
 from search_spaces.lib.cuda_rows import CudaRows, row_keeping, unroll_chunks, vector_load, vector_store
-from search_spaces.lib.layernorm import EPS, layernorm
+from search_spaces.lib.layernorm import EPS, layernorm, layernorm_stages
 from search_spaces.lib.layernorm import residual_inputs as make_inputs
+from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tir_math import dtype_bytes
 
 
 def build(shape, dtype):
     rows, hidden = shape["rows"], shape["hidden"]
-    inv_n = 1.0 / hidden
+    stages = layernorm_stages()
 
     @T.prim_func(s_tir=True)
     def layernorm_residual(x: T.Buffer((rows, hidden), dtype), r: T.Buffer((rows, hidden), dtype),
                            gamma: T.Buffer((hidden,), dtype), beta: T.Buffer((hidden,), dtype),
                            h: T.Buffer((rows, hidden), dtype), y: T.Buffer((rows, hidden), dtype)):
         T.func_attr({"global_symbol": "layernorm_residual", "tirx.noalias": True})
-        row_sum = T.sblock_alloc_buffer((rows,), "float32")
-        row_sq = T.sblock_alloc_buffer((rows,), "float32")
         for i, j in T.grid(rows, hidden):
             with T.sblock("add"):
                 vi, vj = T.axis.remap("SS", [i, j])
                 h[vi, vj] = x[vi, vj] + r[vi, vj]
-        for i, k in T.grid(rows, hidden):
-            with T.sblock("mean"):
-                vi, vk = T.axis.remap("SR", [i, k])
-                with T.init():
-                    row_sum[vi] = T.float32(0)
-                row_sum[vi] = row_sum[vi] + T.Cast("float32", h[vi, vk])
-        for i, k in T.grid(rows, hidden):
-            with T.sblock("sumsq"):
-                vi, vk = T.axis.remap("SR", [i, k])
-                with T.init():
-                    row_sq[vi] = T.float32(0)
-                row_sq[vi] = row_sq[vi] + T.Cast("float32", h[vi, vk]) * T.Cast("float32", h[vi, vk])
-        for i, j in T.grid(rows, hidden):
-            with T.sblock("norm"):
-                vi, vj = T.axis.remap("SS", [i, j])
-                mu: T.let = row_sum[vi] * T.float32(inv_n)
-                var: T.let = T.max(row_sq[vi] * T.float32(inv_n) - mu * mu, T.float32(0))
-                y[vi, vj] = T.Cast(dtype, (T.Cast("float32", h[vi, vj]) - mu) * T.rsqrt(var + T.float32(EPS))
-                                   * T.Cast("float32", gamma[vj]) + T.Cast("float32", beta[vj]))
+        stages(lambda i, k: T.Cast("float32", h[i, k]), gamma, beta, y, rows, hidden)
 
     return layernorm_residual
 
@@ -86,20 +67,13 @@ def row_fused(sch, target, knobs):
     mean_rf, mean = rfactor_lanes(sch, knobs, "mean", 16)
     sq_rf, sq = rfactor_lanes(sch, knobs, "sumsq", 16)
 
-    i, j = sch.get_loops(add)
-    i0, i1 = sch.split(i, knobs.tile(i, 2, [4], max_innermost_factor=16))
-    sch.parallel(i0)
-    _, j1 = sch.split(j, knobs.tile(j, 2, [16], max_innermost_factor=64))
-    sch.vectorize(j1)
+    i0, i1 = parallel_rows(sch, knobs, add, 16)
     for blk in (mean_rf, mean, sq_rf, sq, norm):
         sch.reverse_compute_at(blk, i1, preserve_unit_loops=True)
-    n = sch.get_loops(norm)[-1]
-    _, n1 = sch.split(n, knobs.tile(n, 2, [16], max_innermost_factor=64))
-    sch.vectorize(n1)
+    vectorize_inner(sch, knobs, sch.get_loops(norm)[-1])
     for rf in (mean_rf, sq_rf):
         vectorize_rf(sch, rf)
-    sch.annotate(i0, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(i0, "pragma_unroll_explicit", 1)
+    unroll(sch, knobs, i0)
 
 
 def _layernorm_residual_cuda(sch, target, knobs, keep):
@@ -209,17 +183,11 @@ def onnx_graph(shape, dtype):
                       [("h", (rows, hidden)), ("y", (rows, hidden))], dtype)
 
 PATTERN = Pattern(
-    name="layernorm_residual",
-    family="normalization",
+    name="layernorm_residual", family="normalization",
     description="h = x + r; y = LayerNorm(h) * gamma + beta over the last axis (eps=1e-5); outputs h and y",
     shape_params=[ShapeParam("rows", 512, 8, "rows (tokens); LayerNorm is over each row"),
                   ShapeParam("hidden", 768, 64, "hidden size (the normalised axis)")],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     # The first CUDA template is the default of builds without records: the fastest on the H200
     # (benchmarks/results/h200/check-rows-*.json, check-large-*.json).

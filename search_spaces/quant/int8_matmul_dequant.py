@@ -16,8 +16,10 @@ from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, static_shape, template
-from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_pipeline, cuda_split_k, cuda_tile_output,
-                                         cuda_unroll, cuda_vector_lanes, dp4a_intrin)
+from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_pipeline, cuda_split_k,
+                                         cuda_tile_output, cuda_unroll, cuda_vector_lanes, dp4a_intrin)
+from search_spaces.lib.onnx_graphs import typed_model
+from search_spaces.lib.tiling import epilogue_on_tile, parallel_register_tile, unroll
 
 
 def _relu_flag(shape):
@@ -87,27 +89,12 @@ def nbytes(shape, dtype):
     return (m * k + n * k) + f * (1 + 2 * n + m * n)
 
 
-def _epilogue_on_tile(sch, epi, mm, tile_loop, k_outer):
-    # The epilogue joins the matmul at the tile, so each accumulator tile is dequantised while hot.
-    sch.reverse_compute_at(epi, tile_loop, preserve_unit_loops=True)
-    init = sch.decompose_reduction(mm, k_outer)
-    sch.vectorize(sch.get_loops(init)[-1])
-    sch.vectorize(sch.get_loops(epi)[-1])
-
-
 @template("int8_tiled")
 def int8_tiled(sch, target, knobs):
     """Parallel outer (m, n) tiles; an i2 x j2 int32 register tile vectorised along n over w_q
     packed once to (k, n); dequant+bias+ReLU on the accumulator tile."""
     mm = sch.get_sblock("matmul")
-    epi = sch.get_sblock("dequant")
-    i, j, k = sch.get_loops(mm)
-    i0, i1, i2 = sch.split(i, knobs.tile(i, 3, [2, 4], max_innermost_factor=16))
-    j0, j1, j2 = sch.split(j, knobs.tile(j, 3, [2, 32], max_innermost_factor=64))
-    k0, k1 = sch.split(k, knobs.tile(k, 2, [64], max_innermost_factor=128))
-    sch.reorder(i0, j0, i1, j1, k0, k1, i2, j2)
-    outer = sch.fuse(i0, j0)
-    sch.parallel(outer)
+    outer, tile, k0, vec = parallel_register_tile(sch, knobs, mm, [2, 4], [2, 32], 64, max_k=128)
     # Vector loads along n need w contiguous in n. One transposed copy for the whole kernel (n*k
     # bytes, in parallel): packing per outer tile instead repeats it m/tile times and cost more
     # than the multiplies.
@@ -117,10 +104,8 @@ def int8_tiled(sch, target, knobs):
     pj, pk = sch.get_loops(pack)
     sch.reorder(pk, pj)
     sch.parallel(pk)
-    sch.vectorize(j2)
-    _epilogue_on_tile(sch, epi, mm, j1, k0)
-    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(outer, "pragma_unroll_explicit", 1)
+    epilogue_on_tile(sch, mm, sch.get_sblock("dequant"), tile, k0, vec, vectorize_init=True)
+    unroll(sch, knobs, outer)
 
 
 @template("int8_dot")
@@ -129,18 +114,10 @@ def int8_dot(sch, target, knobs):
     both contiguous in k), left as the innermost serial loop for LLVM to vectorise as a
     reduction (VNNI vpdpwssd on znver4); dequant+bias+ReLU on the tile, vectorised along n."""
     mm = sch.get_sblock("matmul")
-    epi = sch.get_sblock("dequant")
-    i, j, k = sch.get_loops(mm)
-    i0, i1, i2 = sch.split(i, knobs.tile(i, 3, [2, 4], max_innermost_factor=16))
-    j0, j1, j2 = sch.split(j, knobs.tile(j, 3, [2, 4], max_innermost_factor=64))
     # A long inner k: each dot product ends in a horizontal sum of the vector lanes.
-    k0, k1 = sch.split(k, knobs.tile(k, 2, [512], max_innermost_factor=512))
-    sch.reorder(i0, j0, i1, j1, k0, i2, j2, k1)
-    outer = sch.fuse(i0, j0)
-    sch.parallel(outer)
-    _epilogue_on_tile(sch, epi, mm, j1, k0)
-    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(outer, "pragma_unroll_explicit", 1)
+    outer, tile, k0, _ = parallel_register_tile(sch, knobs, mm, [2, 4], [2, 4], 512, max_k=512, k_innermost=True)
+    epilogue_on_tile(sch, mm, sch.get_sblock("dequant"), tile, k0, vectorize_init=True)
+    unroll(sch, knobs, outer)
 
 
 # ---- CUDA ------------------------------------------------------------------------------------
@@ -221,7 +198,6 @@ def _relax_rewrite(relu):
 def onnx_graph(shape, dtype):
     """What an exporter writes for a quantised Linear: Transpose(w_q) to (k, n), MatMulInteger
     (int32), Cast to float, Mul by Mul(x_scale, w_scale), Add b [, Relu]."""
-    import onnx
     from onnx import TensorProto, helper
 
     m, n, k = shape["m"], shape["n"], shape["k"]
@@ -234,31 +210,20 @@ def onnx_graph(shape, dtype):
              helper.make_node("Add", ["deq", "b"], [out])]
     if _relu_flag(shape):
         nodes.append(helper.make_node("Relu", ["z"], ["y"]))
-    f = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
-    i8 = TensorProto.INT8
-    inputs = [("x_q", i8, (m, k)), ("w_q", i8, (n, k)), ("x_scale", f, (1,)), ("w_scale", f, (n,)), ("b", f, (n,))]
-    graph = helper.make_graph(nodes, "int8_matmul_dequant",
-                              [helper.make_tensor_value_info(nm, t, list(s)) for nm, t, s in inputs],
-                              [helper.make_tensor_value_info("y", f, [m, n])])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="autofuse")
-    onnx.checker.check_model(model)
-    return model
+    return typed_model("int8_matmul_dequant", nodes,
+                       [("x_q", (m, k), "int8"), ("w_q", (n, k), "int8"), ("x_scale", (1,), dtype),
+                        ("w_scale", (n,), dtype), ("b", (n,), dtype)],
+                       [("y", (m, n), dtype)])
 
 
 PATTERN = Pattern(
-    name="int8_matmul_dequant",
-    family="quant",
+    name="int8_matmul_dequant", family="quant",
     description="int8 x int8 GEMM accumulated in int32, dequantised (per-tensor x, per-channel w scale), bias, ReLU",
     shape_params=[ShapeParam("m", 128, 16, "rows of x_q (tokens)"),
                   ShapeParam("n", 512, 32, "output features (rows of w_q)"),
                   ShapeParam("k", 512, 32, "input features"),
                   ShapeParam("relu", 1, 1, "1: ReLU after the bias, 0: none", minimum=0)],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     templates=[int8_dot, int8_tiled, cuda_tiled_dp4a],
     # The ReLU rule first: the plain one would otherwise take the Add out from under it.
     relax_rules=[RelaxRule("matmulinteger_dequant_bias_relu", _relax_pattern(1), _relax_rewrite(1), priority=1),

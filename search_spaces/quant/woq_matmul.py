@@ -18,6 +18,8 @@ from tvm.script import tirx as T
 from autofuse.errors import AutofuseError
 from autofuse.pattern import Pattern, ShapeParam, template
 from search_spaces.lib.cuda_gemm import cuda_vector_lanes
+from search_spaces.lib.onnx_graphs import typed_model
+from search_spaces.lib.tiling import unroll
 
 
 class ShapeError(AutofuseError, ValueError):
@@ -163,8 +165,7 @@ def dequant_on_load(sch, target, knobs):
 
     pl, i, j1 = sch.get_loops(mm)[-3:]
     sch.reorder(i, j1, pl)
-    sch.annotate(j0, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(j0, "pragma_unroll_explicit", 1)
+    unroll(sch, knobs, j0)
 
 
 def _compute_at(sch, block, loop):
@@ -236,8 +237,7 @@ def cuda_warp_per_row(sch, target, knobs):
         sch.unroll(loop)
     # Unrolled steps put more loads in flight; the cross-lane sum must stay out of any unrolled
     # loop (TVM 0.27 fails lowering two shuffle reductions into one buffer).
-    sch.annotate(step, "pragma_auto_unroll_max_step", knobs.choice([0, 4, 16], 4))
-    sch.annotate(step, "pragma_unroll_explicit", 1)
+    unroll(sch, knobs, step, depths=(0, 4, 16), default=4)
     sch.reverse_compute_at(bias, row, preserve_unit_loops=True)
 
 
@@ -248,8 +248,7 @@ def onnx_graph(shape, dtype):
     (Unsqueeze + Concat + Reshape), cast, and made signed with Where(u >= 8, u - 16, u); int8 is a
     Cast. Then Reshape (n, k/group, group) * scales (n, k/group, 1), Reshape (n, k), Transpose,
     MatMul, Add. Every baseline thus dequantises the whole of W into a float tensor per call."""
-    import onnx
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     m, n, k, bits, group, per = _dims(shape)
     elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
@@ -281,34 +280,20 @@ def onnx_graph(shape, dtype):
         helper.make_node("MatMul", ["x", "wt"], ["xw"]),
         helper.make_node("Add", ["xw", "b"], ["y"]),
     ]
-    w_elem = onnx.TensorProto.UINT8 if bits == 4 else onnx.TensorProto.INT8
-    graph = helper.make_graph(
-        nodes, "woq_matmul",
-        [helper.make_tensor_value_info("x", elem, [m, k]),
-         helper.make_tensor_value_info("w", w_elem, [n, k // per]),
-         helper.make_tensor_value_info("scales", onnx.TensorProto.FLOAT, [n, k // group]),
-         helper.make_tensor_value_info("b", elem, [n])],
-        [helper.make_tensor_value_info("y", elem, [m, n])],
-        initializer=[numpy_helper.from_array(v, name) for name, v in consts.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="autofuse")
-    onnx.checker.check_model(model)
-    return model
+    return typed_model("woq_matmul", nodes,
+                       [("x", (m, k), dtype), ("w", (n, k // per), "uint8" if bits == 4 else "int8"),
+                        ("scales", (n, k // group), "float32"), ("b", (n,), dtype)],
+                       [("y", (m, n), dtype)], consts)
 
 
 PATTERN = Pattern(
-    name="woq_matmul",
-    family="quant",
+    name="woq_matmul", family="quant",
     description="x @ dequant(W)^T + b, W int4/int8 per output row with group-wise scales (LLM decode)",
     shape_params=[ShapeParam("m", 4, 2, "rows of x (tokens being decoded)"),
                   ShapeParam("n", 1024, 32, "output features (rows of W)"),
                   ShapeParam("k", 1024, 64, "input features (the reduction)"),
                   ShapeParam("group", 64, 32, "values sharing one scale along k (divides k)"),
                   ShapeParam("bits", 4, 4, "weight bits: 4 (two per byte) or 8")],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     templates=[dequant_on_load, cuda_warp_per_row],
 )

@@ -14,27 +14,21 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, onnx_model, static_shape, template
-from search_spaces.lib.cuda_rows import CudaRows, row_keeping, unroll_chunks, vector_load, vector_store
+from search_spaces.lib.cpu_rows import lanes_innermost, parallel_rows, rfactor_lanes
+from search_spaces.lib.cuda_rows import output_rows, unroll_chunks, vector_load
+from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import DROPOUT_P as P  # noqa: F401 (the default p)
 from search_spaces.lib.tir_math import DROPOUT_SEED as SEED
-from search_spaces.lib.tir_math import dropout_mask, dropout_threshold, dtype_bytes, exp_f32, hash_keep, seed_mix
+from search_spaces.lib.tir_math import dropout_constants, dropout_mask, dropout_p, dtype_bytes, exp_f32, hash_keep
 
 def build(shape, dtype):
-    return build_with(shape, dtype, _p(shape), SEED)
-
-
-def _p(shape):
-    return shape.get("p_permille", 100) / 1000.0
+    return build_with(shape, dtype, dropout_p(shape), SEED)
 
 
 def build_with(shape, dtype, p, seed):
     """The kernel with dropout probability ``p`` and mask seed ``seed`` baked in as constants."""
     rows, cols = shape["rows"], shape["cols"]
-    if rows * cols >= 1 << 31:
-        raise ValueError("rows*cols must fit the int32 flat index the mask hashes")
-    mix = seed_mix(seed)
-    thresh = dropout_threshold(p)
-    scale = 1.0 / (1.0 - p)
+    mix, thresh, scale = dropout_constants(p, seed, rows, cols)
 
     @T.prim_func(s_tir=True)
     def softmax_dropout(x: T.Buffer((rows, cols), dtype), y: T.Buffer((rows, cols), dtype)):
@@ -74,7 +68,7 @@ def reference_with(x, p, seed):
 
 
 def reference(x, shape=None):
-    return reference_with(x, _p(shape or {}), SEED)
+    return reference_with(x, dropout_p(shape or {}), SEED)
 
 
 def make_inputs(shape, dtype, seed):
@@ -92,33 +86,13 @@ def nbytes(shape, dtype):
     return np.dtype(dtype).itemsize * 2 * shape["rows"] * shape["cols"]
 
 
-def _vector_reduce(sch, knobs, name, default_width):
-    """Split the reduction block's column loop into (outer, lanes) and rfactor the lanes: the rf
-    block keeps one partial per lane (a spatial axis, so it vectorises) and the original block
-    becomes a short reduction over the lanes. Returns (rf block, final block).
-
-    rfactor runs before any compute_at: it needs the reduction to be the first child of its loop.
-    """
-    block = sch.get_sblock(name)
-    _, k = sch.get_loops(block)
-    _, lanes = sch.split(k, knobs.tile(k, 2, [default_width], max_innermost_factor=32))
-    rf = sch.rfactor(lanes, factor_axis=1)
-    return rf, block
-
-
 @template("row_parallel")
 def row_parallel(sch, target, knobs):
     """Rows split and run in parallel; both reductions compute_at the inner row loop, each
     vectorised through an rfactor over a lane tile; the normalise+dropout pass vectorised."""
-    norm = sch.get_sblock("norm_dropout")
-    i, j = sch.get_loops(norm)
-    max_rf, max_fin = _vector_reduce(sch, knobs, "row_max", 32)
-    sum_rf, sum_fin = _vector_reduce(sch, knobs, "exp_sum", 16)
-
-    i0, i1 = sch.split(i, knobs.tile(i, 2, [4], max_innermost_factor=16))
-    sch.parallel(i0)
-    j0, j1 = sch.split(j, knobs.tile(j, 2, [32], max_innermost_factor=64))
-    sch.vectorize(j1)
+    max_rf, max_fin = rfactor_lanes(sch, knobs, "row_max", 32, max_lanes=32)
+    sum_rf, sum_fin = rfactor_lanes(sch, knobs, "exp_sum", 16, max_lanes=32)
+    i0, i1 = parallel_rows(sch, knobs, sch.get_sblock("norm_dropout"), 32)
     # All four reduction blocks join the row loop (consumers first), so a row's max and sum are
     # per-thread scalars and the row stays in L1 across the three passes.
     for blk in (sum_fin, sum_rf, max_fin, max_rf):
@@ -127,11 +101,8 @@ def row_parallel(sch, target, knobs):
     for rf in (max_rf, sum_rf):
         # compute_at regenerates the rf block's loops in its iter order: lanes, row (unit), k0.
         _, _, lanes, row, k0 = sch.get_loops(rf)
-        sch.reorder(row, k0, lanes)
-        sch.vectorize(lanes)
-        sch.decompose_reduction(rf, k0)
-    sch.annotate(i0, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(i0, "pragma_unroll_explicit", 1)
+        lanes_innermost(sch, rf, lanes, (row, k0))
+    unroll(sch, knobs, i0)
 
 
 # ---- CUDA ------------------------------------------------------------------------------------
@@ -143,12 +114,7 @@ def _softmax_cuda(sch, target, knobs, keep):
     norm = sch.get_sblock("norm_dropout")
     row_max, exp_sum = sch.get_sblock("row_max"), sch.get_sblock("exp_sum")
     itemsize = dtype_bytes(sch.get(norm).reads[0].source.dtype)
-    keep, max_rows = row_keeping(sch, target, keep, norm, itemsize)
-    rows = CudaRows(sch, knobs, norm, itemsize, keep == "local", max_rows)
-    loops = {norm: rows.loops}
-    vector_store(sch, norm, rows.loops[2])
-    for blk in (exp_sum, row_max):
-        loops[blk] = rows.reduction(sch, blk)
+    rows, keep, loops = output_rows(sch, target, knobs, norm, (exp_sum, row_max), itemsize, keep)
     if keep is None:
         for blk, (_, _, kc, _) in loops.items():
             vector_load(sch, blk, "x", kc)
@@ -214,25 +180,19 @@ def onnx_graph(shape, dtype):
     is one too: the baselines read it from memory where our kernel hashes it in registers."""
     from onnx import helper
     rows, cols = shape["rows"], shape["cols"]
-    p = _p(shape)
+    p = dropout_p(shape)
     scale = np.where(dropout_mask(rows, cols, p, SEED), 1.0 / (1.0 - p), 0.0).astype(dtype)
     nodes = [helper.make_node("Softmax", ["x"], ["s"], axis=-1), helper.make_node("Mul", ["s", "keep_scale"], ["y"])]
     return onnx_model("softmax_dropout", nodes, [("x", (rows, cols))], [("y", (rows, cols))], dtype,
                       {"keep_scale": scale})
 
 PATTERN = Pattern(
-    name="softmax_dropout",
-    family="reduction",
+    name="softmax_dropout", family="reduction",
     description="dropout(softmax(x, axis=-1)) with a hashed (seed, index) keep mask, p=0.1",
     shape_params=[ShapeParam("rows", 512, 8, "rows (softmax is over each row)"),
                   ShapeParam("cols", 1024, 64, "columns (the softmax axis)"),
                   ShapeParam("p_permille", 100, 100, "dropout probability in 1/1000 (0: inference)", minimum=0)],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     dtypes=("float32", "float16", "bfloat16"),
     # The first CUDA template is the default of builds without records: the fastest on the H200
     # (benchmarks/results/h200/check-rows-*.json, check-large-*.json).

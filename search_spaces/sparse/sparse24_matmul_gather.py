@@ -15,6 +15,8 @@ from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, template
 from search_spaces.lib.cuda_gemm import cuda_fetch_shared, cuda_pipeline, cuda_tile_output, cuda_unroll
+from search_spaces.lib.onnx_graphs import typed_model
+from search_spaces.lib.tiling import unroll
 
 
 def _dims(shape):
@@ -176,8 +178,7 @@ def row_tiles(sch, target, knobs):
     # Contiguous stores into the slab; the row reads through idx stay scalar.
     sch.vectorize(sch.get_loops(gather)[-1])
     sch.vectorize(sch.get_loops(epi)[-1])
-    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(outer, "pragma_unroll_explicit", 1)
+    unroll(sch, knobs, outer)
 
 
 @template("cuda_gather_tiles", target_kinds=("cuda",))
@@ -228,11 +229,10 @@ def onnx_graph(shape, dtype):
     against 0..3 and Where place each value, Add merges the two), Gather of the x rows through idx,
     Gemm with transB (and b). Opset 18 for BitwiseAnd."""
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     R, M, N, K, bias = _dims(shape)
     G = K // 4
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     consts = {
         "three": np.array(3, np.uint8),
         "two": np.array(2, np.uint8),
@@ -264,23 +264,13 @@ def onnx_graph(shape, dtype):
         helper.make_node("Gather", ["x", "idx"], ["rows"], axis=0),                     # (M, K)
         helper.make_node("Gemm", ["rows", "w", "b"] if bias else ["rows", "w"], ["y"], transB=1),
     ]
-    inputs = [helper.make_tensor_value_info("x", elem, [R, K]),
-              helper.make_tensor_value_info("idx", onnx.TensorProto.INT32, [M]),
-              helper.make_tensor_value_info("values", elem, [N, K // 2]),
-              helper.make_tensor_value_info("meta", onnx.TensorProto.UINT8, [N, G])]
-    if bias:
-        inputs.append(helper.make_tensor_value_info("b", elem, [N]))
-    graph = helper.make_graph(
-        nodes, "sparse24_matmul_gather", inputs, [helper.make_tensor_value_info("y", elem, [M, N])],
-        initializer=[numpy_helper.from_array(v, k) for k, v in consts.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="autofuse")
-    onnx.checker.check_model(model)
-    return model
+    inputs = [("x", (R, K), dtype), ("idx", (M,), "int32"), ("values", (N, K // 2), dtype), ("meta", (N, G), "uint8")]
+    return typed_model("sparse24_matmul_gather", nodes, inputs + [("b", (N,), dtype)] * bias, [("y", (M, N), dtype)],
+                       consts, opset=18)
 
 
 PATTERN = Pattern(
-    name="sparse24_matmul_gather",
-    family="sparse",
+    name="sparse24_matmul_gather", family="sparse",
     description="x[idx] @ W^T + b with W 2:4 sparse, compressed (values + 2-bit positions), rows "
                 "gathered through idx inside the kernel",
     shape_params=[ShapeParam("rows", 1024, 8, "rows of the activation table x"),
@@ -288,11 +278,6 @@ PATTERN = Pattern(
                   ShapeParam("n", 512, 16, "output features (rows of W)"),
                   ShapeParam("k", 512, 16, "input features (multiple of 4)", minimum=4),
                   ShapeParam("bias", 1, 1, "1: add b (n,), 0: no bias", minimum=0)],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     templates=[row_tiles, cuda_gather_tiles],
 )

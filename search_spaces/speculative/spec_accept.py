@@ -18,7 +18,10 @@ from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
 from autofuse.pattern import Pattern, ShapeParam, template
+from search_spaces.lib.cpu_rows import lanes_innermost, rfactor_lanes
 from search_spaces.lib.cuda_rows import CudaRows, unroll_chunks, vector_load
+from search_spaces.lib.onnx_graphs import typed_model
+from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import exp_f32
 
 # make_inputs keeps every decision at least this far from its tie: |u[i] - p/q| > ACCEPT_MARGIN,
@@ -332,26 +335,6 @@ def nbytes(shape, dtype):
     return float(total)
 
 
-def _lane_reduce(sch, knobs, name, default_width):
-    """Split the vocab loop of reduction ``name`` into (outer, lanes) and rfactor the lanes, so the
-    rf block's per-lane partials vectorise. Returns (rf block, final block)."""
-    block = sch.get_sblock(name)
-    j = sch.get_loops(block)[-1]
-    _, lanes = sch.split(j, knobs.tile(j, 2, [default_width], max_innermost_factor=32))
-    rf = sch.rfactor(lanes, factor_axis=2)
-    return rf, block
-
-
-def _vectorise_rf(sch, rf, anchor_depth):
-    """An rf block under its row loop comes back with loops (row..., lanes, unit rows, outer):
-    put the lanes innermost and vectorise them; the reduction's init goes above the outer loop."""
-    loops = sch.get_loops(rf)[anchor_depth:]
-    lanes, outer = loops[0], loops[-1]
-    sch.reorder(*loops[1:], lanes)
-    sch.vectorize(lanes)
-    sch.decompose_reduction(rf, outer)
-
-
 @template("row_parallel")
 def row_parallel(sch, target, knobs):
     """(batch, position) rows across threads with their two vocab reductions together, each
@@ -361,8 +344,8 @@ def row_parallel(sch, target, knobs):
     greedy = "row_argmax" in names      # the kernel's structure, not a knob
     second = "row_argmax" if greedy else "exp_sum"
 
-    max_rf, max_fin = _lane_reduce(sch, knobs, "row_max", 16)
-    st_rf, st_fin = _lane_reduce(sch, knobs, second, 16)
+    max_rf, max_fin = rfactor_lanes(sch, knobs, "row_max", 16, factor_axis=2, max_lanes=32)
+    st_rf, st_fin = rfactor_lanes(sch, knobs, second, 16, factor_axis=2, max_lanes=32)
     # The rows: the final max block's (batch, position) loops, fused, tiled, the outer tile across
     # threads; every block of the two reductions joins the inner row loop.
     b, i = sch.get_loops(max_fin)[:2]
@@ -372,18 +355,19 @@ def row_parallel(sch, target, knobs):
     sch.reverse_compute_at(st_rf, r1, preserve_unit_loops=True)
     sch.reverse_compute_at(st_fin, r1, preserve_unit_loops=True)
     sch.parallel(r0)
-    sch.annotate(r0, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(r0, "pragma_unroll_explicit", 1)
+    unroll(sch, knobs, r0)
     for rf in (max_rf, st_rf):
-        _vectorise_rf(sch, rf, 2)
+        lanes, *rest = sch.get_loops(rf)[2:]
+        lanes_innermost(sch, rf, lanes, rest)
 
     if not greedy:
-        res_rf, res_fin = _lane_reduce(sch, knobs, "chunk_res", 16)
+        res_rf, res_fin = rfactor_lanes(sch, knobs, "chunk_res", 16, factor_axis=2, max_lanes=32)
         b, c = sch.get_loops(res_fin)[:2]
         chunks = sch.fuse(b, c)
         sch.compute_at(res_rf, chunks, preserve_unit_loops=True)
         sch.parallel(chunks)
-        _vectorise_rf(sch, res_rf, 1)
+        lanes, *rest = sch.get_loops(res_rf)[1:]
+        lanes_innermost(sch, res_rf, lanes, rest)
     last = sch.get_sblock("pick" if greedy else "sample")
     sch.parallel(sch.get_loops(last)[0])
 
@@ -466,10 +450,10 @@ def onnx_graph(shape, dtype):
     and Min(vocab-1) give the token. Greedy: ArgMax (first index), Equal against the drafts, the
     same ReduceMin, GatherElements of the argmax at n. Opset 18 (ReduceMin's axes as an input)."""
     import onnx
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     B, K, V, greedy = _dims(shape)
-    f32, i32, i64 = onnx.TensorProto.FLOAT, onnx.TensorProto.INT32, onnx.TensorProto.INT64
+    i32, i64 = onnx.TensorProto.INT32, onnx.TensorProto.INT64
     consts = {"ax1": np.array([1], np.int64), "ax2": np.array([2], np.int64), "zero_i": np.array([0], np.int64),
               "k_i": np.array([K], np.int64), "k_s": np.array(K, np.int64),
               "positions": np.arange(K, dtype=np.int64).reshape(1, K, 1), "out_shape": np.array([B], np.int64)}
@@ -526,23 +510,14 @@ def onnx_graph(shape, dtype):
               helper.make_node("Cast", ["n64"], ["accepted"], to=i32),
               helper.make_node("Reshape", ["tok3", "out_shape"], ["tok64"]),
               helper.make_node("Cast", ["tok64"], ["next_token"], to=i32)]
-    graph = helper.make_graph(
-        nodes, "spec_accept",
-        [helper.make_tensor_value_info("d", i32, [B, K]),
-         helper.make_tensor_value_info("logits", f32, [B, K + 1, V]),
-         helper.make_tensor_value_info("q", f32, [B, K, V]),
-         helper.make_tensor_value_info("u", f32, [B, K + 1])],
-        [helper.make_tensor_value_info("accepted", i32, [B]),
-         helper.make_tensor_value_info("next_token", i32, [B])],
-        initializer=[numpy_helper.from_array(v, k) for k, v in consts.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], producer_name="autofuse")
-    onnx.checker.check_model(model)
-    return model
+    return typed_model("spec_accept", nodes,
+                       [("d", (B, K), "int32"), ("logits", (B, K + 1, V), "float32"), ("q", (B, K, V), "float32"),
+                        ("u", (B, K + 1), "float32")],
+                       [("accepted", (B,), "int32"), ("next_token", (B,), "int32")], consts, opset=18)
 
 
 PATTERN = Pattern(
-    name="spec_accept",
-    family="speculative",
+    name="spec_accept", family="speculative",
     description="speculative decoding acceptance: softmax ratios, first rejection, residual/bonus "
                 "inverse-CDF sample (or greedy argmax match), one kernel",
     shape_params=[ShapeParam("batch", 4, 2, "sequences"),
@@ -550,12 +525,7 @@ PATTERN = Pattern(
                   ShapeParam("vocab", 32000, 64, "vocabulary size"),
                   ShapeParam("greedy", 0, 0, "1: greedy acceptance (argmax match), 0: rejection sampling",
                              minimum=0)],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     templates=[row_parallel, cuda_rows_then_batch],
     num_outputs=2,
 )

@@ -24,6 +24,8 @@ from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, param_buffers, template
 from search_spaces.lib.attention import annotate_read, load_lanes, row_lanes, vector_split
+from search_spaces.lib.onnx_graphs import typed_model
+from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import dtype_bytes, exp_f32
 
 KV_TILE = 64
@@ -341,8 +343,7 @@ def kv_head_tiles(sch, target, knobs):
     sch.decompose_reduction(dpv, qj)
     for name in ("run_max", "run_sum", "run_acc"):
         sch.decompose_reduction(sch.get_sblock(name), t)
-    sch.annotate(outer, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(outer, "pragma_unroll_explicit", 1)
+    unroll(sch, knobs, outer)
 
 
 # ---- CUDA ---------------------------------------------------------------------------------------
@@ -547,8 +548,7 @@ def cuda_verify_rows(sch, target, knobs):
     # The running state initialised once per row, before the key-tile loop.
     for name in ("run_max", "run_sum", "run_acc"):
         sch.decompose_reduction(get(name), t)
-    sch.annotate(pc, "pragma_auto_unroll_max_step", knobs.choice([0, 16, 64], 16))
-    sch.annotate(pc, "pragma_unroll_explicit", 0)
+    unroll(sch, knobs, pc, explicit=0)
 
 
 def onnx_graph(shape, dtype):
@@ -556,12 +556,10 @@ def onnx_graph(shape, dtype):
     K/V, repeat K/V heads over their group (Unsqueeze, Expand, Reshape), MatMul, Mul by the scale,
     Add the mask (zeros for the cache, Where(Equal(tree, 1), 0, -1e9) for the drafts, built from the
     tree input), Softmax, MatMul."""
-    import onnx
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     nb, hq, hkv, grp, hd, smax, length, kd = _dims(shape)
     n = length + kd
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     consts = {
         "zero_i64": np.array([0], np.int64),
         "len_i64": np.array([length], np.int64),
@@ -594,25 +592,15 @@ def onnx_graph(shape, dtype):
               helper.make_node("Add", ["scores", "mask"], ["masked"]),
               helper.make_node("Softmax", ["masked"], ["probs"], axis=-1),
               helper.make_node("MatMul", ["probs", "v_heads"], ["o"])]
-    cache, new = [nb, hkv, smax, hd], [nb, hkv, kd, hd]
-    graph = helper.make_graph(
-        nodes, "spec_verify_attention",
-        [helper.make_tensor_value_info("q", elem, [nb, hq, kd, hd]),
-         helper.make_tensor_value_info("k_cache", elem, cache),
-         helper.make_tensor_value_info("v_cache", elem, cache),
-         helper.make_tensor_value_info("k_new", elem, new),
-         helper.make_tensor_value_info("v_new", elem, new),
-         helper.make_tensor_value_info("tree", onnx.TensorProto.INT32, [kd, kd])],
-        [helper.make_tensor_value_info("o", elem, [nb, hq, kd, hd])],
-        initializer=[numpy_helper.from_array(v, k) for k, v in consts.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="autofuse")
-    onnx.checker.check_model(model)
-    return model
+    cache, new = (nb, hkv, smax, hd), (nb, hkv, kd, hd)
+    return typed_model("spec_verify_attention", nodes,
+                       [("q", (nb, hq, kd, hd), dtype), ("k_cache", cache, dtype), ("v_cache", cache, dtype),
+                        ("k_new", new, dtype), ("v_new", new, dtype), ("tree", (kd, kd), "int32")],
+                       [("o", (nb, hq, kd, hd), dtype)], consts)
 
 
 PATTERN = Pattern(
-    name="spec_verify_attention",
-    family="speculative",
+    name="spec_verify_attention", family="speculative",
     description="speculative-decoding verification: k draft queries over the KV cache and the drafts "
                 "(tree mask), online softmax, GQA",
     shape_params=[ShapeParam("batch", 2, 1, "sequences being verified"),
@@ -623,11 +611,6 @@ PATTERN = Pattern(
                   ShapeParam("cache_len", 200, 13, "valid cache positions, the same for every sequence",
                              minimum=0),
                   ShapeParam("k_draft", 8, 5, "draft tokens (tree nodes) verified in this pass")],
-    build=build,
-    reference=reference,
-    make_inputs=make_inputs,
-    onnx_graph=onnx_graph,
-    flops=flops,
-    bytes=nbytes,
+    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
     templates=[kv_head_tiles, cuda_verify_rows],
 )
