@@ -115,6 +115,25 @@ def _parallel_copy(sch, block):
     sch.parallel(loops[0])
 
 
+def _pack_panels(sch, block, tile: RegisterTile, layout: str):
+    """The copy of W into panels, parallel over panels. W stored (n, k): NR x 16 blocks
+    transposed (LLVM shuffles them in registers; 2.8x faster than row by row); (k, n): NR
+    contiguous columns at a time."""
+    loops = sch.get_loops(block)
+    j, k = loops if layout == "nk" else loops[::-1]
+    j0, j1 = sch.split(j, [None, tile.cols])
+    if layout == "nk":
+        depth = _extent(sch, k)
+        k0, k1 = sch.split(k, [None, max(v for v in (1, 2, 4, 8, 16) if depth % v == 0)])
+        sch.reorder(j0, k0, j1, k1)
+        sch.unroll(j1)
+        sch.vectorize(k1)
+    else:
+        sch.reorder(j0, k, j1)
+        _vectorize_cols(sch, j1, tile)
+    sch.parallel(j0)
+
+
 def _divisor_below(count: int, want: int) -> int:
     """Largest divisor of ``count`` not above ``want``."""
     return max(d for d in range(1, max(1, min(want, count)) + 1) if count % d == 0)
@@ -147,13 +166,17 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
         sch.pad_einsum(matmul, [tile.rows if pad_rows else 1, tile.cols if pad_cols else 1, 1])
         # The copy of the padded accumulator's valid part joins the epilogue, first.
         epilogue_blocks = [c for c in sch.get_consumers(matmul)] + epilogue_blocks
-        for producer in sch.get_producers(matmul):
-            _parallel_copy(sch, producer)
 
     # W panels [n/NR][k][NR]: a plain copy the layout rewrite can take over, or the padding copy.
     nr = tile.cols
     packing = None
-    if not pad_cols:
+    weight = sch.get(matmul).reads[weight_read].source
+    for producer in sch.get_producers(matmul):
+        if sch.get(producer).writes[0].source.same_as(weight):
+            packing = producer
+        else:
+            _parallel_copy(sch, producer)
+    if packing is None:
         packing = sch.cache_read(matmul, weight_read, "global")
         sch.annotate(packing, LAYOUT_REWRITE, 1)
     panels = ((lambda jj, kk: (jj // nr, kk, jj % nr)) if weight_layout == "nk"
@@ -202,6 +225,5 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     _tile_loops(sch, init, tile)
     for block in chain:
         _tile_loops(sch, block, tile)
-    if packing is not None:
-        _parallel_copy(sch, packing)
+    _pack_panels(sch, packing, tile, weight_layout)
     return tile
