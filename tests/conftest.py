@@ -27,6 +27,28 @@ def _getmodule_without_a_futile_scan(real):
 
 inspect.getmodule = _getmodule_without_a_futile_scan(inspect.getmodule)
 
+SEARCH_POPULATION = 64
+
+
+def _smaller_search_population():
+    """The tests tune budgets of 1 to 24 trials, for which MetaSchedule's evolutionary search still
+    breeds 512 candidates a round: most of a small session's CPU (4 patterns x 1 trial: 125 s of
+    CPU, 36 s with a population of 16). Tuning in the test process searches with SEARCH_POPULATION
+    instead: the same EvolutionarySearch, a smaller population."""
+    from tvm.s_tir.meta_schedule.search_strategy import EvolutionarySearch, SearchStrategy
+
+    default = SearchStrategy.create
+
+    def create(kind="evolutionary", *args, **kwargs):
+        if kind == "evolutionary" and not args and not kwargs:
+            return EvolutionarySearch(population_size=SEARCH_POPULATION)
+        return default(kind, *args, **kwargs)
+
+    SearchStrategy.create = staticmethod(create)
+
+
+_smaller_search_population()
+
 
 def run_cli(*args, cwd=None, timeout=900):
     """``autofuse ARGS`` in a fresh process, as a user runs it."""
