@@ -4,10 +4,10 @@ A block ``C[i, j] += A[i, k] * W[j, k]`` (iterators spatial i, spatial j, reduct
 order; casts around the operands are fine) becomes:
 
 - W packed into panels ``Wp[j // NR, k, j % NR]`` (``NR`` columns, contiguous along k) by a
-  ``cache_read`` copy annotated ``meta_schedule.layout_rewrite_preproc``: MetaSchedule's builder
-  (``RemoveWeightLayoutRewriteBlock``) and Relax's layout rewrite turn that copy into a one-time
-  packing of a constant weight; a plain ``tvm.tirx.build`` keeps it, and the kernel then packs W
-  at every call (the copy is parallel).
+  ``cache_read`` copy inside each parallel task: a task packs its NC columns into a buffer of its
+  own right before its rows use them, so the panels are still in cache (a separate pass over all
+  of W writes the panels to memory and reads them back: 1.5-2x the time of the whole kernel at
+  m = 64 here). W is packed at every call; where MC splits the rows, once per row block.
 - An ``MR x NR`` register tile of accumulators: per k step one broadcast of x per row and
   ``NR / lanes`` vector FMAs per row, ``MR`` unrolled, ``NR`` split into vectors, ``KU`` k steps
   unrolled. The tile is sized from the target's vector width and register count
@@ -22,11 +22,19 @@ order; casts around the operands are fine) becomes:
 
 Rows (columns) that are not a multiple of MR (NR): ``pad_einsum`` pads the block's domain, so the
 micro-kernel has no predicate (one in its k loop costs 2-3x); x (W) is then copied once into the
-zero-padded buffer and only the epilogue is predicated. Padded columns also lose the
-layout-rewrite annotation (the padding copy is no plain copy), so W is packed at every call.
+zero-padded buffer and only the epilogue is predicated; padded W columns are zeroed by the
+packing copy itself.
 
 Knobs (``autofuse.pattern.Knobs``): tiles of the MR-row and NR-column tile counts (MC, NC) and
 of k (KU). They only feed ``split``; every Python branch depends on shapes and the target.
+
+Skinny GEMMs (m up to ``SKINNY_ROWS``, decoding and small batches; ``schedule_skinny_gemm``):
+packing W costs more than the few rows gain from it, so W is read as stored. W (n, k): each
+output is a dot product along contiguous k, split into vector lanes that ``rfactor`` makes a
+spatial axis; an MR x NJ tile of lane-wide partial sums stays in registers over k (per step one
+vector of x per row, one of W per column, MR * NJ FMAs), then each is summed across its lanes
+and the epilogue runs. W (k, n): the register tile of the packed path over W as stored, which
+is contiguous along n already. ``schedule_gemm`` picks the path by m.
 """
 
 from __future__ import annotations
@@ -35,9 +43,6 @@ import dataclasses
 
 from tvm import tirx
 from tvm.target import Target, codegen
-
-LAYOUT_REWRITE = "meta_schedule.layout_rewrite_preproc"
-
 
 @dataclasses.dataclass(frozen=True)
 class VectorUnit:
@@ -115,11 +120,12 @@ def _parallel_copy(sch, block):
     sch.parallel(loops[0])
 
 
-def _pack_panels(sch, block, tile: RegisterTile, layout: str):
-    """The copy of W into panels, parallel over panels. W stored (n, k): NR x 16 blocks
+def _pack_panels(sch, block, task, tile: RegisterTile, layout: str):
+    """The copy of W into panels at the parallel ``task`` loop. W stored (n, k): NR x 16 blocks
     transposed (LLVM shuffles them in registers; 2.8x faster than row by row); (k, n): NR
     contiguous columns at a time."""
-    loops = sch.get_loops(block)
+    sch.compute_at(block, task, preserve_unit_loops=True)
+    loops = sch.get_loops(block)[-2:]
     j, k = loops if layout == "nk" else loops[::-1]
     j0, j1 = sch.split(j, [None, tile.cols])
     if layout == "nk":
@@ -131,7 +137,6 @@ def _pack_panels(sch, block, tile: RegisterTile, layout: str):
     else:
         sch.reorder(j0, k, j1)
         _vectorize_cols(sch, j1, tile)
-    sch.parallel(j0)
 
 
 def _divisor_below(count: int, want: int) -> int:
@@ -148,18 +153,42 @@ def default_blocking(row_tiles: int, col_tiles: int, tile: RegisterTile, cores: 
     return mc, nc
 
 
+# Rows up to which a GEMM reads W as stored rather than packing it (``schedule_skinny_gemm``).
+SKINNY_ROWS = 64
+
+
+def _check_layout(weight_layout: str):
+    if weight_layout not in ("nk", "kn"):
+        raise ValueError(f"weight_layout must be 'nk' or 'kn', not {weight_layout!r}")
+
+
+def _cores(target: Target, cores: int | None) -> int:
+    return cores or int(target.attrs.get("num-cores", 1) or 1)
+
+
+def schedule_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(), weight_read: int = 1,
+                  weight_layout: str = "nk", cores: int | None = None):
+    """The CPU GEMM for ``matmul`` and its ``epilogue_blocks`` (arguments as for
+    ``schedule_packed_gemm``): skinny (W as stored) up to ``SKINNY_ROWS`` rows, packed above."""
+    rows = _extent(sch, sch.get_loops(matmul)[0])
+    path = schedule_skinny_gemm if rows <= SKINNY_ROWS else schedule_packed_gemm
+    return path(sch, matmul, knobs, target, epilogue_blocks, weight_read, weight_layout, cores)
+
+
 def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(), weight_read: int = 1,
-                         weight_layout: str = "nk", cores: int | None = None):
+                         weight_layout: str = "nk", cores: int | None = None, pack: bool = True):
     """Schedule ``matmul`` (see the module docstring) and its ``epilogue_blocks``, consumers of its
     output in order (e.g. the bias + ReLU block), at the register tile. ``weight_read``: index in
     the block's reads of W, read as ``W[j, k]`` (``weight_layout`` "nk", as nn.Linear stores it)
-    or ``W[k, j]`` ("kn"); either way packed into the same panels. Returns the register tile used."""
-    if weight_layout not in ("nk", "kn"):
-        raise ValueError(f"weight_layout must be 'nk' or 'kn', not {weight_layout!r}")
+    or ``W[k, j]`` ("kn"); either way packed into the same panels, unless ``pack`` is off (W
+    "kn" read as stored). Returns the register tile used."""
+    _check_layout(weight_layout)
+    if not pack and weight_layout != "kn":
+        raise ValueError("W stored (n, k) is read across n by the register tile: it must be packed")
     i, j, k = sch.get_loops(matmul)
     m, n = _extent(sch, i), _extent(sch, j)
     tile = register_tile(vector_unit(target), m, n)
-    cores = cores or int(target.attrs.get("num-cores", 1) or 1)
+    cores = _cores(target, cores)
     pad_rows, pad_cols = m % tile.rows != 0, n % tile.cols != 0
     epilogue_blocks = list(epilogue_blocks)
     if pad_rows or pad_cols:
@@ -167,21 +196,21 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
         # The copy of the padded accumulator's valid part joins the epilogue, first.
         epilogue_blocks = [c for c in sch.get_consumers(matmul)] + epilogue_blocks
 
-    # W panels [n/NR][k][NR]: a plain copy the layout rewrite can take over, or the padding copy.
+    # W panels [n/NR][k][NR]: a copy of W, or the padding copy.
     nr = tile.cols
     packing = None
     weight = sch.get(matmul).reads[weight_read].source
     for producer in sch.get_producers(matmul):
-        if sch.get(producer).writes[0].source.same_as(weight):
+        if pack and sch.get(producer).writes[0].source.same_as(weight):
             packing = producer
         else:
             _parallel_copy(sch, producer)
-    if packing is None:
-        packing = sch.cache_read(matmul, weight_read, "global")
-        sch.annotate(packing, LAYOUT_REWRITE, 1)
-    panels = ((lambda jj, kk: (jj // nr, kk, jj % nr)) if weight_layout == "nk"
-              else (lambda kk, jj: (jj // nr, kk, jj % nr)))
-    sch.transform_layout(matmul, ("read", weight_read), index_map=panels)
+    if pack:
+        if packing is None:
+            packing = sch.cache_read(matmul, weight_read, "global")
+        panels = ((lambda jj, kk: (jj // nr, kk, jj % nr)) if weight_layout == "nk"
+                  else (lambda kk, jj: (jj // nr, kk, jj % nr)))
+        sch.transform_layout(matmul, ("read", weight_read), index_map=panels)
 
     i, j, k = sch.get_loops(matmul)
     m, n = _extent(sch, i), _extent(sch, j)
@@ -225,5 +254,86 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     _tile_loops(sch, init, tile)
     for block in chain:
         _tile_loops(sch, block, tile)
-    _pack_panels(sch, packing, tile, weight_layout)
+    if pack:
+        _pack_panels(sch, packing, outer, tile, weight_layout)
+    return tile
+
+
+@dataclasses.dataclass(frozen=True)
+class DotTile:
+    """The skinny path's register tile over W (n, k): ``rows`` of x by ``cols`` rows of W, each
+    output a ``lanes``-wide vector of partial sums along k."""
+    rows: int        # MR
+    cols: int        # NJ
+    lanes: int       # k step of one vector FMA
+
+
+def dot_tile(unit: VectorUnit, m: int, n: int, k: int) -> DotTile:
+    """MR x NJ partial-sum vectors that fit the registers beside MR vectors of x (24 of 32, 12 of
+    16): MR the largest divisor of m up to 4 (2 with 16 registers), NJ the largest divisor of n up
+    to 8 that fits; the lanes the widest power of two up to the vector that divides k."""
+    budget = unit.registers * 3 // 4
+    rows = _divisor_below(m, 4 if unit.registers >= 32 else 2)
+    cols = _divisor_below(n, min(8, budget // rows))
+    lanes = max(v for v in (1, 2, 4, 8, 16, 32, 64) if v <= unit.lanes and k % v == 0)
+    return DotTile(rows=rows, cols=cols, lanes=lanes)
+
+
+def schedule_skinny_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(), weight_read: int = 1,
+                         weight_layout: str = "nk", cores: int | None = None):
+    """Few rows: W read as stored, no packing (see the module docstring); arguments as for
+    ``schedule_packed_gemm``. W (k, n) takes the packed path's register tile without the packing.
+    W (n, k): per parallel task ``NJ``-row groups of W (a knob, NC), for each the rows of x in
+    MR tiles, each a k loop (``KU`` steps unrolled, a knob) of lane-wide FMAs into MR x NJ partial
+    sums, then the lane sums and the epilogue on them. Returns the ``DotTile`` (or the packed
+    path's ``RegisterTile`` for W (k, n))."""
+    _check_layout(weight_layout)
+    if weight_layout == "kn":
+        return schedule_packed_gemm(sch, matmul, knobs, target, epilogue_blocks, weight_read, weight_layout,
+                                    cores, pack=False)
+    i, j, k = sch.get_loops(matmul)
+    m, n, depth = _extent(sch, i), _extent(sch, j), _extent(sch, k)
+    tile = dot_tile(vector_unit(target), m, n, depth)
+    cores = _cores(target, cores)
+    for producer in sch.get_producers(matmul):
+        _parallel_copy(sch, producer)
+
+    ko, kv = sch.split(k, [None, tile.lanes])
+    partial = sch.rfactor(kv, factor_axis=2)  # partial[i, j, lane], a spatial lane axis
+    i, j, ko, kv = sch.get_loops(partial)
+    io, ir = sch.split(i, [None, tile.rows])
+    groups = n // tile.cols
+    jo, jr = sch.split(j, [groups, tile.cols])
+    # Untuned: at least 4 tasks per core where there are enough groups, up to 8 groups a task.
+    per_task = _divisor_below(groups, max(1, min(8, groups // (4 * cores))))
+    ko, ku = sch.split(ko, knobs.tile(ko, 2, [4], max_innermost_factor=8))
+    jp, jg = sch.split(jo, knobs.tile(jo, 2, [per_task], max_innermost_factor=16))
+    # W's NJ rows serve every row tile of x from L1/L2 before the next group.
+    sch.reorder(jp, jg, io, ko, ku, ir, jr, kv)
+    sch.parallel(jp)
+    sch.set_scope(partial, 0, "local")
+    # The lane sums (the rfactored block) and the epilogue at the row tile, on the registers.
+    chain = [matmul] + list(epilogue_blocks)
+    for block in chain:
+        sch.reverse_compute_at(block, io, preserve_unit_loops=True)
+    kept = []
+    for block in chain[1:-1]:
+        if _root_allocated(sch, sch.get(block).writes[0].source):
+            sch.compute_inline(block)
+        else:
+            kept.append(block)
+    sch.unroll(ir)
+    sch.unroll(jr)
+    sch.vectorize(kv)
+    sch.unroll(ku)
+    init = sch.decompose_reduction(partial, ko)
+    sch.vectorize(sch.get_loops(init)[-1])
+    # The lane sums: lanes innermost (a horizontal reduction), rows and columns unrolled.
+    lane, row, col = sch.get_loops(matmul)[-3:]
+    sch.reorder(row, col, lane)
+    sch.unroll(row)
+    sch.unroll(col)
+    for block in kept + chain[-1:]:
+        for loop in sch.get_loops(block)[-2:]:
+            sch.unroll(loop)
     return tile

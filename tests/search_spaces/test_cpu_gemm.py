@@ -1,7 +1,7 @@
 """search_spaces.lib.cpu_gemm on linear_bias_relu (its CPU default): the register tile per ISA,
-the default schedule against numpy on shapes that take each path (rows or columns not a multiple
-of the tile, fewer rows than the tile, odd k), no predicate in the micro-kernel, the packing copy
-that MetaSchedule's layout rewrite removes, knob samples. Tuning the template space and replaying
+the default schedule against numpy on shapes that take each path (skinny m; rows or columns not a
+multiple of the tile, fewer rows than the tile, odd k), no predicate in the micro-kernel, the
+packing inside each parallel task, the skinny path reading W as stored, knob samples. Tuning the template space and replaying
 its records: tests/test_tune.py (linear_bias_relu)."""
 
 import numpy as np
@@ -17,7 +17,10 @@ from autofuse.pattern import Knobs
 from autofuse.target import parse_target
 from autofuse.verify import check_module
 from search_spaces.gemm import linear_bias_relu as lbr
-from search_spaces.lib.cpu_gemm import LAYOUT_REWRITE, RegisterTile, VectorUnit, register_tile, schedule_packed_gemm, vector_unit
+from tvm.tirx import ForKind
+
+from search_spaces.lib.cpu_gemm import (SKINNY_ROWS, DotTile, RegisterTile, VectorUnit, dot_tile, register_tile,
+                                        schedule_gemm, schedule_packed_gemm, schedule_skinny_gemm, vector_unit)
 
 TARGET = parse_target("llvm")
 DEV = tvm.cpu()
@@ -37,10 +40,10 @@ def _default(func):
     return first.apply(func, TARGET, tunable=False)
 
 
-def _schedule(shape, target=TARGET, tunable=False, seed=None):
+def _schedule(shape, target=TARGET, tunable=False, seed=None, path=schedule_packed_gemm):
     func = lbr.build(shape, "float32")
     sch = s_tir.Schedule(func, seed=seed) if seed is not None else s_tir.Schedule(func)
-    tile = schedule_packed_gemm(sch, sch.get_sblock("matmul"), Knobs(sch, tunable), target,
+    tile = path(sch, sch.get_sblock("matmul"), Knobs(sch, tunable), target,
                                 epilogue_blocks=[sch.get_sblock("bias_relu")])
     return func, sch, tile
 
@@ -65,9 +68,10 @@ def test_vector_unit_and_tile_follow_the_target():
     assert register_tile(VectorUnit(8, 16), 3, 20) == RegisterTile(3, 16, 8)
 
 
-# Each shape takes a path: m % MR != 0 (padded rows), m < MR, NR of 8 (n % 16 == 8), n padded
-# (n % 8 != 0) with odd k (KU 1), and the plain one.
-CASES = [(7, 48, 24), (1, 32, 16), (16, 40, 8), (13, 20, 5), (24, 64, 32)]
+# Each shape takes a path. Skinny: m = 1, m prime (MR 1) with n = 100 and odd k (one lane), m = 16
+# with n % 8 != 0. Packed (m > SKINNY_ROWS): m % MR != 0 (padded rows) with n padded (n % 8 != 0)
+# and odd k (KU 1), NR of 8 (n % 16 == 8), and the plain one.
+CASES = [(1, 32, 16), (7, 100, 5), (16, 20, 24), (67, 20, 5), (72, 40, 8), (72, 64, 32)]
 
 
 @pytest.mark.parametrize("m,n,k", CASES)
@@ -99,20 +103,45 @@ def test_micro_kernel_has_no_predicate(m, n):
     assert f"T.sblock_alloc_buffer(({panels}, 8, {tile.cols}))" in sch.mod.script()
 
 
-def test_packing_is_a_layout_rewrite_copy_that_can_be_dropped():
-    shape = _shape(13, 32, 24)
-    func, sch, tile = _schedule(shape)
-    assert LAYOUT_REWRITE in sch.get(sch.get_sblock("w_global")).annotations
-    # After MetaSchedule's builder pass the kernel takes W packed: [n/NR][k][NR].
-    packed = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(sch.mod)
-    rt = tvm.tirx.build(packed, target=TARGET)
-    x, w, b = lbr.make_inputs(shape, "float32", 0)
-    nr = tile.cols
-    wp = np.ascontiguousarray(w.reshape(shape["n"] // nr, nr, shape["k"]).transpose(0, 2, 1))
-    y = tvm.runtime.tensor(np.zeros((13, 32), np.float32), DEV)
-    rt(*(tvm.runtime.tensor(a, DEV) for a in (x, wp, b)), y)
-    check = compare([y.numpy()], [lbr.reference(x, w, b)], accumulation=shape["k"])
-    assert check.ok, check.message
+def test_each_task_packs_its_own_panels():
+    """The packing copy runs inside the parallel loop, into a buffer of the task's columns only."""
+    _, sch, tile = _schedule(_shape(13, 256, 24))
+    outer = sch.get_loops(sch.get_sblock("w_global"))[0]
+    assert sch.get(outer).kind == ForKind.PARALLEL
+    assert sch.get(sch.get_loops(sch.get_sblock("matmul_update"))[0]).same_as(sch.get(outer))
+    lowered = tvm.s_tir.transform.LowerOpaqueBlock()(tvm.s_tir.transform.CompactBufferAllocation()(
+        tvm.s_tir.transform.ConvertBlocksToOpaque()(tvm.s_tir.transform.PlanAndUpdateBufferAllocationLocation()(
+            tvm.s_tir.transform.LowerInitBlock()(sch.mod))))).script()
+    parallel_at = lowered.index("T.parallel(")
+    alloc_at = lowered.index("w_global = T.alloc_buffer(")
+    assert alloc_at > parallel_at and f"T.alloc_buffer((2, 24, {tile.cols})" in lowered, "2 panels a task"
+
+
+def test_dot_tile_and_path_follow_the_shape():
+    unit = VectorUnit(16, 32)
+    assert dot_tile(unit, 1, 768, 768) == DotTile(1, 8, 16)
+    assert dot_tile(unit, 16, 768, 768) == DotTile(4, 6, 16)
+    assert dot_tile(unit, 7, 100, 5) == DotTile(1, 5, 1)
+    assert dot_tile(VectorUnit(8, 16), 16, 1000, 1000) == DotTile(2, 5, 8)
+    for m, packs in ((SKINNY_ROWS, False), (SKINNY_ROWS + 1, True)):
+        func = lbr.build(_shape(m, 32, 16), "float32")
+        sch = s_tir.Schedule(func)
+        schedule_gemm(sch, sch.get_sblock("matmul"), Knobs(sch, False), TARGET,
+                      epilogue_blocks=[sch.get_sblock("bias_relu")])
+        assert ('"w_global"' in sch.mod.script()) == packs
+
+
+def test_skinny_reads_w_as_stored():
+    """m <= SKINNY_ROWS: no copy of W; the lanes of the k loop are a vectorised spatial axis of
+    a local partial-sum tile, summed across after the k loop."""
+    _, sch, tile = _schedule(_shape(4, 64, 32), path=schedule_skinny_gemm)
+    script = sch.mod.script()
+    assert tile == DotTile(4, 4, 16)
+    assert '"w_global"' not in script and "w[" in script
+    update = sch.get_sblock("matmul_rf_update")
+    assert sch.get(sch.get_loops(update)[-1]).kind == ForKind.VECTORIZED
+    assert sch.get(sch.get_loops(update)[0]).kind == ForKind.PARALLEL
+    assert "acc_rf_local" in script
 
 
 def test_builds_for_avx512_and_neon():
@@ -121,13 +150,17 @@ def test_builds_for_avx512_and_neon():
         _, sch, got = _schedule(_shape(13, 128, 16), target=target)
         assert got == tile
         tvm.tirx.build(sch.mod, target=target)
+    _, sch, got = _schedule(_shape(3, 64, 32), target=NEON, path=schedule_skinny_gemm)
+    assert got == DotTile(3, 8, 4)
+    tvm.tirx.build(sch.mod, target=NEON)
 
 
-def test_knob_samples_vary_and_match():
-    shape = _shape(24, 64, 32)
+@pytest.mark.parametrize("path,shape", [(schedule_packed_gemm, _shape(24, 64, 32)),
+                                        (schedule_skinny_gemm, _shape(8, 256, 512))], ids=["packed", "skinny"])
+def test_knob_samples_vary_and_match(path, shape):
     decisions = set()
     for seed in (1, 2, 3):
-        func, sch, _ = _schedule(shape, tunable=True, seed=seed)
+        func, sch, _ = _schedule(shape, tunable=True, seed=seed, path=path)
         decisions.add(str(sch.trace.decisions))
         result = check_module(lbr.PATTERN, tvm.tirx.build(sch.mod, target=TARGET), func, shape, "float32", DEV)
         assert result.ok, result.message
