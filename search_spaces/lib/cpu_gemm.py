@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from tvm import tirx
+from tvm import s_tir, tirx
 from tvm.target import Target, codegen
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +115,45 @@ def _tile_loops(sch, block, tile: RegisterTile):
 
 
 def _parallel_copy(sch, block):
-    """A copy block (packing or padding) parallel over its outer loop; LLVM vectorizes the rest."""
+    """A copy block (padding) parallel over its outer loop; LLVM vectorizes the rest."""
+    sch.parallel(sch.get_loops(block)[0])
+
+
+def _reduction_count(sch, block) -> int:
+    return sum(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(block).iter_vars)
+
+
+def _gemm_loops(sch, block):
+    """``block``'s loops as (leading, i, j, k): its loops must end with the row loop, the column
+    loop and the reduction loops (several are fused into one k), any loops before them are
+    leading (batch) loops."""
     loops = sch.get_loops(block)
-    sch.parallel(loops[0])
+    reductions = _reduction_count(sch, block)
+    if reductions < 1 or len(loops) < reductions + 2:
+        raise ValueError(f"block {sch.get(block).name_hint!r} is no GEMM: its loops must end with (i, j, k...)")
+    k = loops[-reductions] if reductions == 1 else sch.fuse(*loops[-reductions:])
+    return list(loops[:-reductions - 2]), loops[-reductions - 2], loops[-reductions - 1], k
+
+
+def _realize(sch, block):
+    """The SBlockRealize of ``block`` (its iteration bindings): the body of its innermost loop."""
+    node = sch.get(sch.get_loops(block)[-1]).body
+    nodes = list(node.seq) if isinstance(node, tirx.SeqStmt) else [node]
+    return next(n for n in nodes if isinstance(n, s_tir.SBlockRealize) and n.block.same_as(sch.get(block)))
+
+
+def _pad(sch, block, i, j, rows: int, cols: int):
+    """pad_einsum of ``block``'s domain: the iteration variables bound to loops ``i`` and ``j``
+    padded to multiples of ``rows`` and ``cols``. Returns the padding copies it made (producers
+    of the padded inputs, consumers of the padded output)."""
+    loop_vars = {sch.get(i).loop_var: rows, sch.get(j).loop_var: cols}
+    realize = _realize(sch, block)
+    padding = [next((f for v, f in loop_vars.items() if value.same_as(v)), 1) for value in realize.iter_values]
+    before = {sch.get(b).name_hint for b in sch.get_producers(block) + sch.get_consumers(block)}
+    sch.pad_einsum(block, padding)
+    made_in = [b for b in sch.get_producers(block) if sch.get(b).name_hint not in before]
+    made_out = [b for b in sch.get_consumers(block) if sch.get(b).name_hint not in before]
+    return made_in, made_out
 
 
 def _pack_panels(sch, block, task, tile: RegisterTile, layout: str):
@@ -125,8 +161,10 @@ def _pack_panels(sch, block, task, tile: RegisterTile, layout: str):
     transposed (LLVM shuffles them in registers; 2.8x faster than row by row); (k, n): NR
     contiguous columns at a time."""
     sch.compute_at(block, task, preserve_unit_loops=True)
-    loops = sch.get_loops(block)[-2:]
-    j, k = loops if layout == "nk" else loops[::-1]
+    loops = sch.get_loops(block)
+    loops = loops[1 + next(n for n, loop in enumerate(loops) if sch.get(loop).same_as(sch.get(task))):]
+    j, ks = (loops[0], loops[1:]) if layout == "nk" else (loops[-1], loops[:-1])
+    k = sch.fuse(*ks) if len(ks) > 1 else ks[0]
     j0, j1 = sch.split(j, [None, tile.cols])
     if layout == "nk":
         depth = _extent(sch, k)
@@ -137,6 +175,14 @@ def _pack_panels(sch, block, task, tile: RegisterTile, layout: str):
     else:
         sch.reorder(j0, k, j1)
         _vectorize_cols(sch, j1, tile)
+
+
+def _panels(nr: int, layout: str, rank: int):
+    """Index map of W (``rank`` axes: W[j, k...] for "nk", W[k..., j] for "kn") into panels
+    [n/NR][k...][NR]."""
+    if layout == "nk":
+        return lambda jj, *ks: (jj // nr, *ks, jj % nr)
+    return lambda *idx: (idx[-1] // nr, *idx[:-1], idx[-1] % nr)
 
 
 def _divisor_below(count: int, want: int) -> int:
@@ -166,95 +212,150 @@ def _cores(target: Target, cores: int | None) -> int:
     return cores or int(target.attrs.get("num-cores", 1) or 1)
 
 
-def schedule_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(), weight_read: int = 1,
-                  weight_layout: str = "nk", cores: int | None = None):
-    """The CPU GEMM for ``matmul`` and its ``epilogue_blocks`` (arguments as for
-    ``schedule_packed_gemm``): skinny (W as stored) up to ``SKINNY_ROWS`` rows, packed above."""
-    rows = _extent(sch, sch.get_loops(matmul)[0])
-    path = schedule_skinny_gemm if rows <= SKINNY_ROWS else schedule_packed_gemm
-    return path(sch, matmul, knobs, target, epilogue_blocks, weight_read, weight_layout, cores)
-
-
-def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(), weight_read: int = 1,
-                         weight_layout: str = "nk", cores: int | None = None, pack: bool = True):
-    """Schedule ``matmul`` (see the module docstring) and its ``epilogue_blocks``, consumers of its
-    output in order (e.g. the bias + ReLU block), at the register tile. ``weight_read``: index in
-    the block's reads of W, read as ``W[j, k]`` (``weight_layout`` "nk", as nn.Linear stores it)
-    or ``W[k, j]`` ("kn"); either way packed into the same panels, unless ``pack`` is off (W
-    "kn" read as stored). Returns the register tile used."""
-    _check_layout(weight_layout)
-    if not pack and weight_layout != "kn":
-        raise ValueError("W stored (n, k) is read across n by the register tile: it must be packed")
-    i, j, k = sch.get_loops(matmul)
-    m, n = _extent(sch, i), _extent(sch, j)
-    tile = register_tile(vector_unit(target), m, n)
-    cores = _cores(target, cores)
-    pad_rows, pad_cols = m % tile.rows != 0, n % tile.cols != 0
-    epilogue_blocks = list(epilogue_blocks)
-    if pad_rows or pad_cols:
-        sch.pad_einsum(matmul, [tile.rows if pad_rows else 1, tile.cols if pad_cols else 1, 1])
-        # The copy of the padded accumulator's valid part joins the epilogue, first.
-        epilogue_blocks = [c for c in sch.get_consumers(matmul)] + epilogue_blocks
-
-    # W panels [n/NR][k][NR]: a copy of W, or the padding copy.
-    nr = tile.cols
-    packing = None
-    weight = sch.get(matmul).reads[weight_read].source
-    for producer in sch.get_producers(matmul):
-        if pack and sch.get(producer).writes[0].source.same_as(weight):
-            packing = producer
-        else:
-            _parallel_copy(sch, producer)
-    if pack:
-        if packing is None:
-            packing = sch.cache_read(matmul, weight_read, "global")
-        panels = ((lambda jj, kk: (jj // nr, kk, jj % nr)) if weight_layout == "nk"
-                  else (lambda kk, jj: (jj // nr, kk, jj % nr)))
-        sch.transform_layout(matmul, ("read", weight_read), index_map=panels)
-
-    i, j, k = sch.get_loops(matmul)
-    m, n = _extent(sch, i), _extent(sch, j)
-    row_tiles, col_tiles = m // tile.rows, n // tile.cols
-    io, ir = sch.split(i, [row_tiles, tile.rows])
-    jo, jr = sch.split(j, [col_tiles, tile.cols])
-    mc, nc = default_blocking(row_tiles, col_tiles, tile, cores)
-    i0, i1 = sch.split(io, knobs.tile(io, 2, [mc], max_innermost_factor=max(1, row_tiles)))
-    j0, j1 = sch.split(jo, knobs.tile(jo, 2, [nc], max_innermost_factor=16))
-    ko, ku = sch.split(k, knobs.tile(k, 2, [4], max_innermost_factor=8))
-    sch.reorder(i0, j0, i1, j1, ko, ku, ir, jr)
-    outer = sch.fuse(i0, j0)
-    sch.parallel(outer)
-
-    # Accumulators in a local tile; the write-back and the epilogue at the tile.
-    # (reindex + set_scope: cache_write of a buffer the function declares by a statement, as
-    # T.alloc_buffer does, defines the local buffer twice in TVM 0.27.)
-    write_back = sch.reindex(matmul, ("write", 0))
-    sch.set_scope(matmul, 0, "local")
-    sch.reverse_compute_at(write_back, j1, preserve_unit_loops=True)
-    for block in epilogue_blocks:
-        sch.reverse_compute_at(block, j1, preserve_unit_loops=True)
-    # Intermediates the function allocates in its root block go (the padded accumulator; the
-    # function's own accumulator where it is declared so); one declared by a statement, as
-    # T.alloc_buffer does, counts as an output to TVM and is stored once.
-    chain = [write_back] + epilogue_blocks
+def _inline_intermediates(sch, chain):
+    """Inline the blocks of ``chain`` but its last whose output the function allocates in its
+    root block; returns the others (their outputs are stored)."""
     kept = []
     for block in chain[:-1]:
         if _root_allocated(sch, sch.get(block).writes[0].source):
             sch.compute_inline(block)
         else:
             kept.append(block)
-    chain = kept + chain[-1:]
+    return kept + chain[-1:]
 
-    # Vectorize/unroll before decompose_reduction: after it the update block is no longer a
-    # complete reduction block and vectorize refuses it.
+
+def schedule_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(), weight_read: int = 1,
+                  weight_layout: str = "nk", cores: int | None = None, siblings=(), parallel: bool = True):
+    """The CPU GEMM for ``matmul`` and its ``epilogue_blocks`` (arguments as for
+    ``schedule_packed_gemm``): skinny (W as stored) up to ``SKINNY_ROWS`` rows, packed above."""
+    _, i, _, _ = _gemm_loops(sch, matmul)
+    path = schedule_skinny_gemm if _extent(sch, i) <= SKINNY_ROWS else schedule_packed_gemm
+    return path(sch, matmul, knobs, target, epilogue_blocks, weight_read, weight_layout, cores,
+                siblings=siblings, parallel=parallel)
+
+
+def _iter_index(sch, block, loop) -> int:
+    """Index of the iteration variable of ``block`` bound to ``loop``."""
+    var = sch.get(loop).loop_var
+    return next(n for n, value in enumerate(_realize(sch, block).iter_values) if value.same_as(var))
+
+
+def _loops_below(sch, block, loop):
+    """``block``'s loops under ``loop``, in order."""
+    loops = sch.get_loops(block)
+    return loops[1 + next(n for n, rv in enumerate(loops) if sch.get(rv).same_as(sch.get(loop))):]
+
+
+def _compute_at(sch, block, loop):
+    """``compute_at`` keeping unit loops; returns the loops made, one per iteration variable of
+    ``block`` in the order of its iteration variables (compute_at orders them its own way)."""
+    sch.compute_at(block, loop, preserve_unit_loops=True)
+    made = {int(sch.get(rv).loop_var.name[2:]): rv for rv in _loops_below(sch, block, loop)}
+    return [made[n] for n in range(len(made))]
+
+
+def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(), weight_read: int = 1,
+                         weight_layout: str = "nk", cores: int | None = None, pack: bool = True,
+                         siblings=(), parallel: bool = True):
+    """Schedule ``matmul`` (see the module docstring) and its ``epilogue_blocks``, consumers of its
+    output in order (e.g. the bias + ReLU block), at the register tile.
+
+    ``matmul``'s loops end with (i, j, k...): rows, columns, reduction(s). ``weight_read``: index
+    in the block's reads of W, the operand read along j: stored ``W[j, k...]`` (``weight_layout``
+    "nk", as nn.Linear stores it) or ``W[k..., j]`` ("kn"); either way packed into the same
+    panels, unless ``pack`` is off (W "kn" read as stored). W's producer, if any (a
+    dequantisation, a gather), becomes the packing copy. ``siblings``: further GEMM blocks over
+    the same domain (swiglu's up projection beside its gate), each with its W packed and its own
+    accumulators, computed at the same tile before the epilogue.
+
+    The tile loops are those of the last block of the chain (the last epilogue block, else the
+    write-back): its last two loops are the rows and columns, any before them leading (batch)
+    loops, fused into the parallel task loop (``parallel``; off where the caller runs them in
+    parallel itself). Everything else is computed at its register tile. Returns the tile."""
+    _check_layout(weight_layout)
+    if not pack and weight_layout != "kn":
+        raise ValueError("W stored (n, k) is read across n by the register tile: it must be packed")
+    gemms = [matmul, *siblings]
+    _, i, j, _ = _gemm_loops(sch, matmul)
+    m, n = _extent(sch, i), _extent(sch, j)
+    tile = register_tile(vector_unit(target), m, n)
+    cores = _cores(target, cores)
+    pad_rows, pad_cols = m % tile.rows != 0, n % tile.cols != 0
+    padded_outputs, roles = [], []
+    for gemm in gemms:
+        _, gi, gj, _ = _gemm_loops(sch, gemm)
+        roles.append((_iter_index(sch, gemm, gi), _iter_index(sch, gemm, gj)))
+        if pad_rows or pad_cols:
+            made_in, made_out = _pad(sch, gemm, gi, gj, tile.rows if pad_rows else 1, tile.cols if pad_cols else 1)
+            weight = sch.get(gemm).reads[weight_read].source
+            for copy in made_in:
+                if not (pack and sch.get(copy).writes[0].source.same_as(weight)):
+                    _parallel_copy(sch, copy)
+            padded_outputs += made_out
+
+    # W panels [n/NR][k...][NR]: a copy of W, its producer, or the padding copy.
+    packings = []
+    for gemm in gemms if pack else ():
+        weight = sch.get(gemm).reads[weight_read].source
+        packing = next((p for p in sch.get_producers(gemm) if sch.get(p).writes[0].source.same_as(weight)), None)
+        packing = packing if packing is not None else sch.cache_read(gemm, weight_read, "global")
+        sch.transform_layout(gemm, ("read", weight_read), index_map=_panels(tile.cols, weight_layout,
+                                                                            len(weight.shape)))
+        packings.append(packing)
+
+    # Accumulators in a local tile (reindex + set_scope: cache_write of a buffer the function
+    # declares by a statement, as T.alloc_buffer does, defines the local buffer twice in TVM
+    # 0.27), written back at the tile. Intermediates the function allocates in its root block go
+    # (the padded accumulators; the function's own accumulator where it is declared so); one
+    # declared by a statement, as T.alloc_buffer does, counts as an output to TVM and is stored.
+    write_backs = []
+    for gemm in gemms:
+        write_backs.append(sch.reindex(gemm, ("write", 0)))
+        sch.set_scope(gemm, 0, "local")
+    chain = _inline_intermediates(sch, write_backs + padded_outputs + list(epilogue_blocks))
+
+    # The tile loops, on the first block of the chain left (compute_at refuses blocks that write
+    # an output, and T.alloc_buffer's count as such; the blocks after it are moved by
+    # reverse_compute_at, which takes them).
+    anchor = chain[0]
+    *lead, ai, aj = sch.get_loops(anchor)
+    row_tiles, col_tiles = -(-m // tile.rows), -(-n // tile.cols)
+    io, ir = sch.split(ai, [None, tile.rows])
+    jo, jr = sch.split(aj, [None, tile.cols])
+    mc, nc = default_blocking(row_tiles, col_tiles, tile, cores)
+    i0, i1 = sch.split(io, knobs.tile(io, 2, [mc], max_innermost_factor=max(1, row_tiles)))
+    j0, j1 = sch.split(jo, knobs.tile(jo, 2, [nc], max_innermost_factor=16))
+    sch.reorder(i0, j0, i1, j1, ir, jr)
+    outer = sch.fuse(*(lead if parallel else []), i0, j0)
+    if parallel:
+        sch.parallel(outer)
     sch.unroll(ir)
     _vectorize_cols(sch, jr, tile)
-    sch.unroll(ku)
-    init = sch.decompose_reduction(matmul, ko)
-    _tile_loops(sch, init, tile)
-    for block in chain:
+    for block in chain[1:]:
+        sch.reverse_compute_at(block, j1, preserve_unit_loops=True)
         _tile_loops(sch, block, tile)
-    if pack:
+
+    # The GEMMs at the tile.
+    k_factors = None
+    for gemm, (row, col) in reversed(list(zip(gemms, roles))):
+        loops = _compute_at(sch, gemm, j1)
+        reductions = [loop for n, loop in enumerate(loops) if n not in (row, col) and
+                      sch.get(gemm).iter_vars[n].iter_type == tirx.IterVar.CommReduce]
+        units = [loop for n, loop in enumerate(loops) if n not in (row, col) and loop not in reductions]
+        sch.reorder(*units, loops[row], loops[col], *reductions)
+        k = sch.fuse(*reductions) if len(reductions) > 1 else reductions[0]
+        if k_factors is None:  # one knob for every GEMM
+            k_factors = knobs.tile(k, 2, [4], max_innermost_factor=8)
+        ko, ku = sch.split(k, k_factors)
+        sch.reorder(ko, ku, loops[row], loops[col])
+        # Vectorize/unroll before decompose_reduction: after it the update block is no longer a
+        # complete reduction block and vectorize refuses it.
+        sch.unroll(loops[row])
+        _vectorize_cols(sch, loops[col], tile)
+        sch.unroll(ku)
+        init = sch.decompose_reduction(gemm, ko)
+        _tile_loops(sch, init, tile)
+    for packing in packings:
         _pack_panels(sch, packing, outer, tile, weight_layout)
     return tile
 
@@ -280,27 +381,32 @@ def dot_tile(unit: VectorUnit, m: int, n: int, k: int) -> DotTile:
 
 
 def schedule_skinny_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(), weight_read: int = 1,
-                         weight_layout: str = "nk", cores: int | None = None):
+                         weight_layout: str = "nk", cores: int | None = None, siblings=(), parallel: bool = True):
     """Few rows: W read as stored, no packing (see the module docstring); arguments as for
     ``schedule_packed_gemm``. W (k, n) takes the packed path's register tile without the packing.
     W (n, k): per parallel task ``NJ``-row groups of W (a knob, NC), for each the rows of x in
     MR tiles, each a k loop (``KU`` steps unrolled, a knob) of lane-wide FMAs into MR x NJ partial
-    sums, then the lane sums and the epilogue on them. Returns the ``DotTile`` (or the packed
-    path's ``RegisterTile`` for W (k, n))."""
+    sums, then the lane sums and the epilogue on them. W's elementwise producers (a
+    dequantisation) are inlined: each weight is computed where it is read. Returns the
+    ``DotTile`` (or the packed path's ``RegisterTile`` for W (k, n))."""
     _check_layout(weight_layout)
     if weight_layout == "kn":
         return schedule_packed_gemm(sch, matmul, knobs, target, epilogue_blocks, weight_read, weight_layout,
-                                    cores, pack=False)
-    i, j, k = sch.get_loops(matmul)
+                                    cores, pack=False, siblings=siblings, parallel=parallel)
+    if siblings:
+        raise ValueError("the skinny GEMM over W (n, k) takes one GEMM block")
+    weight = sch.get(matmul).reads[weight_read].source
+    for producer in sch.get_producers(matmul):
+        if sch.get(producer).writes[0].source.same_as(weight):
+            sch.compute_inline(producer)
+    leading, i, j, k = _gemm_loops(sch, matmul)
     m, n, depth = _extent(sch, i), _extent(sch, j), _extent(sch, k)
     tile = dot_tile(vector_unit(target), m, n, depth)
     cores = _cores(target, cores)
-    for producer in sch.get_producers(matmul):
-        _parallel_copy(sch, producer)
 
     ko, kv = sch.split(k, [None, tile.lanes])
-    partial = sch.rfactor(kv, factor_axis=2)  # partial[i, j, lane], a spatial lane axis
-    i, j, ko, kv = sch.get_loops(partial)
+    partial = sch.rfactor(kv, factor_axis=len(leading) + 2)  # partial[..., i, j, lane], a spatial lane axis
+    *_, i, j, ko, kv = sch.get_loops(partial)
     io, ir = sch.split(i, [None, tile.rows])
     groups = n // tile.cols
     jo, jr = sch.split(j, [groups, tile.cols])
@@ -310,18 +416,14 @@ def schedule_skinny_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     jp, jg = sch.split(jo, knobs.tile(jo, 2, [per_task], max_innermost_factor=16))
     # W's NJ rows serve every row tile of x from L1/L2 before the next group.
     sch.reorder(jp, jg, io, ko, ku, ir, jr, kv)
-    sch.parallel(jp)
+    if parallel:
+        sch.parallel(sch.fuse(*leading, jp) if leading else jp)
     sch.set_scope(partial, 0, "local")
     # The lane sums (the rfactored block) and the epilogue at the row tile, on the registers.
     chain = [matmul] + list(epilogue_blocks)
     for block in chain:
         sch.reverse_compute_at(block, io, preserve_unit_loops=True)
-    kept = []
-    for block in chain[1:-1]:
-        if _root_allocated(sch, sch.get(block).writes[0].source):
-            sch.compute_inline(block)
-        else:
-            kept.append(block)
+    chain = [matmul] + _inline_intermediates(sch, chain)[1:]
     sch.unroll(ir)
     sch.unroll(jr)
     sch.vectorize(kv)
@@ -333,7 +435,7 @@ def schedule_skinny_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     sch.reorder(row, col, lane)
     sch.unroll(row)
     sch.unroll(col)
-    for block in kept + chain[-1:]:
+    for block in chain[1:]:
         for loop in sch.get_loops(block)[-2:]:
             sch.unroll(loop)
     return tile

@@ -14,6 +14,7 @@ from tvm.target import Target
 
 from autofuse.accuracy import compare
 from autofuse.pattern import Knobs
+from autofuse.registry import get_pattern
 from autofuse.target import parse_target
 from autofuse.verify import check_module
 from search_spaces.gemm import linear_bias_relu as lbr
@@ -203,3 +204,25 @@ def test_weight_stored_k_by_n(m, n, k):
     rt(*(tvm.runtime.tensor(a, DEV) for a in (x, w, b)), y)
     check = compare([y.numpy()], [x.astype(np.float64) @ w + b], accumulation=k)
     assert check.ok, check.message
+
+
+# The GEMM-shaped patterns whose CPU default stands on this library, at shapes off the tile:
+# skinny (rows <= SKINNY_ROWS) and packed, columns not a multiple of the vector.
+PATTERN_CASES = [
+    ("swiglu_ffn", {"tokens": 7, "hidden": 16, "inter": 100, "p_permille": 0}, "packed_gemms"),
+    ("swiglu_ffn", {"tokens": 70, "hidden": 24, "inter": 40}, "packed_gemms"),
+]
+
+
+@pytest.mark.parametrize("name,shape,template", PATTERN_CASES,
+                         ids=[f"{n}-{'-'.join(map(str, s.values()))}" for n, s, _ in PATTERN_CASES])
+def test_pattern_defaults_off_the_tile(name, shape, template):
+    pattern = get_pattern(name)
+    first = pattern.templates_for(TARGET)[0]
+    assert first.name == template, f"{name}'s CPU default is the library's GEMM"
+    shape = pattern.resolve_shape(shape)
+    dtype = pattern.dtypes[0]
+    func = pattern.build(shape, dtype)
+    result = check_module(pattern, tvm.tirx.build(first.apply(func, TARGET, tunable=False).mod, target=TARGET),
+                          func, shape, dtype, DEV)
+    assert result.ok, result.message
