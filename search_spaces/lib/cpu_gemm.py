@@ -42,6 +42,8 @@ from __future__ import annotations
 import dataclasses
 
 from tvm import s_tir, tirx
+from tvm.s_tir import TensorIntrin
+from tvm.script import tirx as T
 from tvm.target import Target, codegen
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +85,96 @@ def register_tile(unit: VectorUnit, m: int, n: int) -> RegisterTile:
     # Fewer vectors leave room for more rows than the full tile's 6; 8 is plenty.
     rows = min(8, (unit.registers - vectors - 1) // vectors)
     return RegisterTile(rows=max(1, min(rows, m)), cols=vectors * unit.lanes, lanes=unit.lanes)
+
+
+# ---- int8 x int8 -> int32: pairs of k per 32-bit lane --------------------------------------
+#
+# x86's int8 dot products (vpdpbusd, vpmaddubsw) take one operand unsigned; x and W are both
+# signed here, so the dot runs on int16: two k at a time per int32 lane, both operands sign-
+# extended (vpmovsxbw) and multiplied pairwise and summed into the lane (vpdpwssd with AVX-512
+# VNNI, vpmaddwd + vpaddd without), exact for all int8 values. Two forms: ``broadcast`` (the
+# packed tile: x's pair for every lane, W packed as [n/NR][k/2][NR][2] so a vector of lanes x 2
+# bytes is one load) and per lane (the skinny dot: lane l takes its own pair of x and of W,
+# 2 x lanes consecutive k of each).
+
+
+def _pair_dot(lanes: int, broadcast: bool, intrinsic: str | None = None, accumulates: bool = False):
+    """The description (``intrinsic`` None) or the implementation of a pair dot over ``lanes``
+    int32 lanes: ``intrinsic`` on (x's pairs, W's pairs) as int16; vpdpwssd accumulates into c
+    itself (``accumulates``), vpmaddwd returns the pair sums."""
+    # broadcast: a (2,), b (lanes, 2) as packed; per lane: a and b 2 x lanes consecutive k.
+    a_shape, b_shape = ((2,), (lanes, 2)) if broadcast else ((2 * lanes,), (2 * lanes,))
+
+    def a_at(buf, vi, vk):
+        return buf[vk] if broadcast else buf[vi * 2 + vk]
+
+    def b_at(buf, vi, vk):
+        return buf[vi, vk] if broadcast else buf[vi * 2 + vk]
+
+    def whole(buf, shape):
+        return buf[0:shape[0]] if len(shape) == 1 else buf[0:shape[0], 0:shape[1]]
+
+    @T.prim_func(s_tir=True)
+    def desc(a: T.Buffer(a_shape, "int8", offset_factor=1), b: T.Buffer(b_shape, "int8", offset_factor=1),
+             c: T.Buffer((lanes,), "int32", offset_factor=1, scope="local")):
+        with T.sblock("root"):
+            T.reads(c[0:lanes], whole(a, a_shape), whole(b, b_shape))
+            T.writes(c[0:lanes])
+            for i, k in T.grid(lanes, 2):
+                with T.sblock("update"):
+                    vi, vk = T.axis.remap("SR", [i, k])
+                    c[vi] = c[vi] + T.cast(a_at(a, vi, vk), "int32") * T.cast(b_at(b, vi, vk), "int32")
+
+    if intrinsic is None:
+        return desc
+    wide = f"int16x{2 * lanes}"
+
+    @T.prim_func(s_tir=True)
+    def impl(a: T.Buffer(a_shape, "int8", offset_factor=1), b: T.Buffer(b_shape, "int8", offset_factor=1),
+             c: T.Buffer((lanes,), "int32", offset_factor=1, scope="local")):
+        with T.sblock("root"):
+            T.reads(c[0:lanes], whole(a, a_shape), whole(b, b_shape))
+            T.writes(c[0:lanes])
+            xs = (T.reinterpret(T.broadcast(T.reinterpret(T.Cast("int16x2", a.vload([0], "int8x2")), dtype="int32"),
+                                            lanes), dtype=wide)
+                  if broadcast else T.Cast(wide, a.vload([0], dtype=f"int8x{2 * lanes}")))
+            ws = T.Cast(wide, b.vload([0] * len(b_shape), dtype=f"int8x{2 * lanes}"))
+            if accumulates:
+                c[T.ramp(T.int32(0), 1, lanes)] = T.call_llvm_pure_intrin(
+                    T.llvm_lookup_intrinsic_id(intrinsic), c.vload([0], dtype=f"int32x{lanes}"), xs, ws,
+                    dtype=f"int32x{lanes}")
+            else:
+                c[T.ramp(T.int32(0), 1, lanes)] = c.vload([0], dtype=f"int32x{lanes}") + T.call_llvm_pure_intrin(
+                    T.llvm_lookup_intrinsic_id(intrinsic), xs, ws, dtype=f"int32x{lanes}")
+
+    return impl
+
+
+# name -> (target feature, lanes, LLVM intrinsic, accumulates); the first the target has wins.
+PAIR_DOTS = {
+    "vnni16": ("avx512vnni", 16, "llvm.x86.avx512.vpdpwssd.512", True),
+    "avx512_16": ("avx512bw", 16, "llvm.x86.avx512.pmaddw.d.512", False),
+    "avx2_8": ("avx2", 8, "llvm.x86.avx2.pmadd.wd", False),
+}
+for _name, (_, _lanes, _intrinsic, _accumulates) in PAIR_DOTS.items():
+    for _broadcast in (True, False):
+        TensorIntrin.register(f"autofuse_pair_dot_{'bcast' if _broadcast else 'lanes'}_{_name}",
+                              _pair_dot(_lanes, _broadcast), _pair_dot(_lanes, _broadcast, _intrinsic, _accumulates),
+                              override=True)
+
+
+def pair_dot(target: Target, lanes: int, broadcast: bool) -> str | None:
+    """The int8 pair-dot intrinsic for ``target`` with ``lanes`` int32 lanes (x's pair broadcast
+    to every lane, or a pair per lane), or None."""
+    return next((f"autofuse_pair_dot_{'bcast' if broadcast else 'lanes'}_{name}"
+                 for name, (feature, width, _, _) in PAIR_DOTS.items()
+                 if width == lanes and codegen.target_has_features(feature, target)), None)
+
+
+def _int8_gemm(sch, block) -> bool:
+    """Whether ``block`` multiplies int8 by int8 into int32."""
+    reads = [str(r.source.dtype) for r in sch.get(block).reads]
+    return str(sch.get(block).writes[0].source.dtype) == "int32" and reads.count("int8") >= 2
 
 
 def _extent(sch, loop) -> int:
@@ -177,9 +269,11 @@ def _pack_panels(sch, block, task, tile: RegisterTile, layout: str):
         _vectorize_cols(sch, j1, tile)
 
 
-def _panels(nr: int, layout: str, rank: int):
+def _panels(nr: int, layout: str, rank: int, pairs: bool = False):
     """Index map of W (``rank`` axes: W[j, k...] for "nk", W[k..., j] for "kn") into panels
-    [n/NR][k...][NR]."""
+    [n/NR][k...][NR]; ``pairs`` (W (n, k)): [n/NR][k/2][NR][2], for the int8 pair dot."""
+    if pairs:
+        return lambda jj, kk: (jj // nr, kk // 2, jj % nr, kk % 2)
     if layout == "nk":
         return lambda jj, *ks: (jj // nr, *ks, jj % nr)
     return lambda *idx: (idx[-1] // nr, *idx[:-1], idx[-1] % nr)
@@ -268,10 +362,12 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     the same domain (swiglu's up projection beside its gate), each with its W packed and its own
     accumulators, computed at the same tile before the epilogue.
 
-    The tile loops are those of the last block of the chain (the last epilogue block, else the
-    write-back): its last two loops are the rows and columns, any before them leading (batch)
+    The tile loops are those of the write-back (or the first epilogue block where the write-back
+    is inlined): its last two loops are the rows and columns, any before them leading (batch)
     loops, fused into the parallel task loop (``parallel``; off where the caller runs them in
-    parallel itself). Everything else is computed at its register tile. Returns the tile."""
+    parallel itself). Everything else is computed at its register tile. int8 x int8 -> int32
+    GEMMs over W (n, k) with even k multiply pairs of k per instruction (``pair_dot``).
+    Returns the tile."""
     _check_layout(weight_layout)
     if not pack and weight_layout != "kn":
         raise ValueError("W stored (n, k) is read across n by the register tile: it must be packed")
@@ -281,6 +377,10 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     tile = register_tile(vector_unit(target), m, n)
     cores = _cores(target, cores)
     pad_rows, pad_cols = m % tile.rows != 0, n % tile.cols != 0
+    reductions = _reduction_count(sch, matmul)
+    depth = _extent(sch, sch.get_loops(matmul)[-1])
+    dot = (pair_dot(target, tile.lanes, broadcast=True) if _int8_gemm(sch, matmul) and pack and weight_layout == "nk"
+           and reductions == 1 and depth % 2 == 0 and not siblings else None)
     padded_outputs, roles = [], []
     for gemm in gemms:
         _, gi, gj, _ = _gemm_loops(sch, gemm)
@@ -294,14 +394,14 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
             padded_outputs += made_out
 
     # W panels [n/NR][k...][NR]: a copy of W, its producer, or the padding copy.
-    packings = []
+    packings = {}
     for gemm in gemms if pack else ():
         weight = sch.get(gemm).reads[weight_read].source
         packing = next((p for p in sch.get_producers(gemm) if sch.get(p).writes[0].source.same_as(weight)), None)
         packing = packing if packing is not None else sch.cache_read(gemm, weight_read, "global")
-        sch.transform_layout(gemm, ("read", weight_read), index_map=_panels(tile.cols, weight_layout,
-                                                                            len(weight.shape)))
-        packings.append(packing)
+        sch.transform_layout(gemm, ("read", weight_read),
+                             index_map=_panels(tile.cols, weight_layout, len(weight.shape), pairs=dot is not None))
+        packings[sch.get(gemm).name_hint] = packing
 
     # Accumulators in a local tile (reindex + set_scope: cache_write of a buffer the function
     # declares by a statement, as T.alloc_buffer does, defines the local buffer twice in TVM
@@ -339,24 +439,34 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     k_factors = None
     for gemm, (row, col) in reversed(list(zip(gemms, roles))):
         loops = _compute_at(sch, gemm, j1)
+        if pack:  # (before tensorize: compute_at fails on the tensorized consumer)
+            _pack_panels(sch, packings[sch.get(gemm).name_hint], outer, tile, weight_layout)
         reductions = [loop for n, loop in enumerate(loops) if n not in (row, col) and
                       sch.get(gemm).iter_vars[n].iter_type == tirx.IterVar.CommReduce]
         units = [loop for n, loop in enumerate(loops) if n not in (row, col) and loop not in reductions]
         sch.reorder(*units, loops[row], loops[col], *reductions)
         k = sch.fuse(*reductions) if len(reductions) > 1 else reductions[0]
+        pair = []
+        if dot is not None:
+            k, k2 = sch.split(k, [None, 2])
+            pair = [k2]
         if k_factors is None:  # one knob for every GEMM
             k_factors = knobs.tile(k, 2, [4], max_innermost_factor=8)
         ko, ku = sch.split(k, k_factors)
-        sch.reorder(ko, ku, loops[row], loops[col])
+        sch.reorder(ko, ku, loops[row], loops[col], *pair)
         # Vectorize/unroll before decompose_reduction: after it the update block is no longer a
         # complete reduction block and vectorize refuses it.
         sch.unroll(loops[row])
-        _vectorize_cols(sch, loops[col], tile)
         sch.unroll(ku)
-        init = sch.decompose_reduction(gemm, ko)
+        if dot is None:
+            _vectorize_cols(sch, loops[col], tile)
+            init = sch.decompose_reduction(gemm, ko)
+        else:
+            vectors, lanes = sch.split(loops[col], [None, tile.lanes])
+            sch.unroll(vectors)
+            init = sch.decompose_reduction(gemm, ko)
+            sch.tensorize(lanes, dot)
         _tile_loops(sch, init, tile)
-    for packing in packings:
-        _pack_panels(sch, packing, outer, tile, weight_layout)
     return tile
 
 
@@ -401,12 +511,19 @@ def schedule_skinny_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
             sch.compute_inline(producer)
     leading, i, j, k = _gemm_loops(sch, matmul)
     m, n, depth = _extent(sch, i), _extent(sch, j), _extent(sch, k)
-    tile = dot_tile(vector_unit(target), m, n, depth)
+    unit = vector_unit(target)
+    tile = dot_tile(unit, m, n, depth)
     cores = _cores(target, cores)
 
-    ko, kv = sch.split(k, [None, tile.lanes])
+    dot = (pair_dot(target, unit.lanes, broadcast=False) if _int8_gemm(sch, matmul) and depth % (2 * unit.lanes) == 0
+           else None)
+    if dot is not None:  # a pair of k per lane (see pair_dot)
+        tile = dataclasses.replace(tile, lanes=unit.lanes)
+        ko, kv, k2 = sch.split(k, [None, tile.lanes, 2])
+    else:
+        ko, kv = sch.split(k, [None, tile.lanes])
     partial = sch.rfactor(kv, factor_axis=len(leading) + 2)  # partial[..., i, j, lane], a spatial lane axis
-    *_, i, j, ko, kv = sch.get_loops(partial)
+    *_, i, j, ko, kv = sch.get_loops(partial)[:len(leading) + 4]
     io, ir = sch.split(i, [None, tile.rows])
     groups = n // tile.cols
     jo, jr = sch.split(j, [groups, tile.cols])
@@ -415,7 +532,8 @@ def schedule_skinny_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     ko, ku = sch.split(ko, knobs.tile(ko, 2, [4], max_innermost_factor=8))
     jp, jg = sch.split(jo, knobs.tile(jo, 2, [per_task], max_innermost_factor=16))
     # W's NJ rows serve every row tile of x from L1/L2 before the next group.
-    sch.reorder(jp, jg, io, ko, ku, ir, jr, kv)
+    pair = [sch.get_loops(partial)[-1]] if dot is not None else []
+    sch.reorder(jp, jg, io, ko, ku, ir, jr, kv, *pair)
     if parallel:
         sch.parallel(sch.fuse(*leading, jp) if leading else jp)
     sch.set_scope(partial, 0, "local")
@@ -426,9 +544,12 @@ def schedule_skinny_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     chain = [matmul] + _inline_intermediates(sch, chain)[1:]
     sch.unroll(ir)
     sch.unroll(jr)
-    sch.vectorize(kv)
     sch.unroll(ku)
+    if dot is None:
+        sch.vectorize(kv)
     init = sch.decompose_reduction(partial, ko)
+    if dot is not None:
+        sch.tensorize(kv, dot)
     sch.vectorize(sch.get_loops(init)[-1])
     # The lane sums: lanes innermost (a horizontal reduction), rows and columns unrolled.
     lane, row, col = sch.get_loops(matmul)[-3:]

@@ -211,6 +211,11 @@ def test_weight_stored_k_by_n(m, n, k):
 PATTERN_CASES = [
     ("swiglu_ffn", {"tokens": 7, "hidden": 16, "inter": 100, "p_permille": 0}, "packed_gemms"),
     ("swiglu_ffn", {"tokens": 70, "hidden": 24, "inter": 40}, "packed_gemms"),
+    # int8: pair dots (k even; k % 32 == 0 for the skinny one) and plain int32 tiles (odd k)
+    ("int8_matmul_dequant", {"m": 7, "n": 100, "k": 64}, "int8_packed"),
+    ("int8_matmul_dequant", {"m": 7, "n": 100, "k": 24, "relu": 0}, "int8_packed"),
+    ("int8_matmul_dequant", {"m": 70, "n": 100, "k": 24}, "int8_packed"),
+    ("int8_matmul_dequant", {"m": 67, "n": 20, "k": 5}, "int8_packed"),
 ]
 
 
@@ -218,11 +223,43 @@ PATTERN_CASES = [
                          ids=[f"{n}-{'-'.join(map(str, s.values()))}" for n, s, _ in PATTERN_CASES])
 def test_pattern_defaults_off_the_tile(name, shape, template):
     pattern = get_pattern(name)
-    first = pattern.templates_for(TARGET)[0]
-    assert first.name == template, f"{name}'s CPU default is the library's GEMM"
+    assert pattern.templates_for(TARGET)[0].name == template, f"{name}'s CPU default is the library's GEMM"
     shape = pattern.resolve_shape(shape)
     dtype = pattern.dtypes[0]
     func = pattern.build(shape, dtype)
-    result = check_module(pattern, tvm.tirx.build(first.apply(func, TARGET, tunable=False).mod, target=TARGET),
+    result = check_module(pattern, tvm.tirx.build(_default_of(pattern, shape).mod, target=TARGET),
                           func, shape, dtype, DEV)
     assert result.ok, result.message
+
+
+def _default_of(pattern, shape):
+    return pattern.templates_for(TARGET)[0].apply(pattern.build(shape, pattern.dtypes[0]), TARGET, tunable=False)
+
+
+@pytest.mark.parametrize("target,instruction", [(Target({"kind": "llvm", "mcpu": "icelake-server"}), "vpdpwssd"),
+                                                (Target({"kind": "llvm", "mcpu": "skylake-avx512"}), "vpmaddwd"),
+                                                (AVX2, "vpmaddwd")], ids=["vnni", "avx512bw", "avx2"])
+def test_int8_gemms_multiply_pairs_of_k(target, instruction):
+    """int8 x int8 -> int32, packed and skinny: two k per int32 lane and instruction."""
+    pattern = get_pattern("int8_matmul_dequant")
+    for m in (70, 7):
+        shape = pattern.resolve_shape({"m": m, "n": 64, "k": 64})
+        sch = pattern.templates_for(target)[0].apply(pattern.build(shape, "float32"), target, tunable=False)
+        assert "autofuse_pair_dot" in str(sch.trace)
+        assert instruction in tvm.tirx.build(sch.mod, target=target).inspect_source("asm")
+
+
+@pytest.mark.parametrize("m", [70, 4])
+def test_int8_pair_dots_are_exact_at_the_extremes(m):
+    """-128 * -128 twice per lane and instruction: 2**15, past int16, exact in the int32 lane."""
+    pattern = get_pattern("int8_matmul_dequant")
+    shape = pattern.resolve_shape({"m": m, "n": 64, "k": 64, "relu": 0})
+    rng = np.random.default_rng(0)
+    x = rng.choice(np.array([-128, 127, -127], np.int8), size=(m, 64))
+    w = rng.choice(np.array([-128, 127, -1], np.int8), size=(64, 64))
+    x[0], w[0] = -128, -128
+    inputs = [x, w, np.ones(1, np.float32), np.ones(64, np.float32), np.zeros(64, np.float32)]
+    rt = tvm.tirx.build(_default_of(pattern, shape).mod, target=TARGET)
+    y = tvm.runtime.tensor(np.zeros((m, 64), np.float32), DEV)
+    rt(*(tvm.runtime.tensor(a, DEV) for a in inputs), y)
+    np.testing.assert_array_equal(y.numpy(), (x.astype(np.int64) @ w.astype(np.int64).T).astype(np.float32))
