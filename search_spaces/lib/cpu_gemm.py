@@ -220,11 +220,22 @@ def _gemm_loops(sch, block):
     loop and the reduction loops (several are fused into one k), any loops before them are
     leading (batch) loops."""
     loops = sch.get_loops(block)
-    reductions = _reduction_count(sch, block)
-    if reductions < 1 or len(loops) < reductions + 2:
+    realize = _realize(sch, block)
+    reducing = set()
+    for iv, value in zip(sch.get(block).iter_vars, realize.iter_values):
+        if iv.iter_type == tirx.IterVar.CommReduce:
+            reducing.update(tirx.analysis.undefined_vars(value))
+
+    def reduces(loop):
+        return any(var.same_as(sch.get(loop).loop_var) for var in reducing)
+
+    count = 0
+    while count < len(loops) and reduces(loops[-1 - count]):
+        count += 1
+    if count < 1 or len(loops) < count + 2:
         raise ValueError(f"block {sch.get(block).name_hint!r} is no GEMM: its loops must end with (i, j, k...)")
-    k = loops[-reductions] if reductions == 1 else sch.fuse(*loops[-reductions:])
-    return list(loops[:-reductions - 2]), loops[-reductions - 2], loops[-reductions - 1], k
+    k = loops[-1] if count == 1 else sch.fuse(*loops[-count:])
+    return list(loops[:-count - 2]), loops[-count - 2], loops[-count - 1], k
 
 
 def _realize(sch, block):
@@ -496,8 +507,9 @@ def schedule_skinny_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     ``schedule_packed_gemm``. W (k, n) takes the packed path's register tile without the packing.
     W (n, k): per parallel task ``NJ``-row groups of W (a knob, NC), for each the rows of x in
     MR tiles, each a k loop (``KU`` steps unrolled, a knob) of lane-wide FMAs into MR x NJ partial
-    sums, then the lane sums and the epilogue on them. W's elementwise producers (a
-    dequantisation) are inlined: each weight is computed where it is read. Returns the
+    sums, then the lane sums and the epilogue on them. W's producer (a dequantisation) is
+    inlined where x is one row tile (each weight computed where it is read), else computed per
+    group of NJ rows of W, which all row tiles then read. Returns the
     ``DotTile`` (or the packed path's ``RegisterTile`` for W (k, n))."""
     _check_layout(weight_layout)
     if weight_layout == "kn":
@@ -505,15 +517,19 @@ def schedule_skinny_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
                                     cores, pack=False, siblings=siblings, parallel=parallel)
     if siblings:
         raise ValueError("the skinny GEMM over W (n, k) takes one GEMM block")
-    weight = sch.get(matmul).reads[weight_read].source
-    for producer in sch.get_producers(matmul):
-        if sch.get(producer).writes[0].source.same_as(weight):
-            sch.compute_inline(producer)
     leading, i, j, k = _gemm_loops(sch, matmul)
     m, n, depth = _extent(sch, i), _extent(sch, j), _extent(sch, k)
     unit = vector_unit(target)
     tile = dot_tile(unit, m, n, depth)
     cores = _cores(target, cores)
+    # W's producer (a dequantisation): inlined for one row tile, else computed per group of W
+    # rows, for all row tiles to read.
+    weight = sch.get(matmul).reads[weight_read].source
+    producers = [p for p in sch.get_producers(matmul) if sch.get(p).writes[0].source.same_as(weight)]
+    if m == tile.rows:
+        for producer in producers:
+            sch.compute_inline(producer)
+        producers = []
 
     dot = (pair_dot(target, unit.lanes, broadcast=False) if _int8_gemm(sch, matmul) and depth % (2 * unit.lanes) == 0
            else None)
@@ -537,11 +553,14 @@ def schedule_skinny_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     if parallel:
         sch.parallel(sch.fuse(*leading, jp) if leading else jp)
     sch.set_scope(partial, 0, "local")
+    for producer in producers:
+        sch.compute_at(producer, jg, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(producer)[-1])
     # The lane sums (the rfactored block) and the epilogue at the row tile, on the registers.
     chain = [matmul] + list(epilogue_blocks)
     for block in chain:
         sch.reverse_compute_at(block, io, preserve_unit_loops=True)
-    chain = [matmul] + _inline_intermediates(sch, chain)[1:]
+    chain = [matmul] + (_inline_intermediates(sch, chain[1:]) if len(chain) > 1 else [])
     sch.unroll(ir)
     sch.unroll(jr)
     sch.unroll(ku)

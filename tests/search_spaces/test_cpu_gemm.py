@@ -216,6 +216,10 @@ PATTERN_CASES = [
     ("int8_matmul_dequant", {"m": 7, "n": 100, "k": 24, "relu": 0}, "int8_packed"),
     ("int8_matmul_dequant", {"m": 70, "n": 100, "k": 24}, "int8_packed"),
     ("int8_matmul_dequant", {"m": 67, "n": 20, "k": 5}, "int8_packed"),
+    # woq: dequantised in the dot (one row tile), per group of W rows (several), into the panels
+    ("woq_matmul", {"m": 2, "n": 32, "k": 64, "group": 32, "bits": 4}, "packed_dequant"),
+    ("woq_matmul", {"m": 7, "n": 100, "k": 64, "group": 32, "bits": 8}, "packed_dequant"),
+    ("woq_matmul", {"m": 70, "n": 20, "k": 64, "group": 32, "bits": 4}, "packed_dequant"),
 ]
 
 
