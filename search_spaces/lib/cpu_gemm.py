@@ -73,18 +73,32 @@ class RegisterTile:
     lanes: int
 
 
-def register_tile(unit: VectorUnit, m: int, n: int) -> RegisterTile:
+def register_tile(unit: VectorUnit, m: int, n: int, pad: bool = True) -> RegisterTile:
     """MR x NR: NR of ``vectors`` registers (4 with 32 registers, 2 with 16), MR rows so that the
     MR * vectors accumulators, one row of W vectors and a broadcast fit the registers (6x64 on
     AVX-512, 6x16 on AVX2, 6x16 on NEON); fewer rows when m is smaller. Where n is no multiple of
     NR, the widest smaller multiple of the lanes that divides n (with MR grown to fill the
-    registers again), else NR and n padded."""
+    registers again), else NR and n padded. Without ``pad`` (a block pad_einsum cannot pad), MR
+    divides m and NR divides n: where no multiple of the lanes does, NR is one partial vector."""
     top = 4 if unit.registers >= 32 else 2
     dividing = [v for v in range(top, 0, -1) if n % (v * unit.lanes) == 0]
     vectors = dividing[0] if dividing else top  # none divides n: n is padded
     # Fewer vectors leave room for more rows than the full tile's 6; 8 is plenty.
-    rows = min(8, (unit.registers - vectors - 1) // vectors)
-    return RegisterTile(rows=max(1, min(rows, m)), cols=vectors * unit.lanes, lanes=unit.lanes)
+    rows = max(1, min(8, (unit.registers - vectors - 1) // vectors, m))
+    cols = vectors * unit.lanes
+    if not pad:
+        rows = _divisor_below(m, rows)
+        cols = cols if dividing else _divisor_below(n, unit.lanes)
+    return RegisterTile(rows=rows, cols=cols, lanes=unit.lanes)
+
+
+def _einsum(sch, block) -> bool:
+    """Whether every buffer access of ``block`` is indexed by its iteration variables alone (what
+    pad_einsum can pad)."""
+    names = {iv.var.name for iv in sch.get(block).iter_vars}
+    regions = [*sch.get(block).reads, *sch.get(block).writes]
+    return all(isinstance(r.min, tirx.Var) and r.min.name in names and int(r.extent) == 1
+               for region in regions for r in region.region)
 
 
 # ---- int8 x int8 -> int32: pairs of k per 32-bit lane --------------------------------------
@@ -385,7 +399,7 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     gemms = [matmul, *siblings]
     _, i, j, _ = _gemm_loops(sch, matmul)
     m, n = _extent(sch, i), _extent(sch, j)
-    tile = register_tile(vector_unit(target), m, n)
+    tile = register_tile(vector_unit(target), m, n, pad=all(_einsum(sch, gemm) for gemm in gemms))
     cores = _cores(target, cores)
     pad_rows, pad_cols = m % tile.rows != 0, n % tile.cols != 0
     reductions = _reduction_count(sch, matmul)
@@ -414,15 +428,21 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
                              index_map=_panels(tile.cols, weight_layout, len(weight.shape), pairs=dot is not None))
         packings[sch.get(gemm).name_hint] = packing
 
-    # Accumulators in a local tile (reindex + set_scope: cache_write of a buffer the function
-    # declares by a statement, as T.alloc_buffer does, defines the local buffer twice in TVM
-    # 0.27), written back at the tile. Intermediates the function allocates in its root block go
+    # Accumulators in a local tile (for a buffer the function declares by a statement, as
+    # T.alloc_buffer does, reindex + set_scope: cache_write of it defines the local buffer twice
+    # in TVM 0.27), written back at the tile. Intermediates the function allocates in its root block go
     # (the padded accumulators; the function's own accumulator where it is declared so); one
     # declared by a statement, as T.alloc_buffer does, counts as an output to TVM and is stored.
     write_backs = []
     for gemm in gemms:
-        write_backs.append(sch.reindex(gemm, ("write", 0)))
-        sch.set_scope(gemm, 0, "local")
+        if _root_allocated(sch, sch.get(gemm).writes[0].source):
+            # cache_write keeps the output's layout (reindex would order the tile as the block's
+            # spatial variables: sparse24's rows are its second, and its columns would not be
+            # contiguous).
+            write_backs.append(sch.cache_write(gemm, 0, "local"))
+        else:
+            write_backs.append(sch.reindex(gemm, ("write", 0)))
+            sch.set_scope(gemm, 0, "local")
     chain = _inline_intermediates(sch, write_backs + padded_outputs + list(epilogue_blocks))
 
     # The tile loops, on the first block of the chain left (compute_at refuses blocks that write

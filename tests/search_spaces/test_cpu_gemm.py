@@ -220,6 +220,11 @@ PATTERN_CASES = [
     ("woq_matmul", {"m": 2, "n": 32, "k": 64, "group": 32, "bits": 4}, "packed_dequant"),
     ("woq_matmul", {"m": 7, "n": 100, "k": 64, "group": 32, "bits": 8}, "packed_dequant"),
     ("woq_matmul", {"m": 70, "n": 20, "k": 64, "group": 32, "bits": 4}, "packed_dequant"),
+    # sparse24: tile rows are output features (skinny: the slab as stored), tiles that divide
+    # (no padding: the matmul reads its slab through the meta bits)
+    ("sparse24_matmul_gather", {"rows": 20, "m": 30, "n": 12, "k": 24}, "packed_gather"),
+    ("sparse24_matmul_gather", {"rows": 20, "m": 7, "n": 100, "k": 24}, "packed_gather"),
+    ("sparse24_matmul_gather", {"rows": 20, "m": 100, "n": 70, "k": 24, "bias": 0}, "packed_gather"),
 ]
 
 
