@@ -76,11 +76,15 @@ class RegisterTile:
 def register_tile(unit: VectorUnit, m: int, n: int, pad: bool = True) -> RegisterTile:
     """MR x NR: NR of ``vectors`` registers (4 with 32 registers, 2 with 16), MR rows so that the
     MR * vectors accumulators, one row of W vectors and a broadcast fit the registers (6x64 on
-    AVX-512, 6x16 on AVX2, 6x16 on NEON); fewer rows when m is smaller. Where n is no multiple of
-    NR, the widest smaller multiple of the lanes that divides n (with MR grown to fill the
-    registers again), else NR and n padded. Without ``pad`` (a block pad_einsum cannot pad), MR
-    divides m and NR divides n: where no multiple of the lanes does, NR is one partial vector."""
+    AVX-512, 6x16 on AVX2, 6x16 on NEON). Up to 8 rows (a row tile of moe_gate_topk's experts)
+    take all of them, with as many vectors as then fit (8x48 or 8x32 on AVX-512). Where n is no
+    multiple of NR, the widest smaller multiple of the lanes that divides n (with MR grown to
+    fill the registers again), else NR and n padded. Without ``pad`` (a block pad_einsum cannot
+    pad), MR divides m and NR divides n: where no multiple of the lanes does, NR is one partial
+    vector."""
     top = 4 if unit.registers >= 32 else 2
+    if m <= 8:
+        top = max(1, min(top, (unit.registers - 1) // (m + 1)))
     dividing = [v for v in range(top, 0, -1) if n % (v * unit.lanes) == 0]
     vectors = dividing[0] if dividing else top  # none divides n: n is padded
     # Fewer vectors leave room for more rows than the full tile's 6; 8 is plenty.
@@ -434,7 +438,12 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     # (the padded accumulators; the function's own accumulator where it is declared so); one
     # declared by a statement, as T.alloc_buffer does, counts as an output to TVM and is stored.
     write_backs = []
-    for gemm in gemms:
+    # Under an if (moe_gate_topk's skip test), TVM 0.27's reverse_compute_at drops the whole
+    # nest: the GEMM then accumulates where it writes (LLVM keeps the tile in registers).
+    guarded = any(isinstance(sch.get(loop).body, tirx.IfThenElse) for loop in sch.get_loops(matmul))
+    if guarded and (siblings or epilogue_blocks or pack or padded_outputs):
+        raise ValueError("a GEMM under an if takes no siblings, epilogue, packing or padding")
+    for gemm in gemms if not guarded else ():
         if _root_allocated(sch, sch.get(gemm).writes[0].source):
             # cache_write keeps the output's layout (reindex would order the tile as the block's
             # spatial variables: sparse24's rows are its second, and its columns would not be
@@ -445,55 +454,79 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
             sch.set_scope(gemm, 0, "local")
     chain = _inline_intermediates(sch, write_backs + padded_outputs + list(epilogue_blocks))
 
-    # The tile loops, on the first block of the chain left (compute_at refuses blocks that write
-    # an output, and T.alloc_buffer's count as such; the blocks after it are moved by
-    # reverse_compute_at, which takes them).
-    anchor = chain[0]
-    *lead, ai, aj = sch.get_loops(anchor)
     row_tiles, col_tiles = -(-m // tile.rows), -(-n // tile.cols)
-    io, ir = sch.split(ai, [None, tile.rows])
-    jo, jr = sch.split(aj, [None, tile.cols])
     mc, nc = default_blocking(row_tiles, col_tiles, tile, cores)
-    i0, i1 = sch.split(io, knobs.tile(io, 2, [mc], max_innermost_factor=max(1, row_tiles)))
-    j0, j1 = sch.split(jo, knobs.tile(jo, 2, [nc], max_innermost_factor=16))
-    sch.reorder(i0, j0, i1, j1, ir, jr)
-    outer = sch.fuse(*(lead if parallel else []), i0, j0)
-    if parallel:
-        sch.parallel(outer)
-    sch.unroll(ir)
-    _vectorize_cols(sch, jr, tile)
-    for block in chain[1:]:
-        sch.reverse_compute_at(block, j1, preserve_unit_loops=True)
-        _tile_loops(sch, block, tile)
 
-    # The GEMMs at the tile.
-    k_factors = None
-    for gemm, (row, col) in reversed(list(zip(gemms, roles))):
-        loops = _compute_at(sch, gemm, j1)
-        if pack:  # (before tensorize: compute_at fails on the tensorized consumer)
-            _pack_panels(sch, packings[sch.get(gemm).name_hint], outer, tile, weight_layout)
-        reductions = [loop for n, loop in enumerate(loops) if n not in (row, col) and
-                      sch.get(gemm).iter_vars[n].iter_type == tirx.IterVar.CommReduce]
-        units = [loop for n, loop in enumerate(loops) if n not in (row, col) and loop not in reductions]
-        sch.reorder(*units, loops[row], loops[col], *reductions)
-        k = sch.fuse(*reductions) if len(reductions) > 1 else reductions[0]
+    def tile_loops(i, j):
+        """(i0, j0, i1, j1, ir, jr): MC x NC blocks of MR x NR tiles (the MC, NC knobs)."""
+        io, ir = sch.split(i, [None, tile.rows])
+        jo, jr = sch.split(j, [None, tile.cols])
+        i0, i1 = sch.split(io, knobs.tile(io, 2, [mc], max_innermost_factor=max(1, row_tiles)))
+        j0, j1 = sch.split(jo, knobs.tile(jo, 2, [nc], max_innermost_factor=16))
+        return i0, j0, i1, j1, ir, jr
+
+    k_factors = []
+
+    def k_loops(k):
+        """(ko, ku, [pair]): KU steps unrolled (one knob for every GEMM), a pair for the dot."""
         pair = []
         if dot is not None:
             k, k2 = sch.split(k, [None, 2])
             pair = [k2]
-        if k_factors is None:  # one knob for every GEMM
-            k_factors = knobs.tile(k, 2, [4], max_innermost_factor=8)
-        ko, ku = sch.split(k, k_factors)
-        sch.reorder(ko, ku, loops[row], loops[col], *pair)
+        if not k_factors:
+            k_factors.append(knobs.tile(k, 2, [4], max_innermost_factor=8))
+        return (*sch.split(k, k_factors[0]), pair)
+
+    if siblings:
+        # The tile loops on the first block of the chain left, the GEMMs computed at its tile:
+        # reverse_compute_at of the epilogue needs every GEMM under the loop first. (compute_at
+        # refuses blocks that write an output, T.alloc_buffer's count as such: the blocks after
+        # the first are moved by reverse_compute_at, which takes them.)
+        *lead, ai, aj = sch.get_loops(chain[0])
+        i0, j0, i1, j1, ir, jr = tile_loops(ai, aj)
+        sch.reorder(i0, j0, i1, j1, ir, jr)
+        sch.unroll(ir)
+        _vectorize_cols(sch, jr, tile)
+        nests = []
+        for gemm, (row, col) in reversed(list(zip(gemms, roles))):
+            loops = _compute_at(sch, gemm, j1)
+            reductions = [loop for n, loop in enumerate(loops) if n not in (row, col) and
+                          sch.get(gemm).iter_vars[n].iter_type == tirx.IterVar.CommReduce]
+            units = [loop for n, loop in enumerate(loops) if n not in (row, col) and loop not in reductions]
+            sch.reorder(*units, loops[row], loops[col], *reductions)
+            ko, ku, pair = k_loops(sch.fuse(*reductions) if len(reductions) > 1 else reductions[0])
+            sch.reorder(ko, ku, loops[row], loops[col], *pair)
+            nests.append((gemm, ko, ku, loops[row], loops[col]))
+        rest = chain[1:]
+    else:
+        # The tile loops on the GEMM's own loops (its output index may be no plain iteration
+        # variable, as moe_gate_topk's, which compute_at cannot solve), the chain at its tile.
+        lead, i, j, k = _gemm_loops(sch, matmul)
+        i0, j0, i1, j1, ir, jr = tile_loops(i, j)
+        ko, ku, pair = k_loops(k)
+        sch.reorder(i0, j0, i1, j1, ko, ku, ir, jr, *pair)
+        nests = [(matmul, ko, ku, ir, jr)]
+        rest = chain if not guarded else []
+    outer = sch.fuse(*(lead if parallel else []), i0, j0)
+    if parallel:
+        sch.parallel(outer)
+    for block in rest:
+        sch.reverse_compute_at(block, j1, preserve_unit_loops=True)
+        _tile_loops(sch, block, tile)
+
+    # The micro-kernels (W packed first: compute_at fails on a tensorized consumer).
+    for gemm, ko, ku, row, col in nests:
+        if pack:
+            _pack_panels(sch, packings[sch.get(gemm).name_hint], outer, tile, weight_layout)
         # Vectorize/unroll before decompose_reduction: after it the update block is no longer a
         # complete reduction block and vectorize refuses it.
-        sch.unroll(loops[row])
+        sch.unroll(row)
         sch.unroll(ku)
         if dot is None:
-            _vectorize_cols(sch, loops[col], tile)
+            _vectorize_cols(sch, col, tile)
             init = sch.decompose_reduction(gemm, ko)
         else:
-            vectors, lanes = sch.split(loops[col], [None, tile.lanes])
+            vectors, lanes = sch.split(col, [None, tile.lanes])
             sch.unroll(vectors)
             init = sch.decompose_reduction(gemm, ko)
             sch.tensorize(lanes, dot)
