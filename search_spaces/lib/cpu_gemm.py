@@ -80,8 +80,8 @@ def register_tile(unit: VectorUnit, m: int, n: int, pad: bool = True) -> Registe
     take all of them, with as many vectors as then fit (8x48 or 8x32 on AVX-512). Where n is no
     multiple of NR, the widest smaller multiple of the lanes that divides n (with MR grown to
     fill the registers again), else NR and n padded. Without ``pad`` (a block pad_einsum cannot
-    pad), MR divides m and NR divides n: where no multiple of the lanes does, NR is one partial
-    vector."""
+    pad), MR divides m and NR divides n: where no multiple of the lanes does, NR is several
+    narrower vectors, else one partial vector."""
     top = 4 if unit.registers >= 32 else 2
     if m <= 8:
         top = max(1, min(top, (unit.registers - 1) // (m + 1)))
@@ -90,10 +90,21 @@ def register_tile(unit: VectorUnit, m: int, n: int, pad: bool = True) -> Registe
     # Fewer vectors leave room for more rows than the full tile's 6; 8 is plenty.
     rows = max(1, min(8, (unit.registers - vectors - 1) // vectors, m))
     cols = vectors * unit.lanes
+    lanes = unit.lanes
+    if not pad and not dividing:
+        # Half-width vectors that divide n (56 = 7 x 8 lanes; on znver4 a ymm FMA does as many
+        # flops per cycle as a zmm one), else one partial vector.
+        narrow = [(w, v) for w in (lanes // 2,) if w >= 8 and n % w == 0
+                  for v in range(2 * top, 0, -1) if n % (v * w) == 0][:1]
+        if narrow:
+            lanes, vectors = narrow[0]
+            rows = max(1, min(8, (unit.registers - vectors - 1) // vectors, m))
+            cols = vectors * lanes
+        else:
+            cols = _divisor_below(n, lanes)
     if not pad:
         rows = _divisor_below(m, rows)
-        cols = cols if dividing else _divisor_below(n, unit.lanes)
-    return RegisterTile(rows=rows, cols=cols, lanes=unit.lanes)
+    return RegisterTile(rows=rows, cols=cols, lanes=lanes)
 
 
 def _einsum(sch, block) -> bool:
@@ -218,8 +229,12 @@ def _vectorize_cols(sch, loop, tile: RegisterTile):
 
 
 def _tile_loops(sch, block, tile: RegisterTile):
-    """Unroll the rows and vectorize the columns of the last two loops of ``block``."""
+    """Unroll the rows and vectorize the columns of the last two loops of ``block`` (where their
+    extents are constant: an epilogue whose index is a fused one's quotient and remainder, as a
+    convolution's output rows and columns, gets the extents of what the tile covers)."""
     rows, cols = sch.get_loops(block)[-2:]
+    if not all(isinstance(sch.get(loop).extent, tirx.IntImm) for loop in (rows, cols)):
+        return
     sch.unroll(rows)
     _vectorize_cols(sch, cols, tile)
 
@@ -413,7 +428,8 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
     padded_outputs, roles = [], []
     for gemm in gemms:
         _, gi, gj, _ = _gemm_loops(sch, gemm)
-        roles.append((_iter_index(sch, gemm, gi), _iter_index(sch, gemm, gj)))
+        if siblings:  # which iteration variables are rows and columns, for compute_at's loops
+            roles.append((_iter_index(sch, gemm, gi), _iter_index(sch, gemm, gj)))
         if pad_rows or pad_cols:
             made_in, made_out = _pad(sch, gemm, gi, gj, tile.rows if pad_rows else 1, tile.cols if pad_cols else 1)
             weight = sch.get(gemm).reads[weight_read].source
