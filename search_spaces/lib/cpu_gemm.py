@@ -1,13 +1,14 @@
 """CPU GEMM in the manner of BLIS/Goto, as schedule primitives on a GEMM-shaped TensorIR block.
 
-A block ``C[i, j] += A[i, k] * W[j, k]`` (iterators spatial i, spatial j, reduction k, in that
-order; casts around the operands are fine) becomes:
+A block ``C[i, j] += A[i, k] * W[j, k]`` (its loops ending with the row loop i, the column loop
+j and the reduction loop(s) k, fused into one; casts around the operands are fine) becomes:
 
 - W packed into panels ``Wp[j // NR, k, j % NR]`` (``NR`` columns, contiguous along k) by a
   ``cache_read`` copy inside each parallel task: a task packs its NC columns into a buffer of its
   own right before its rows use them, so the panels are still in cache (a separate pass over all
-  of W writes the panels to memory and reads them back: 1.5-2x the time of the whole kernel at
-  m = 64 here). W is packed at every call; where MC splits the rows, once per row block.
+  of W writes the panels to memory and reads them back: the kernel took 1.3-1.6x as long at
+  m = 32-64, k = 4096 here). W is packed at every call; where MC splits the rows, once per row
+  block. A producer of W (a dequantisation, a gather) becomes the packing copy itself.
 - An ``MR x NR`` register tile of accumulators: per k step one broadcast of x per row and
   ``NR / lanes`` vector FMAs per row, ``MR`` unrolled, ``NR`` split into vectors, ``KU`` k steps
   unrolled. The tile is sized from the target's vector width and register count
@@ -27,6 +28,13 @@ packing copy itself.
 
 Knobs (``autofuse.pattern.Knobs``): tiles of the MR-row and NR-column tile counts (MC, NC) and
 of k (KU). They only feed ``split``; every Python branch depends on shapes and the target.
+
+Beyond the plain GEMM: loops before (i, j) are leading (batch) loops, fused into the parallel
+loop; ``siblings`` are GEMMs over the same domain computed at the same tile (swiglu's gate and
+up); int8 x int8 -> int32 multiplies two k per int32 lane and instruction (``pair_dot``); a
+block pad_einsum cannot pad (reads through data, sliding windows) gets tiles that divide its
+extents; a GEMM under an ``if`` (moe's skip test) accumulates in place, with nothing moved into
+its nest (TVM 0.27's reverse_compute_at drops such nests).
 
 Skinny GEMMs (m up to ``SKINNY_ROWS``, decoding and small batches; ``schedule_skinny_gemm``):
 packing W costs more than the few rows gain from it, so W is read as stored. W (n, k): each
