@@ -21,6 +21,13 @@ from search_spaces.lib.tir_math import DROPOUT_P as P  # noqa: F401 (the default
 from search_spaces.lib.tir_math import DROPOUT_SEED as SEED
 from search_spaces.lib.tir_math import dropout_constants, dropout_mask, dropout_p, dtype_bytes, exp_f32, hash_keep
 
+def _exp_masked(v, row_max):
+    """exp(v - row_max), exactly 0 where v is -inf (exp_f32 alone clamps to exp(-87)): a row of
+    -inf only (a fully masked attention row) then sums to 0 and comes out NaN (0 * inf), as in
+    numpy and onnxruntime; exporters' graphs test for that NaN (IsNaN -> Where)."""
+    return T.Select(v == T.float32("-inf"), T.float32(0), exp_f32(v - row_max))
+
+
 def build(shape, dtype):
     return build_with(shape, dtype, dropout_p(shape), SEED)
 
@@ -46,13 +53,13 @@ def build_with(shape, dtype, p, seed):
                 vi, vk = T.axis.remap("SR", [i, k])
                 with T.init():
                     row_sum[vi] = T.float32(0)
-                row_sum[vi] = row_sum[vi] + exp_f32(T.Cast("float32", x[vi, vk]) - row_max[vi])
+                row_sum[vi] = row_sum[vi] + _exp_masked(T.Cast("float32", x[vi, vk]), row_max[vi])
         for i, j in T.grid(rows, cols):
             with T.sblock("norm_dropout"):
                 vi, vj = T.axis.remap("SS", [i, j])
                 y[vi, vj] = T.Cast(dtype, T.Select(
                     hash_keep(vi * cols + vj, mix, thresh),
-                    exp_f32(T.Cast("float32", x[vi, vj]) - row_max[vi])
+                    _exp_masked(T.Cast("float32", x[vi, vj]), row_max[vi])
                     * (T.float32(scale) / row_sum[vi]),
                     T.float32(0)))
 
