@@ -44,7 +44,8 @@ class StagedLibrary:
         stem, ext = os.path.splitext(os.path.basename(path))
         # The same suffix: export_library picks the format (shared library, tar) from it.
         self.library = os.path.join(folder, f".{stem}.partial-{os.getpid()}{ext}")
-        executable.export_library(self.library)
+        with native_stderr_silenced():  # TVM logs a "Scope Saving" warning per constant scope
+            executable.export_library(self.library)
 
     def load(self):
         """The staged library as TVM's runtime loads it."""
