@@ -195,23 +195,36 @@ def pattern_shapes(items: list[str] | None, patterns) -> dict[str, dict[str, str
 def tune_subject(subject: Subject, ctx: Context, baselines: list[str], trials: int, seed: int | None,
                  progress: bool) -> dict:
     """Give ours (union space) and tvm-auto (generic space on the auto-fused kernels) the same
-    number of new trials in the shared database; returns the budgets for the report."""
+    number of new trials in the shared database; returns the budgets for the report, with each
+    search's wall time and when its first batch was measured (a model's import and fusion
+    included, as ``autofuse tune MODEL`` spends them)."""
     from .model.jobs import prepare, tune_model
 
     budgets = {}
+    start = time.perf_counter()
     if subject.kind == "pattern":
         from .tune_patterns import Job, tune_jobs
-        tune_jobs([Job(subject.pattern, subject.shape, subject.dtype)], ctx.target, ctx.db, trials=trials,
-                  space="union", seed=seed, progress=progress)
+        _, stats = tune_jobs([Job(subject.pattern, subject.shape, subject.dtype)], ctx.target, ctx.db, trials=trials,
+                             space="union", seed=seed, progress=progress)
     else:
-        tune_model(prepare(subject.onnx_path, "patterns", subject.input_shapes), ctx.target, ctx.db, trials=trials,
-                   space="union", seed=seed, progress=progress)
-    budgets["autofuse"] = {"space": "union", "trials": trials}
+        prepared = prepare(subject.onnx_path, "patterns", subject.input_shapes)
+        _, stats = tune_model(prepared, ctx.target, ctx.db, trials=trials, space="union", seed=seed, progress=progress)
+    budgets["autofuse"] = _tuning_figures("union", trials, stats, start)
     if "tvm-auto" in baselines and subject.onnx_path is not None:
-        tune_model(prepare(subject.onnx_path, "auto", subject.input_shapes), ctx.target, ctx.db, trials=trials,
-                   space="generic", seed=seed, progress=progress)
-        budgets["tvm-auto"] = {"space": "generic", "trials": trials}
+        start = time.perf_counter()
+        prepared = prepare(subject.onnx_path, "auto", subject.input_shapes)
+        _, stats = tune_model(prepared, ctx.target, ctx.db, trials=trials, space="generic", seed=seed,
+                              progress=progress)
+        budgets["tvm-auto"] = _tuning_figures("generic", trials, stats, start)
     return budgets
+
+
+def _tuning_figures(space: str, trials: int, stats, start: float) -> dict:
+    """``start``: perf_counter when the step began; the search itself started at stats.start_secs."""
+    before = stats.start_secs - start  # import, fusion and task extraction
+    return {"space": space, "trials": trials, "measured": stats.total_trials,
+            "tune_secs": time.perf_counter() - start,
+            "first_batch_secs": before + stats.first_trial_secs if stats.first_trial_secs is not None else None}
 
 
 def _new_row(name: str, contender, subject: Subject) -> dict:

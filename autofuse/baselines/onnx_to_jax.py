@@ -352,15 +352,15 @@ def _max_pool(xp, node, x):
     kernel = list(node["kernel_shape"])
     strides = list(node.get("strides", [1] * spatial))
     dilations = list(node.get("dilations", [1] * spatial))
-    begins, ends = pool_pads(node, x.shape[2:], kernel, strides, dilations)
+    begins, ends = window_pads(node, x.shape[2:], kernel, strides, dilations)
     init = -xp.inf if xp.issubdtype(x.dtype, xp.floating) else xp.iinfo(x.dtype).min
     return jax.lax.reduce_window(x, xp.asarray(init, x.dtype), jax.lax.max, (1, 1, *kernel), (1, 1, *strides),
                                  [(0, 0), (0, 0), *zip(begins, ends)], window_dilation=(1, 1, *dilations))
 
 
-def pool_pads(node, sizes, kernel, strides, dilations) -> tuple[list[int], list[int]]:
-    """A pooling window's padding before and after each spatial axis: ``pads`` or ``auto_pad``,
-    plus, with ``ceil_mode``, what makes the last partial window count."""
+def window_pads(node, sizes, kernel, strides, dilations) -> tuple[list[int], list[int]]:
+    """A Conv's or pooling window's padding before and after each spatial axis: ``pads`` or
+    ``auto_pad``, plus, with a pooling ``ceil_mode``, what makes the last partial window count."""
     spatial = len(sizes)
     auto_pad = node.get("auto_pad", "NOTSET")
     if auto_pad in ("NOTSET", "VALID"):

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import AutofuseError
-from .onnx_to_jax import Node, folds, node_args, parse_graph, pool_pads, store_results
+from .onnx_to_jax import Node, folds, node_args, parse_graph, store_results, window_pads
 from .onnx_to_jax import OPS as NUMPY_OPS
 
 # Operand positions that must be known when the function is made (Python ints, not tensors).
@@ -324,29 +324,11 @@ def _conv(node, x, w, b=None):
         raise AutofuseError(f"the torch baseline supports Conv over 1 to 3 spatial dimensions, not {spatial}")
     strides = node.get("strides", [1] * spatial)
     dilations = node.get("dilations", [1] * spatial)
-    begins, ends = _conv_pads(node, x.shape[2:], w.shape[2:], strides, dilations)
+    begins, ends = window_pads(node, x.shape[2:], w.shape[2:], strides, dilations)
     if begins != ends:  # torch pads both sides alike: pad the input first
         x = F.pad(x, [p for i in reversed(range(spatial)) for p in (begins[i], ends[i])])
         begins = [0] * spatial
     return conv(x, w, b, strides, begins, dilations, node.get("group", 1))
-
-
-def _conv_pads(node, sizes, kernel, strides, dilations) -> tuple[list[int], list[int]]:
-    spatial = len(sizes)
-    auto_pad = node.get("auto_pad", "NOTSET")
-    if auto_pad == "NOTSET":
-        pads = list(node.get("pads", [0] * (2 * spatial)))
-        return pads[:spatial], pads[spatial:]
-    if auto_pad == "VALID":
-        return [0] * spatial, [0] * spatial
-    begins, ends = [], []
-    for size, k, stride, dilation in zip(sizes, kernel, strides, dilations):
-        total = max((math.ceil(size / stride) - 1) * stride + (k - 1) * dilation + 1 - size, 0)
-        small, large = total // 2, total - total // 2
-        # SAME_UPPER puts the odd pad at the end, SAME_LOWER at the beginning.
-        begins.append(small if auto_pad == "SAME_UPPER" else large)
-        ends.append(large if auto_pad == "SAME_UPPER" else small)
-    return begins, ends
 
 
 def _batch_norm(node, x, scale, bias, mean, var):
@@ -392,7 +374,7 @@ def _max_pool(node, x):
     kernel = list(node["kernel_shape"])
     strides = list(node.get("strides", [1] * spatial))
     dilations = list(node.get("dilations", [1] * spatial))
-    begins, ends = pool_pads(node, x.shape[2:], kernel, strides, dilations)
+    begins, ends = window_pads(node, x.shape[2:], kernel, strides, dilations)
     # Padded with -inf first (torch pads both sides alike and limits the pad to half the window).
     x = F.pad(x, [p for i in reversed(range(spatial)) for p in (begins[i], ends[i])], value=float("-inf"))
     return pool(x, kernel, strides, 0, dilations)

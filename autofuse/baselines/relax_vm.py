@@ -31,6 +31,7 @@ def prepare_relax(subject: Subject, ctx: Context, fusion: str, db) -> tuple[Prep
         last["out"] = main(*args)
 
     info = {"fusion": fusion, "kernels": len(decisions), "matches": dict(prepared.matches),
+            "folded": prepared.notes.folded, "import_warnings": len(prepared.notes.warnings),
             "records_applied": sum(d.applied == "record" for d in decisions),
             "records": sum(d.records for d in decisions),
             "decisions": [dataclasses.asdict(d) for d in decisions]}
