@@ -115,7 +115,6 @@ CASES = [
     ("tune models/real/bert-torchscript-dynamic.onnx --input-shape tokens=1x8", "'tokens', not an input"),
     ("compare models/real/bert-torchscript-dynamic.onnx --input-shape input_ids=1x8,attention_mask=2x8",
      "dimension 'batch' two sizes"),
-    ("build models/mlp.onnx --input-shape x=3x256 -o {F}/out/m.so", "dimension 0 of 'x' is fixed at 128"),
     ("tune --pattern linear_bias_relu --input-shape x=1x8", "--input-shape applies to a model"),
     ("run {LIB} --input-shape x=1x256", "was built for x=128x256, not 1x256"),
     ("db check --db {F}/no-db-here", "no database"),

@@ -100,8 +100,8 @@ def _set_dims(value, sizes) -> None:
 
 
 def fold_constants(model) -> tuple[object, int]:
-    """``model`` with every node whose value is known before run time replaced by an
-    initializer: inputs all constants, or ``Shape``/``Size`` of a tensor whose shape ONNX shape
+    """``model``, changed in place, with every node whose value is known before run time replaced
+    by an initializer: inputs all constants, or ``Shape``/``Size`` of a tensor whose shape ONNX shape
     inference finds static. Repeated (shape inference again) until a pass folds nothing; then
     nodes and initializers nothing reads are dropped. Returns the model and how many nodes
     were folded. A node the reference evaluator cannot run stays for the frontend."""
@@ -124,8 +124,9 @@ def fold_constants(model) -> tuple[object, int]:
                 kept.append(node)
                 continue
             for name, array in zip(node.output, result):
-                values[name] = onnx.numpy_helper.from_array(np.asarray(array), name)
-                graph.initializer.append(values[name])
+                if name:  # an optional output left out has no name
+                    values[name] = onnx.numpy_helper.from_array(np.asarray(array), name)
+                    graph.initializer.append(values[name])
             folded += 1
         if not folded:
             break
