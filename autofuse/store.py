@@ -332,14 +332,8 @@ class SafeJSONDatabase(ms.database.PyDatabase):
 
     # --- internals ---------------------------------------------------------------------------
 
-    @contextlib.contextmanager
     def _locked(self, mode: int):
-        with open(self._lock_path, "a", encoding="utf-8") as handle:
-            fcntl.flock(handle, mode)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        return folder_lock(self._lock_path, mode)
 
     def _find(self, mod: tvm.IRModule) -> int | None:
         for index in self._by_hash.get(_index_key(mod), ()):
@@ -435,14 +429,8 @@ class JSONLinesFile:
             self._reset()
             self._refresh()
 
-    @contextlib.contextmanager
     def _locked(self, mode: int):
-        with open(self._lock_path, "a", encoding="utf-8") as handle:
-            fcntl.flock(handle, mode)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        return folder_lock(self._lock_path, mode)
 
     def _refresh(self) -> None:
         for number, text in self._file.read_new():
@@ -458,6 +446,17 @@ class JSONLinesFile:
                 log.warning("%s; skipped", problem)
                 continue
             self._entries.append((number, value))
+
+
+@contextlib.contextmanager
+def folder_lock(lock_path: str, mode: int):
+    """The database folder's advisory lock (``fcntl.LOCK_SH`` or ``LOCK_EX``) on ``lock_path``."""
+    with open(lock_path, "a", encoding="utf-8") as handle:
+        fcntl.flock(handle, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _reason(err: BaseException) -> str:
