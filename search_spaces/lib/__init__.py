@@ -4,7 +4,8 @@ TensorIR building blocks and schedule steps with public names, shared by the pat
 ``search_spaces/``: ``tir_math`` (polynomial exp and erf, the dropout hash), ``tiling`` (the unroll
 knob, CPU register tiles), ``cpu_rows`` and ``cuda_rows`` (row reductions), ``cpu_gemm``,
 ``cuda_gemm`` and ``cuda_wgmma`` (GEMM), ``attention`` and ``cuda_attention`` (softmax stages and
-attention kernels), ``layernorm``, ``onnx_graphs`` (graphs with inputs of several dtypes). A
+attention kernels), ``tirx_sequence`` (several tirx kernels as one PrimFunc), ``layernorm``,
+``onnx_graphs`` (graphs with inputs of several dtypes). A
 pattern imports this library and ``autofuse.pattern``, never another pattern; the library imports
 no pattern, and of autofuse only its error type.
 """
