@@ -2,12 +2,12 @@
 (a grid-wide dependency, such as a GEMM that needs whole rows of the one before it, or split-KV
 partials that a second kernel combines).
 
-``sequence`` declares each kernel's buffer parameters over the memory of the composite's parameters
-or of global workspaces allocated for the call, binds its scalar parameters to values, and puts the kernels' bodies one
-after another: the tirx pipeline lowers each device region to its own ``__global__`` function and
-the host code launches them in order on one stream, so each kernel sees what the ones before it
-wrote. Workspaces are allocated by the host (TVM's workspace allocator) for the duration of the
-call.
+``sequence`` declares each kernel's buffer parameters over the memory of the composite's
+parameters or of global workspaces allocated for the call, binds its scalar parameters to values,
+and puts the kernels' bodies one after another: the tirx pipeline lowers each device region to its
+own ``__global__`` function and the host code launches them in order on one stream, so each kernel
+sees what the ones before it wrote. Workspaces are allocated by the host (TVM's workspace
+allocator) for the duration of the call.
 """
 
 from __future__ import annotations
