@@ -17,7 +17,8 @@ right only because no template parallelises or reorders ``t``. seq_q and seq_kv 
 Templates: ``flash_tiles`` (CPU: query tiles in parallel, each K/V tile reused from L1 by a tile's
 rows) and ``cuda_flash`` (FlashAttention-2 on SIMT cores: a block per (batch, head, query tile),
 K/V tiles in shared memory, the running state in registers). Scores, statistics and acc are float32
-in every dtype.
+in every dtype. On an sm_90 GPU in float16/bfloat16 the kernel template ``cuda_wgmma_flash`` comes
+first where its tiles fit (``lib.cuda_attention``'s tensor-core prefill, written in the tirx script).
 """
 
 import math
@@ -26,13 +27,16 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import (Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, onnx_model, static_shape,
-                              template)
+from autofuse.pattern import (KernelTemplate, Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, onnx_model,
+                              static_shape, template)
+from search_spaces.lib import cuda_attention
+from search_spaces.lib.cuda_wgmma import HOPPER
 from search_spaces.lib.attention import CUDA_LOAD_LANES, annotate_read, row_lanes, vector_split
 from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import dtype_bytes, exp_f32
 
 KV_TILE = 64
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def _symbolic(n):
@@ -498,6 +502,18 @@ def cuda_flash(sch, target, knobs):
     unroll(sch, knobs, pc, explicit=0)
 
 
+def _wgmma_prefill(shape, dtype, knobs):
+    """FlashAttention on Hopper tensor cores (``lib.cuda_attention.prefill_attention``): TMA
+    producer warpgroup, two wgmma consumer warpgroups of 64 query rows, online softmax in
+    registers; float16/bfloat16, head_dim 64 or 128, seq_q a multiple of 128 and seq_kv of the key
+    tile (other shapes fall back to ``cuda_flash``)."""
+    return cuda_attention.prefill_attention(shape, dtype, knobs)
+
+
+cuda_wgmma_flash = KernelTemplate("cuda_wgmma_flash", _wgmma_prefill, cuda_attention.PREFILL_KNOBS,
+                                  cuda_attention.PREFILL_DEFAULT_KNOBS, cuda_attention.check_prefill, **HOPPER)
+
+
 def onnx_graph(shape, dtype):
     """MatMul(q, Transpose(k)) * scale [+ constant 0/-1e9 causal mask], Softmax, MatMul with v: the
     score matrix is materialised, as the baselines compute it. With kv_heads < heads, K and V are
@@ -580,12 +596,13 @@ def _kv_heads(matched, name, batch, heads, seq, head_dim):
 
 def _relax_rewrite(matched, kernel):
     """softmax(q @ k^T * 1/sqrt(d) [+ causal mask]) @ v over (batch, heads, seq, head_dim)
-    float32 tensors; k and v may be GQA-repeated from fewer heads (then the kernel gets the
-    unrepeated ones). The mask must be the end-aligned causal one (0 visible, <= -1e4 hidden);
+    tensors of one of the pattern's dtypes; k and v may be GQA-repeated from fewer heads (then the
+    kernel gets the unrepeated ones). The mask must be the end-aligned causal one (0 visible, <= -1e4 hidden);
     any other mask, scale or softmax axis leaves the graph alone."""
     q, scale = matched["q"], matched["scale"]
     qs = static_shape(q)
-    if qs is None or len(qs) != 4 or dtype_of(q) != "float32":
+    dtype = dtype_of(q)
+    if qs is None or len(qs) != 4 or dtype not in DTYPES:
         return None
     batch, heads, seq_q, head_dim = qs
     probs_shape = static_shape(matched["probs"])
@@ -597,7 +614,9 @@ def _relax_rewrite(matched, kernel):
     if int(matched["probs"].attrs.axis) not in (-1, 3):
         return None
     factor = constant_value(scale)
-    if factor.size != 1 or not math.isclose(float(factor.reshape(())), 1.0 / math.sqrt(head_dim), rel_tol=1e-6):
+    # 1/sqrt(d) as the graph's dtype holds it (a float16 graph's scale is rounded to float16)
+    if factor.size != 1 or not math.isclose(float(factor.reshape(())),
+                                            float(np.asarray(1.0 / math.sqrt(head_dim), factor.dtype)), rel_tol=1e-6):
         return None
     causal = 0
     if "mask" in matched:
@@ -615,11 +634,11 @@ def _relax_rewrite(matched, kernel):
         return None
     k = matched.get("k_plain", matched.get("k0"))
     v = matched.get("v_plain", matched.get("v0"))
-    if dtype_of(k) != "float32" or dtype_of(v) != "float32":
+    if dtype_of(k) != dtype or dtype_of(v) != dtype:
         return None
     shape = {"batch": batch, "heads": heads, "kv_heads": kv[0], "seq_q": seq_q, "seq_kv": seq_kv,
              "head_dim": head_dim, "causal": causal}
-    return kernel(shape, "float32", [q, k, v])
+    return kernel(shape, dtype, [q, k, v])
 
 
 def sdpa(torch, shape, q, k, v):
@@ -644,8 +663,8 @@ PATTERN = Pattern(
                   ShapeParam("causal", 1, 1, "1: key j visible to query i iff j <= i + seq_kv - seq_q",
                              minimum=0)],
     build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
-    templates=[flash_tiles, cuda_flash],
+    dtypes=DTYPES,
+    templates=[flash_tiles, cuda_wgmma_flash, cuda_flash],
     sdpa=sdpa,
     # Before softmax_dropout's rule, which would otherwise take the softmax out of the attention.
     relax_rules=[RelaxRule("attention", _relax_pattern, _relax_rewrite, priority=10)],

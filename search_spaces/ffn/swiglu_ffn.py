@@ -13,13 +13,18 @@ global memory between them.
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import (Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, onnx_model, static_shape,
-                              template)
+from autofuse.pattern import (KernelTemplate, Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, onnx_model,
+                              static_shape, template)
+from search_spaces.lib import cuda_wgmma
+from search_spaces.lib.tirx_sequence import buffer, prefixed, sequence, unprefixed, workspace
 from search_spaces.lib.cuda_gemm import (cuda_fetch_shared, cuda_pipeline, cuda_split_k, cuda_tile_output, cuda_unroll,
                                          cuda_vector_lanes)
 from search_spaces.lib.tiling import epilogue_on_tile, parallel_register_tile, unroll
 from search_spaces.lib.tir_math import DROPOUT_SEED as SEED
 from search_spaces.lib.tir_math import dropout_constants, dropout_mask, dropout_p, exp_f32, hash_keep
+
+
+DTYPES = ("float32", "float16", "bfloat16")
 
 
 def build(shape, dtype):
@@ -201,6 +206,54 @@ def cuda_two_gemms(sch, target, knobs):
     cuda_pipeline(sch, k0, fetches)
 
 
+# Hopper (sm_90, float16/bfloat16): the gate/up pair and the down projection as two wgmma kernels
+# in one PrimFunc (``lib.tirx_sequence``), h between them in global memory, in the dtype (wgmma's
+# operand type). Their knobs are prefixed ``gate_`` and ``down_``.
+GATE, DOWN = "gate_", "down_"
+WGMMA_KNOBS = {**prefixed(cuda_wgmma.SWIGLU_KNOBS, GATE), **prefixed(cuda_wgmma.KNOBS, DOWN)}
+WGMMA_DEFAULT_KNOBS = {**prefixed(cuda_wgmma.SWIGLU_DEFAULT_KNOBS, GATE), **prefixed(cuda_wgmma.DEFAULT_KNOBS, DOWN)}
+
+
+def _gemm_shapes(shape):
+    tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
+    return {"m": tokens, "n": inter, "k": hidden}, {"m": tokens, "n": hidden, "k": inter}
+
+
+def _wgmma_check(shape, dtype, knobs):
+    gate, down = _gemm_shapes(shape)
+    cuda_wgmma.check(gate, dtype, unprefixed(knobs, GATE), space=cuda_wgmma.SWIGLU_KNOBS,
+                     default=cuda_wgmma.SWIGLU_DEFAULT_KNOBS, weights=2)
+    cuda_wgmma.check(down, dtype, unprefixed(knobs, DOWN))
+    dropout_constants(dropout_p(shape), SEED, shape["tokens"], shape["hidden"])
+
+
+def _wgmma_two_gemms(shape, dtype, knobs):
+    """h = silu(x W1) * (x W3) by ``cuda_wgmma.swiglu`` (both weight tiles per k slice under one A
+    tile, SiLU-multiply on the two accumulators), then y = r + dropout(h W2) by
+    ``cuda_wgmma.gemm_residual`` (dropout and the residual on the accumulator); the weights are
+    read as stored, (in, out), N-major."""
+    tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
+    gate_shape, down_shape = _gemm_shapes(shape)
+    mix, thresh, keep_scale = dropout_constants(dropout_p(shape), SEED, tokens, hidden)
+
+    def dropout_residual(acc, residual, row, col):
+        return residual + T.Select(hash_keep(row * hidden + col, mix, thresh), acc * T.float32(keep_scale),
+                                   T.float32(0))
+
+    gate = cuda_wgmma.swiglu(gate_shape, dtype, unprefixed(knobs, GATE), b_layout="kn")
+    down = cuda_wgmma.gemm_residual(down_shape, dtype, unprefixed(knobs, DOWN), dropout_residual, b_layout="kn",
+                                    name="swiglu_down")
+    x, r, y = (buffer(name, (tokens, hidden), dtype) for name in ("x", "r", "y"))
+    w1, w3 = (buffer(name, (hidden, inter), dtype) for name in ("w1", "w3"))
+    w2 = buffer("w2", (inter, hidden), dtype)
+    h = workspace("h", (tokens, inter), dtype)
+    return sequence("swiglu_ffn", [x, w1, w3, w2, r, y], [(gate, [x, w1, w3, h]), (down, [h, w2, r, y])], [h])
+
+
+cuda_wgmma_two_gemms = KernelTemplate("cuda_wgmma", _wgmma_two_gemms, WGMMA_KNOBS, WGMMA_DEFAULT_KNOBS, _wgmma_check,
+                                      **cuda_wgmma.HOPPER)
+
+
 def _relax_pattern():
     from tvm.relax.dpl import is_const, is_op, wildcard
     x, w1, w3, w2, r = (wildcard() for _ in range(5))
@@ -228,8 +281,9 @@ def _dropout_permille(scale, tokens, hidden):
 
 
 def _relax_rewrite(matched, kernel):
-    """r + (silu(x @ w1) * (x @ w3)) @ w2, float32, x and r of the same shape, any rank >= 2
-    (leading axes are tokens); no dropout (inference) or exactly this pattern's mask."""
+    """r + (silu(x @ w1) * (x @ w3)) @ w2, all of one of the pattern's dtypes, x and r of the same
+    shape, any rank >= 2 (leading axes are tokens); no dropout (inference) or exactly this
+    pattern's mask."""
     from tvm import relax
     x, w1, w3, w2, r = (matched[k] for k in ("x", "w1", "w3", "w2", "r"))
     xs = static_shape(x)
@@ -242,7 +296,8 @@ def _relax_rewrite(matched, kernel):
     inter = w1s[1]
     if static_shape(w3) != (hidden, inter) or static_shape(w2) != (inter, hidden):
         return None
-    if any(dtype_of(t) != "float32" for t in (x, w1, w3, w2, r)):
+    dtype = dtype_of(x)
+    if dtype not in DTYPES or any(dtype_of(t) != dtype for t in (w1, w3, w2, r)):
         return None
     tokens = int(np.prod(xs[:-1]))
     permille = 0
@@ -251,7 +306,7 @@ def _relax_rewrite(matched, kernel):
         if permille is None or len(xs) != 2:
             return None
     flat = (lambda t: t) if len(xs) == 2 else (lambda t: relax.op.reshape(t, (tokens, hidden)))
-    out = kernel({"tokens": tokens, "hidden": hidden, "inter": inter, "p_permille": permille}, "float32",
+    out = kernel({"tokens": tokens, "hidden": hidden, "inter": inter, "p_permille": permille}, dtype,
                  [flat(x), w1, w3, w2, flat(r)])
     return out if len(xs) == 2 else relax.op.reshape(out, xs)
 
@@ -285,7 +340,7 @@ PATTERN = Pattern(
                   ShapeParam("inter", 704, 24, "intermediate width (~2.75x hidden, Llama-style)"),
                   ShapeParam("p_permille", 100, 100, "dropout probability in 1/1000 (0: inference)", minimum=0)],
     build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
-    templates=[two_gemms, cuda_two_gemms],
+    dtypes=DTYPES,
+    templates=[two_gemms, cuda_wgmma_two_gemms, cuda_two_gemms],
     relax_rules=[RelaxRule("swiglu_residual", _relax_pattern, _relax_rewrite)],
 )

@@ -180,8 +180,7 @@ def _wgmma_gemm_bias_relu(shape, dtype, knobs):
 
 
 cuda_wgmma_relu = KernelTemplate("cuda_wgmma", _wgmma_gemm_bias_relu, cuda_wgmma.KNOBS, cuda_wgmma.DEFAULT_KNOBS,
-                                 cuda_wgmma.check, target_kinds=("cuda",), archs=("sm_90", "sm_90a"),
-                                 build_arch="sm_90a")
+                                 cuda_wgmma.check, **cuda_wgmma.HOPPER)
 
 
 def _relax_pattern():

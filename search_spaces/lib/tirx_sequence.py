@@ -48,3 +48,13 @@ def sequence(name: str, params: Sequence[tirx.Buffer], steps: Sequence[tuple[tir
         stmts.append(kernel.body)
     func = tirx.PrimFunc(list(params), tirx.SeqStmt(stmts), attrs=steps[0][0].attrs)
     return func.with_attr("global_symbol", name)
+
+
+def prefixed(space: dict, prefix: str) -> dict:
+    """One kernel's knobs (or knob space) as a composite's, under ``prefix``."""
+    return {prefix + name: value for name, value in space.items()}
+
+
+def unprefixed(knobs: dict, prefix: str) -> dict:
+    """The knobs of the kernel under ``prefix`` from a composite's knobs."""
+    return {name[len(prefix):]: value for name, value in knobs.items() if name.startswith(prefix)}

@@ -142,8 +142,8 @@ def _relax_pattern():
 
 
 def _relax_rewrite(matched, kernel):
-    """layer_norm(a + b, gamma, beta) over the last axis, float32, eps = EPS -> the kernel's y,
-    a and b (same shape, no broadcasting) flattened to (rows, hidden).
+    """layer_norm(a + b, gamma, beta) over the last axis, all of one of the pattern's dtypes,
+    eps = EPS -> the kernel's y, a and b (same shape, no broadcasting) flattened to (rows, hidden).
 
     Known limitation: only the root (the layer_norm) is replaced. The kernel also writes h = a + b,
     but that output is unused here: the original add stays for its other users (in a pre-norm
@@ -158,7 +158,8 @@ def _relax_rewrite(matched, kernel):
     hidden = shape[-1]
     if static_shape(gamma) != (hidden,) or static_shape(beta) != (hidden,):
         return None
-    if any(dtype_of(t) != "float32" for t in (a, b, gamma, beta)):
+    dtype = dtype_of(a)
+    if dtype not in PATTERN.dtypes or any(dtype_of(t) != dtype for t in (b, gamma, beta)):
         return None
     attrs = call.attrs
     if [int(v) for v in attrs.axes] not in ([-1], [len(shape) - 1]) or not attrs.center or not attrs.scale:
@@ -168,7 +169,7 @@ def _relax_rewrite(matched, kernel):
         return None
     rows = int(np.prod(shape[:-1]))
     flat = (lambda t: t) if len(shape) == 2 else (lambda t: relax.op.reshape(t, (rows, hidden)))
-    out = kernel({"rows": rows, "hidden": hidden}, "float32", [flat(a), flat(b), gamma, beta])
+    out = kernel({"rows": rows, "hidden": hidden}, dtype, [flat(a), flat(b), gamma, beta])
     y = relax.TupleGetItem(out, 1)
     return y if len(shape) == 2 else relax.op.reshape(y, shape)
 
