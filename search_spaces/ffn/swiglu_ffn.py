@@ -11,6 +11,7 @@ global memory between them.
 """
 
 import numpy as np
+from tvm import tirx
 from tvm.script import tirx as T
 
 from autofuse.pattern import (KernelTemplate, Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, onnx_model,
@@ -237,8 +238,13 @@ def _wgmma_two_gemms(shape, dtype, knobs):
     mix, thresh, keep_scale = dropout_constants(dropout_p(shape), SEED, tokens, hidden)
 
     def dropout_residual(acc, residual, row, col):
-        return residual + T.Select(hash_keep(row * hidden + col, mix, thresh), acc * T.float32(keep_scale),
-                                   T.float32(0))
+        if not dropout_p(shape):  # inference: the mask keeps everything, scale 1
+            return residual + acc
+        # the flat index bound once: the epilogue is unrolled over the accumulator tile, and the hash
+        # repeats its argument eight times
+        flat = tirx.Var("flat", "int32")
+        return residual + tirx.Let(flat, row * hidden + col, T.Select(
+            hash_keep(flat, mix, thresh), acc * T.float32(keep_scale), T.float32(0)))
 
     gate = cuda_wgmma.swiglu(gate_shape, dtype, unprefixed(knobs, GATE), b_layout="kn")
     down = cuda_wgmma.gemm_residual(down_shape, dtype, unprefixed(knobs, DOWN), dropout_residual, b_layout="kn",
