@@ -7,7 +7,9 @@ Unfused, g, u and the down projection's output round-trip through memory; fused,
 tiles are computed back to back from the same x rows and only h is stored, and dropout and the
 residual run on the down accumulator tile. On CUDA (``cuda_two_gemms``) the down projection needs
 all of an h row, a grid-wide dependency, so the PrimFunc becomes two kernels with h (float32) in
-global memory between them.
+global memory between them. On an sm_90 GPU in float16/bfloat16 the kernel template ``cuda_wgmma``
+comes first where its tiles fit: the same two kernels on Hopper tensor cores (TMA + wgmma, written
+in the tirx script), h in the dtype (wgmma's operand type, as torch computes it).
 """
 
 import numpy as np
