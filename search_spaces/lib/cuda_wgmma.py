@@ -273,6 +273,58 @@ def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout:
             "stage_bytes": (bm + weights * bn) * bk * 2}
 
 
+def _gemm(cfg: dict, dtype: str, name: str, operand_shape: tuple, epilogue, two_weights: bool):
+    """The tirx PrimFunc ``(A, B, X, C)``: the pipelined main loop (``_main_loop``) over A and B, and
+    with ``two_weights`` over A and X (a second weight stored as B is, its product in ``acc_up``),
+    then C[row, col] = epilogue(acc, acc_up, X, row, col) rounded once; X has ``operand_shape``."""
+    m, n, k, bm, bn, bk, stages = (cfg[key] for key in ("m", "n", "k", "bm", "bn", "bk", "stages"))
+
+    @T.prim_func
+    def gemm(a: T.handle, b: T.handle, x: T.handle, c: T.handle):
+        A = T.match_buffer(a, (m, k), dtype, align=16)
+        B = T.match_buffer(b, cfg["b_shape"], dtype, align=16)
+        X = T.match_buffer(x, operand_shape, dtype, align=16)
+        C = T.match_buffer(c, (m, n), dtype, align=16)
+        A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, dtype, 2, A.data, *cfg["a_box"])
+        B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, dtype, 2, B.data, *cfg["b_box"])
+        U_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        if two_weights:
+            T.call_packed("runtime.cuTensorMapEncodeTiled", U_map, dtype, 2, X.data, *cfg["b_box"])
+        T.device_entry()
+        bx, by = T.cta_id([n // bn, m // bm])
+        tx = T.thread_id([cfg["threads"]])
+        pool = T.SMEMPool()
+        As = pool.alloc((stages, bm, bk), dtype, align=1024)
+        # each slot: the B tile (then, with two weights, the X tile)
+        Bs = pool.alloc(cfg["b_smem"], dtype, align=1024)
+        bars = pool.alloc((stages,), "uint64", align=8)
+        pool.commit()
+        desc_a: T.uint64
+        desc_b: T.uint64
+        acc = T.alloc_buffer((bn // 2,), "float32", scope="local")
+        if two_weights:
+            acc_up = T.alloc_buffer((bn // 2,), "float32", scope="local")
+        wg = T.meta_var(tx // 128)
+        BM, BN, BK, KT, STAGES, NACC = T.meta_var((bm, bn, bk, k // bk, stages, bn // 2))
+        PROLOGUE = T.meta_var(min(stages, k // bk))
+        STAGE_BYTES, WAIT_DEPTH = T.meta_var((cfg["stage_bytes"], cfg["wait_depth"]))
+        MMA, TMA, SWIZZLE = T.meta_var((cfg["mma"], _TMA_LOAD, _SWIZZLE_128B))
+        B_KN, B_LEADING, TRANS_B = T.meta_var((cfg["b_kn"], cfg["b_leading"], cfg["trans_b"]))
+        TWO_WEIGHTS = T.meta_var(two_weights)
+        _main_loop()
+        for j in T.unroll(bn // 8):
+            for half in T.unroll(2):
+                for pair in T.unroll(2):
+                    row = T.meta_var(_row(by, bm, wg, tx, half))
+                    col = T.meta_var(_col(bx, bn, j, tx, pair))
+                    i = T.meta_var(j * 4 + half * 2 + pair)
+                    C[row, col] = T.Cast(dtype, epilogue(acc[i], acc_up[i] if two_weights else None, X, row, col))
+
+    return _mark(gemm, name)
+
+
 def gemm_bias_act(shape: dict, dtype: str = "float16", knobs: dict | None = None, act: str = "relu",
                   b_layout: str = "nk"):
     """The tirx PrimFunc ``(A, B, bias, C)`` computing C = act(A @ B^T + bias) for ``shape``
@@ -283,45 +335,11 @@ def gemm_bias_act(shape: dict, dtype: str = "float16", knobs: dict | None = None
         raise ValueError(f"activation {act!r} is not one of {', '.join(ACTIVATIONS)}")
     activation = ACTIVATIONS[act]
     cfg = _config(shape, dtype, knobs, 1, b_layout)
-    m, n, k, bm, bn, bk, stages = (cfg[key] for key in ("m", "n", "k", "bm", "bn", "bk", "stages"))
 
-    @T.prim_func
-    def gemm(a: T.handle, b: T.handle, bias: T.handle, c: T.handle):
-        A = T.match_buffer(a, (m, k), dtype, align=16)
-        B = T.match_buffer(b, cfg["b_shape"], dtype, align=16)
-        Bias = T.match_buffer(bias, (n,), dtype, align=16)
-        C = T.match_buffer(c, (m, n), dtype, align=16)
-        A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, dtype, 2, A.data, *cfg["a_box"])
-        B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, dtype, 2, B.data, *cfg["b_box"])
-        T.device_entry()
-        bx, by = T.cta_id([n // bn, m // bm])
-        tx = T.thread_id([cfg["threads"]])
-        pool = T.SMEMPool()
-        As = pool.alloc((stages, bm, bk), dtype, align=1024)
-        Bs = pool.alloc(cfg["b_smem"], dtype, align=1024)
-        bars = pool.alloc((stages,), "uint64", align=8)
-        pool.commit()
-        desc_a: T.uint64
-        desc_b: T.uint64
-        acc = T.alloc_buffer((bn // 2,), "float32", scope="local")
-        wg = T.meta_var(tx // 128)
-        BM, BN, BK, KT, STAGES, NACC = T.meta_var((bm, bn, bk, k // bk, stages, bn // 2))
-        PROLOGUE = T.meta_var(min(stages, k // bk))
-        STAGE_BYTES, WAIT_DEPTH = T.meta_var((cfg["stage_bytes"], cfg["wait_depth"]))
-        MMA, TMA, SWIZZLE = T.meta_var((cfg["mma"], _TMA_LOAD, _SWIZZLE_128B))
-        B_KN, B_LEADING, TRANS_B = T.meta_var((cfg["b_kn"], cfg["b_leading"], cfg["trans_b"]))
-        TWO_WEIGHTS = T.meta_var(False)
-        _main_loop()
-        for j in T.unroll(bn // 8):
-            for half in T.unroll(2):
-                for pair in T.unroll(2):
-                    row = T.meta_var(_row(by, bm, wg, tx, half))
-                    col = T.meta_var(_col(bx, bn, j, tx, pair))
-                    C[row, col] = T.Cast(dtype, activation(acc[j * 4 + half * 2 + pair] + T.Cast("float32", Bias[col])))
+    def bias_act(acc, _up, bias, _row, col):
+        return activation(acc + T.Cast("float32", bias[col]))
 
-    return _mark(gemm, f"gemm_bias_{act}")
+    return _gemm(cfg, dtype, f"gemm_bias_{act}", (cfg["n"],), bias_act, False)
 
 
 def swiglu(shape: dict, dtype: str = "float16", knobs: dict | None = None, b_layout: str = "nk"):
@@ -330,49 +348,7 @@ def swiglu(shape: dict, dtype: str = "float16", knobs: dict | None = None, b_lay
     ``gemm_swiglu``. Knobs from ``SWIGLU_KNOBS`` (BN at most 128). ValueError when the shape, dtype
     or knobs do not fit."""
     cfg = _config(shape, dtype, knobs, 2, b_layout)
-    m, n, k, bm, bn, bk, stages = (cfg[key] for key in ("m", "n", "k", "bm", "bn", "bk", "stages"))
-
-    @T.prim_func
-    def gemm(a: T.handle, wg_: T.handle, wu_: T.handle, c: T.handle):
-        A = T.match_buffer(a, (m, k), dtype, align=16)
-        Wg = T.match_buffer(wg_, cfg["b_shape"], dtype, align=16)
-        Wu = T.match_buffer(wu_, cfg["b_shape"], dtype, align=16)
-        C = T.match_buffer(c, (m, n), dtype, align=16)
-        A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, dtype, 2, A.data, *cfg["a_box"])
-        B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, dtype, 2, Wg.data, *cfg["b_box"])
-        U_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", U_map, dtype, 2, Wu.data, *cfg["b_box"])
-        T.device_entry()
-        bx, by = T.cta_id([n // bn, m // bm])
-        tx = T.thread_id([cfg["threads"]])
-        pool = T.SMEMPool()
-        As = pool.alloc((stages, bm, bk), dtype, align=1024)
-        # each slot: the Wg tile, then the Wu tile
-        Bs = pool.alloc(cfg["b_smem"], dtype, align=1024)
-        bars = pool.alloc((stages,), "uint64", align=8)
-        pool.commit()
-        desc_a: T.uint64
-        desc_b: T.uint64
-        acc = T.alloc_buffer((bn // 2,), "float32", scope="local")
-        acc_up = T.alloc_buffer((bn // 2,), "float32", scope="local")
-        wg = T.meta_var(tx // 128)
-        BM, BN, BK, KT, STAGES, NACC = T.meta_var((bm, bn, bk, k // bk, stages, bn // 2))
-        PROLOGUE = T.meta_var(min(stages, k // bk))
-        STAGE_BYTES, WAIT_DEPTH = T.meta_var((cfg["stage_bytes"], cfg["wait_depth"]))
-        MMA, TMA, SWIZZLE = T.meta_var((cfg["mma"], _TMA_LOAD, _SWIZZLE_128B))
-        B_KN, B_LEADING, TRANS_B = T.meta_var((cfg["b_kn"], cfg["b_leading"], cfg["trans_b"]))
-        TWO_WEIGHTS = T.meta_var(True)
-        _main_loop()
-        for j in T.unroll(bn // 8):
-            for half in T.unroll(2):
-                for pair in T.unroll(2):
-                    row = T.meta_var(_row(by, bm, wg, tx, half))
-                    col = T.meta_var(_col(bx, bn, j, tx, pair))
-                    C[row, col] = T.Cast(dtype, _silu(acc[j * 4 + half * 2 + pair]) * acc_up[j * 4 + half * 2 + pair])
-
-    return _mark(gemm, "gemm_swiglu")
+    return _gemm(cfg, dtype, "gemm_swiglu", cfg["b_shape"], lambda acc, up, _wu, _row, _col: _silu(acc) * up, True)
 
 
 def add_residual(acc, residual, row, col):
@@ -386,46 +362,11 @@ def gemm_residual(shape: dict, dtype: str = "float16", knobs: dict | None = None
     epilogue adds R (a residual). ``epilogue`` builds a float32 TIR expression (a down projection's
     dropout mask, say); its result is rounded once into C. Global symbol ``name``."""
     cfg = _config(shape, dtype, knobs, 1, b_layout)
-    m, n, k, bm, bn, bk, stages = (cfg[key] for key in ("m", "n", "k", "bm", "bn", "bk", "stages"))
 
-    @T.prim_func
-    def gemm(a: T.handle, b: T.handle, r: T.handle, c: T.handle):
-        A = T.match_buffer(a, (m, k), dtype, align=16)
-        B = T.match_buffer(b, cfg["b_shape"], dtype, align=16)
-        R = T.match_buffer(r, (m, n), dtype, align=16)
-        C = T.match_buffer(c, (m, n), dtype, align=16)
-        A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, dtype, 2, A.data, *cfg["a_box"])
-        B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, dtype, 2, B.data, *cfg["b_box"])
-        T.device_entry()
-        bx, by = T.cta_id([n // bn, m // bm])
-        tx = T.thread_id([cfg["threads"]])
-        pool = T.SMEMPool()
-        As = pool.alloc((stages, bm, bk), dtype, align=1024)
-        Bs = pool.alloc(cfg["b_smem"], dtype, align=1024)
-        bars = pool.alloc((stages,), "uint64", align=8)
-        pool.commit()
-        desc_a: T.uint64
-        desc_b: T.uint64
-        acc = T.alloc_buffer((bn // 2,), "float32", scope="local")
-        wg = T.meta_var(tx // 128)
-        BM, BN, BK, KT, STAGES, NACC = T.meta_var((bm, bn, bk, k // bk, stages, bn // 2))
-        PROLOGUE = T.meta_var(min(stages, k // bk))
-        STAGE_BYTES, WAIT_DEPTH = T.meta_var((cfg["stage_bytes"], cfg["wait_depth"]))
-        MMA, TMA, SWIZZLE = T.meta_var((cfg["mma"], _TMA_LOAD, _SWIZZLE_128B))
-        B_KN, B_LEADING, TRANS_B = T.meta_var((cfg["b_kn"], cfg["b_leading"], cfg["trans_b"]))
-        TWO_WEIGHTS = T.meta_var(False)
-        _main_loop()
-        for j in T.unroll(bn // 8):
-            for half in T.unroll(2):
-                for pair in T.unroll(2):
-                    row = T.meta_var(_row(by, bm, wg, tx, half))
-                    col = T.meta_var(_col(bx, bn, j, tx, pair))
-                    C[row, col] = T.Cast(dtype, epilogue(acc[j * 4 + half * 2 + pair], T.Cast("float32", R[row, col]),
-                                                         row, col))
+    def residual(acc, _up, r, row, col):
+        return epilogue(acc, T.Cast("float32", r[row, col]), row, col)
 
-    return _mark(gemm, name)
+    return _gemm(cfg, dtype, name, (cfg["m"], cfg["n"]), residual, False)
 
 
 def build(func):

@@ -40,7 +40,7 @@ def test_every_config_builds_with_its_pipeline(knobs):
     assert _expect_tx_bytes(body) == [(bm + bn) * bk * 2] * (knobs["stages"] + 1)
     assert body.count("cp_async_bulk_tensor_g2s") == 2 * (knobs["stages"] + 1)
     assert ("wait_group_sync_aligned_1()" in body) == (knobs["wait_depth"] == 1)
-    assert "max((acc_ptr[0] + ((float)Bias_ptr[" in body  # bias + ReLU on the accumulator
+    assert "max((acc_ptr[0] + ((float)X_ptr[" in body  # bias (the operand X) + ReLU on the accumulator
 
 
 def test_the_config_space():
@@ -116,7 +116,7 @@ def test_gemm_residual_epilogue():
     assert func.attrs["global_symbol"] == "down"
     stores = [line for line in _kernel_body(_source(func)).splitlines() if "C_ptr[" in line]
     assert len(stores) == 4 * 128 // 8
-    assert all("R_ptr[" in line and "0x1p-1f" in line for line in stores), stores[0]
+    assert all("X_ptr[" in line and "0x1p-1f" in line for line in stores), stores[0]
     with pytest.raises(ValueError, match="b_layout 'mn'"):
         W.gemm_residual(SHAPE, "float16", b_layout="mn")
 

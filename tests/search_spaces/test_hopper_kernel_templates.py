@@ -118,7 +118,7 @@ def test_swiglu_down_projection_applies_dropout_and_the_residual():
     # weights as stored (in, out): N-major wgmma (its transpose flag) in both kernels
     assert "_1_1_0_1(" in gate and "_1_1_0_1(" in down and "_1_1_0_0(" not in source
     store = next(line for line in down.splitlines() if "C_ptr[" in line)
-    assert "R_ptr[" in store and "(uint)" in store  # residual + the hashed dropout mask
+    assert "X_ptr[" in store and "(uint)" in store  # residual (the operand X) + the hashed dropout mask
     without = _source(_default("swiglu_ffn", shape={**shape, "p_permille": 0}))
     assert "(uint)" not in next(line for line in without.split('extern "C" __global__')[-1].splitlines()
                                 if "C_ptr[" in line)
