@@ -289,8 +289,8 @@ def _gemm(cfg: dict, dtype: str, name: str, operand_shape: tuple, epilogue, two_
         T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, dtype, 2, A.data, *cfg["a_box"])
         B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, dtype, 2, B.data, *cfg["b_box"])
-        U_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         if two_weights:
+            U_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
             T.call_packed("runtime.cuTensorMapEncodeTiled", U_map, dtype, 2, X.data, *cfg["b_box"])
         T.device_entry()
         bx, by = T.cta_id([n // bn, m // bm])
