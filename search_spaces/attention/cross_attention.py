@@ -14,7 +14,8 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
-from search_spaces.lib.attention import cpu_softmax_tail, load_lanes, row_lanes, softmax_stages, vector_split
+from search_spaces.lib.attention import (BATCH, HEAD_DIM, HEADS, cpu_softmax_tail, load_lanes, row_lanes, sdpa,
+                                         softmax_stages, vector_split)
 from search_spaces.lib.cpu_rows import rfactor_lanes
 from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tir_math import dtype_bytes
@@ -241,21 +242,10 @@ def onnx_graph(shape, dtype):
                       {"scale": np.asarray(1.0 / math.sqrt(hd), dtype=dtype)})
 
 
-def sdpa(torch, shape, q, k, v):
-    """The torch-sdpa baseline: torch's scaled_dot_product_attention on the same tensors."""
-    return [torch.nn.functional.scaled_dot_product_attention(q, k, v)]
-
-
-PATTERN = Pattern(
-    name="cross_attention", family="attention",
+PATTERN = Pattern.from_module(
+    globals(),
     description="softmax(q k^T / sqrt(d)) v with seq_q != seq_kv, no mask, scores kept per query tile",
-    shape_params=[ShapeParam("batch", 1, 1, "batch size"),
-                  ShapeParam("heads", 8, 2, "attention heads"),
-                  ShapeParam("seq_q", 128, 8, "decoder (query) length"),
-                  ShapeParam("seq_kv", 384, 12, "encoder (key/value) length"),
-                  ShapeParam("head_dim", 64, 8, "per-head feature size")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
+    shape_params=[BATCH, HEADS, ShapeParam("seq_q", 128, 8, "decoder (query) length"),
+                  ShapeParam("seq_kv", 384, 12, "encoder (key/value) length"), HEAD_DIM],
     templates=[query_tile, cuda_query_rows],
-    sdpa=sdpa,
 )

@@ -28,7 +28,8 @@ from tvm.script import tirx as T
 
 from autofuse.pattern import (Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, onnx_model, static_shape,
                               template)
-from search_spaces.lib.attention import CUDA_LOAD_LANES, annotate_read, row_lanes, vector_split
+from search_spaces.lib.attention import (BATCH, CUDA_LOAD_LANES, HEAD_DIM, annotate_read, gqa_heads, row_lanes, sdpa,
+                                         vector_split)
 from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import dtype_bytes, exp_f32
 
@@ -622,31 +623,14 @@ def _relax_rewrite(matched, kernel):
     return kernel(shape, "float32", [q, k, v])
 
 
-def sdpa(torch, shape, q, k, v):
-    """The torch-sdpa baseline: torch's scaled_dot_product_attention on the same tensors."""
-    mask, causal = None, bool(shape.get("causal", 0))
-    if causal and shape["seq_q"] != shape["seq_kv"]:  # ours aligns the mask at the end, is_causal at the start
-        from torch.nn.attention.bias import causal_lower_right
-        mask, causal = causal_lower_right(shape["seq_q"], shape["seq_kv"]), False
-    return [torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                             enable_gqa=shape["kv_heads"] != shape["heads"])]
-
-
-PATTERN = Pattern(
-    name="flash_attention", family="attention",
+PATTERN = Pattern.from_module(
+    globals(),
     description="softmax(q k^T / sqrt(d) [+ causal mask]) v in one kernel, online softmax over key tiles",
-    shape_params=[ShapeParam("batch", 1, 1, "batch size"),
-                  ShapeParam("heads", 8, 2, "attention heads"),
-                  ShapeParam("kv_heads", 8, 2, "key/value heads (divides heads; 1 is MQA)"),
-                  ShapeParam("seq_q", 256, 16, "query positions"),
-                  ShapeParam("seq_kv", 256, 16, "key/value positions (any length; tiles of KV_TILE)"),
-                  ShapeParam("head_dim", 64, 8, "per-head feature size"),
+    shape_params=[BATCH, *gqa_heads((8, 2), (8, 2)), ShapeParam("seq_q", 256, 16, "query positions"),
+                  ShapeParam("seq_kv", 256, 16, "key/value positions (any length; tiles of KV_TILE)"), HEAD_DIM,
                   ShapeParam("causal", 1, 1, "1: key j visible to query i iff j <= i + seq_kv - seq_q",
                              minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
     templates=[flash_tiles, cuda_flash],
-    sdpa=sdpa,
     # Before softmax_dropout's rule, which would otherwise take the softmax out of the attention.
     relax_rules=[RelaxRule("attention", _relax_pattern, _relax_rewrite, priority=10)],
 )

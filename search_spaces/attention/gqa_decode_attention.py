@@ -18,7 +18,8 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
-from search_spaces.lib.attention import cpu_softmax_tail, cuda_decode_attention, decode_vector, softmax_stages
+from search_spaces.lib.attention import (HEAD_DIM, MAX_SEQ, cpu_softmax_tail, cuda_decode_attention, decode_vector,
+                                         gqa_heads, softmax_stages)
 from search_spaces.lib.cpu_rows import rfactor_lanes
 from search_spaces.lib.cuda_rows import vector_load
 from search_spaces.lib.tiling import unroll, vectorize_inner
@@ -251,19 +252,13 @@ def sdpa(torch, shape, q, k_new, v_new, k_cache, v_cache):
     return [o.squeeze(2), k_out, v_out]
 
 
-PATTERN = Pattern(
-    name="gqa_decode_attention", family="attention",
+PATTERN = Pattern.from_module(
+    globals(),
     description="one-token GQA decode: append k/v at cache_len, attend over positions 0..cache_len",
     shape_params=[ShapeParam("batch", 2, 2, "sequences, one new token each"),
-                  ShapeParam("num_heads", 32, 4, "query heads"),
-                  ShapeParam("num_kv_heads", 8, 2, "K/V heads (divides num_heads; 1 is MQA)"),
-                  ShapeParam("head_dim", 128, 8, "per-head feature size"),
-                  ShapeParam("max_seq", 1024, 16, "cache capacity (positions)"),
+                  *gqa_heads((32, 4), (8, 2), prefix="num_"), HEAD_DIM.with_sizes(128, 8), MAX_SEQ,
                   ShapeParam("cache_len", 511, 9, "tokens already cached; the new one goes there",
                              minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
     templates=[kv_head, cuda_kv_head],
-    sdpa=sdpa,
     num_outputs=3,
 )

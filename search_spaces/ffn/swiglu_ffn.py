@@ -19,7 +19,7 @@ from search_spaces.lib.cuda_gemm import (cuda_fetch_shared, cuda_pipeline, cuda_
                                          cuda_vector_lanes)
 from search_spaces.lib.tiling import epilogue_on_tile, parallel_register_tile, unroll
 from search_spaces.lib.tir_math import DROPOUT_SEED as SEED
-from search_spaces.lib.tir_math import dropout_constants, dropout_mask, dropout_p, exp_f32, hash_keep
+from search_spaces.lib.tir_math import DROPOUT_PERMILLE, dropout_constants, dropout_mask, dropout_p, exp_f32, hash_keep
 
 
 def build(shape, dtype):
@@ -277,15 +277,13 @@ def onnx_graph(shape, dtype):
                       [("y", (tokens, hidden))], dtype, {"keep_scale": scale})
 
 
-PATTERN = Pattern(
-    name="swiglu_ffn", family="ffn",
+PATTERN = Pattern.from_module(
+    globals(),
     description="r + dropout((silu(x W1) * (x W3)) W2): SwiGLU FFN with hashed dropout and residual fused",
     shape_params=[ShapeParam("tokens", 128, 8, "tokens (rows of x)"),
                   ShapeParam("hidden", 256, 16, "model width (x, y and the residual)"),
                   ShapeParam("inter", 704, 24, "intermediate width (~2.75x hidden, Llama-style)"),
-                  ShapeParam("p_permille", 100, 100, "dropout probability in 1/1000 (0: inference)", minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
+                  DROPOUT_PERMILLE],
     templates=[two_gemms, cuda_two_gemms],
     relax_rules=[RelaxRule("swiglu_residual", _relax_pattern, _relax_rewrite)],
 )

@@ -196,14 +196,12 @@ def onnx_graph(shape, dtype):
                                            helper.make_node("Relu", ["t"], ["y"])],
                       [("x", (m, k)), ("w", (n, k)), ("b", (n,))], [("y", (m, n))], dtype)
 
-PATTERN = Pattern(
-    name="linear_bias_relu", family="gemm",
+PATTERN = Pattern.from_module(
+    globals(),
     description="relu(x @ W^T + b): GEMM with bias and ReLU fused in its epilogue",
     shape_params=[ShapeParam("m", 256, 16, "rows of x (tokens)"),
                   ShapeParam("n", 256, 32, "output features"),
                   ShapeParam("k", 256, 16, "input features")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
     templates=[packed_tile, tiled_epilogue, cuda_tiled_epilogue, cuda_wmma],
     relax_rules=[RelaxRule("matmul_add_relu", _relax_pattern, _relax_rewrite)],
 )

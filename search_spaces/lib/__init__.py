@@ -6,5 +6,6 @@ knob, CPU register tiles), ``cpu_rows`` and ``cuda_rows`` (row reductions), ``cp
 ``cuda_gemm`` and ``cuda_wgmma`` (GEMM), ``attention`` and ``cuda_attention`` (softmax stages and
 attention kernels), ``layernorm``, ``onnx_graphs`` (graphs with inputs of several dtypes). A
 pattern imports this library and ``autofuse.pattern``, never another pattern; the library imports
-no pattern, and of autofuse only its error type.
+no pattern, and of autofuse only its error type and ``autofuse.pattern`` (the shape parameters
+patterns share).
 """

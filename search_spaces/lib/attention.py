@@ -2,15 +2,42 @@
 TensorIR (``softmax_stages``), the lane counts and vector splits of their CUDA kernels, a
 read-region annotation for staged K/V windows, and ``cuda_decode_attention``, the decode kernel (a
 thread block per (batch, K/V head)) that gqa_decode_attention and paged_attention schedule onto
-those stages."""
+those stages; the shape parameters and the torch-sdpa baseline the attention patterns share."""
 
 from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
+from autofuse.pattern import ShapeParam
 from search_spaces.lib.cpu_rows import lanes_innermost
 from search_spaces.lib.cuda_rows import VECTOR_BYTES
 from search_spaces.lib.tiling import vectorize_inner
 from search_spaces.lib.tir_math import dtype_bytes, exp_f32
+
+# Shape parameters of the attention patterns (``with_sizes`` sizes one for a pattern).
+BATCH = ShapeParam("batch", 1, 1, "batch size")
+HEADS = ShapeParam("heads", 8, 2, "attention heads")
+HEAD_DIM = ShapeParam("head_dim", 64, 8, "per-head feature size")
+MAX_SEQ = ShapeParam("max_seq", 1024, 16, "cache capacity (positions)")
+
+
+def gqa_heads(heads, kv_heads, prefix=""):
+    """Grouped-query head counts ``{prefix}heads`` and ``{prefix}kv_heads``, (default, small) each:
+    query heads, and K/V heads each serving heads / kv_heads of them."""
+    return [ShapeParam(f"{prefix}heads", *heads, "query heads"),
+            ShapeParam(f"{prefix}kv_heads", *kv_heads, f"key/value heads (divides {prefix}heads; 1 is MQA)")]
+
+
+def sdpa(torch, shape, q, k, v):
+    """The torch-sdpa baseline of softmax(q k^T / sqrt(head_dim) [+ causal mask]) v: torch's
+    scaled_dot_product_attention on the same tensors, causal when ``shape["causal"]`` (the mask
+    aligned at the end, as the patterns align it), grouped-query when kv_heads < heads."""
+    mask, causal = None, bool(shape.get("causal", 0))
+    if causal and shape["seq_q"] != shape["seq_kv"]:  # ours aligns the mask at the end, is_causal at the start
+        from torch.nn.attention.bias import causal_lower_right
+        mask, causal = causal_lower_right(shape["seq_q"], shape["seq_kv"]), False
+    return [torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=shape.get("kv_heads", shape["heads"]) != shape["heads"])]
+
 
 CUDA_LOAD_LANES = 4     # elements per thread and instruction in the K/V tile loads
 

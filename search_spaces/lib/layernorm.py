@@ -1,11 +1,17 @@
 """LayerNorm over the last axis as the normalization patterns define it: eps, its three TensorIR
-stages (``layernorm_stages``), the float64 numpy reference, and the seeded (x, r, gamma, beta)
-inputs of a residual-then-LayerNorm kernel."""
+stages (``layernorm_stages``), the float64 numpy reference, the (rows, hidden) shape parameters,
+and the seeded (x, r, gamma, beta) inputs of a residual-then-LayerNorm kernel."""
 
 import numpy as np
 from tvm.script import tirx as T
 
+from autofuse.pattern import ShapeParam
+
 EPS = 1e-5
+
+# The shape parameters of a LayerNorm pattern, what ``residual_inputs`` reads.
+ROWS_HIDDEN = (ShapeParam("rows", 512, 8, "rows (tokens); LayerNorm is over each row"),
+               ShapeParam("hidden", 768, 64, "hidden size (the normalised axis)"))
 
 
 def layernorm(h, gamma, beta, eps=EPS):

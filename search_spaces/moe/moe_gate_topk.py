@@ -489,16 +489,14 @@ def onnx_graph(shape, dtype):
                        "choices_shape": np.array([NT, K], i64)})
 
 
-PATTERN = Pattern(
-    name="moe_gate_topk", family="moe",
+PATTERN = Pattern.from_module(
+    globals(),
     description="MoE layer: router softmax, renormalised top-k gate, ReLU expert FFNs on routed tokens only, combine",
     shape_params=[ShapeParam("tokens", 64, 8, "tokens (rows of x)"),
                   ShapeParam("hidden", 256, 16, "model width"),
                   ShapeParam("inter", 512, 32, "expert FFN intermediate width"),
                   ShapeParam("experts", 8, 4, "number of experts"),
                   ShapeParam("k", 2, 2, "experts per token (top-k), at most experts")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
     templates=[expert_tiles, cuda_routed],
     more_work={"onnx_graph": "ONNX has no grouped GEMM: the graph runs the routed rows in 8-row expert "
                              "tiles as the kernel does, but Gathers a copy of its expert's W1 and W2 for "

@@ -216,14 +216,14 @@ def onnx_graph(shape, dtype):
                        [("y", (m, n), dtype)])
 
 
-PATTERN = Pattern(
-    name="int8_matmul_dequant", family="quant",
+PATTERN = Pattern.from_module(
+    globals(),
     description="int8 x int8 GEMM accumulated in int32, dequantised (per-tensor x, per-channel w scale), bias, ReLU",
     shape_params=[ShapeParam("m", 128, 16, "rows of x_q (tokens)"),
                   ShapeParam("n", 512, 32, "output features (rows of w_q)"),
                   ShapeParam("k", 512, 32, "input features"),
                   ShapeParam("relu", 1, 1, "1: ReLU after the bias, 0: none", minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
+    dtypes=("float32",),
     templates=[int8_dot, int8_tiled, cuda_tiled_dp4a],
     # The ReLU rule first: the plain one would otherwise take the Add out from under it.
     relax_rules=[RelaxRule("matmulinteger_dequant_bias_relu", _relax_pattern(1), _relax_rewrite(1), priority=1),

@@ -286,14 +286,14 @@ def onnx_graph(shape, dtype):
                        [("y", (m, n), dtype)], consts)
 
 
-PATTERN = Pattern(
-    name="woq_matmul", family="quant",
+PATTERN = Pattern.from_module(
+    globals(),
     description="x @ dequant(W)^T + b, W int4/int8 per output row with group-wise scales (LLM decode)",
     shape_params=[ShapeParam("m", 4, 2, "rows of x (tokens being decoded)"),
                   ShapeParam("n", 1024, 32, "output features (rows of W)"),
                   ShapeParam("k", 1024, 64, "input features (the reduction)"),
                   ShapeParam("group", 64, 32, "values sharing one scale along k (divides k)"),
                   ShapeParam("bits", 4, 4, "weight bits: 4 (two per byte) or 8")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
+    dtypes=("float32",),
     templates=[dequant_on_load, cuda_warp_per_row],
 )

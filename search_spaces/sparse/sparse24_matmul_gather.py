@@ -269,8 +269,8 @@ def onnx_graph(shape, dtype):
                        consts, opset=18)
 
 
-PATTERN = Pattern(
-    name="sparse24_matmul_gather", family="sparse",
+PATTERN = Pattern.from_module(
+    globals(),
     description="x[idx] @ W^T + b with W 2:4 sparse, compressed (values + 2-bit positions), rows "
                 "gathered through idx inside the kernel",
     shape_params=[ShapeParam("rows", 1024, 8, "rows of the activation table x"),
@@ -278,6 +278,6 @@ PATTERN = Pattern(
                   ShapeParam("n", 512, 16, "output features (rows of W)"),
                   ShapeParam("k", 512, 16, "input features (multiple of 4)", minimum=4),
                   ShapeParam("bias", 1, 1, "1: add b (n,), 0: no bias", minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
+    dtypes=("float32",),
     templates=[row_tiles, cuda_gather_tiles],
 )

@@ -516,8 +516,8 @@ def onnx_graph(shape, dtype):
                        [("accepted", (B,), "int32"), ("next_token", (B,), "int32")], consts, opset=18)
 
 
-PATTERN = Pattern(
-    name="spec_accept", family="speculative",
+PATTERN = Pattern.from_module(
+    globals(),
     description="speculative decoding acceptance: softmax ratios, first rejection, residual/bonus "
                 "inverse-CDF sample (or greedy argmax match), one kernel",
     shape_params=[ShapeParam("batch", 4, 2, "sequences"),
@@ -525,7 +525,7 @@ PATTERN = Pattern(
                   ShapeParam("vocab", 32000, 64, "vocabulary size"),
                   ShapeParam("greedy", 0, 0, "1: greedy acceptance (argmax match), 0: rejection sampling",
                              minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
+    dtypes=("float32",),
     templates=[row_parallel, cuda_rows_then_batch],
     num_outputs=2,
 )

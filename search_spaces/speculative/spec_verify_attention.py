@@ -23,7 +23,8 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, param_buffers, template
-from search_spaces.lib.attention import annotate_read, load_lanes, row_lanes, vector_split
+from search_spaces.lib.attention import (HEAD_DIM, MAX_SEQ, annotate_read, gqa_heads, load_lanes, row_lanes,
+                                         vector_split)
 from search_spaces.lib.onnx_graphs import typed_model
 from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import dtype_bytes, exp_f32
@@ -599,18 +600,15 @@ def onnx_graph(shape, dtype):
                        [("o", (nb, hq, kd, hd), dtype)], consts)
 
 
-PATTERN = Pattern(
-    name="spec_verify_attention", family="speculative",
+PATTERN = Pattern.from_module(
+    globals(),
     description="speculative-decoding verification: k draft queries over the KV cache and the drafts "
                 "(tree mask), online softmax, GQA",
     shape_params=[ShapeParam("batch", 2, 1, "sequences being verified"),
-                  ShapeParam("heads", 8, 4, "query heads"),
-                  ShapeParam("kv_heads", 2, 2, "K/V heads (divides heads; 1 is MQA)"),
-                  ShapeParam("head_dim", 64, 16, "per-head feature size"),
-                  ShapeParam("max_seq", 512, 32, "cache capacity (positions)"),
+                  *gqa_heads((8, 4), (2, 2)), HEAD_DIM.with_sizes(64, 16), MAX_SEQ.with_sizes(512, 32),
                   ShapeParam("cache_len", 200, 13, "valid cache positions, the same for every sequence",
                              minimum=0),
                   ShapeParam("k_draft", 8, 5, "draft tokens (tree nodes) verified in this pass")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
+    dtypes=("float32",),
     templates=[kv_head_tiles, cuda_verify_rows],
 )
