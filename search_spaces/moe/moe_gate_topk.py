@@ -18,6 +18,7 @@ from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, fit_tiles, onnx_model, template
 from search_spaces.lib.cuda_gemm import cuda_vector_lanes
+from search_spaces.lib.gemm import ffn_shape, matmul_stage
 from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tir_math import exp_f32
 
@@ -58,12 +59,8 @@ def build(shape, dtype):
         out = T.sblock_alloc_buffer((E, TP, H), "float32")
         if half:
             ysum = T.sblock_alloc_buffer((NT, H), "float32")
-        for t, e, c in T.grid(NT, E, H):
-            with T.sblock("router"):
-                vt, ve, vc = T.axis.remap("SSR", [t, e, c])
-                with T.init():
-                    logits[vt, ve] = T.float32(0)
-                logits[vt, ve] = logits[vt, ve] + T.Cast("float32", x[vt, vc]) * T.Cast("float32", wg[vc, ve])
+        matmul_stage("router", logits, (NT, E, H),
+                     lambda t, e, c: T.Cast("float32", x[t, c]) * T.Cast("float32", wg[c, e]))
         for t, e, c in T.grid(NT, E, E):
             with T.sblock("rank"):
                 vt, ve, vc = T.axis.remap("SSR", [t, e, c])
@@ -492,9 +489,7 @@ def onnx_graph(shape, dtype):
 PATTERN = Pattern.from_module(
     globals(),
     description="MoE layer: router softmax, renormalised top-k gate, ReLU expert FFNs on routed tokens only, combine",
-    shape_params=[ShapeParam("tokens", 64, 8, "tokens (rows of x)"),
-                  ShapeParam("hidden", 256, 16, "model width"),
-                  ShapeParam("inter", 512, 32, "expert FFN intermediate width"),
+    shape_params=[*ffn_shape((64, 8), (256, 16), (512, 32)),
                   ShapeParam("experts", 8, 4, "number of experts"),
                   ShapeParam("k", 2, 2, "experts per token (top-k), at most experts")],
     templates=[expert_tiles, cuda_routed],

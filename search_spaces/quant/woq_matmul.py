@@ -18,6 +18,7 @@ from tvm.script import tirx as T
 from autofuse.errors import AutofuseError
 from autofuse.pattern import Pattern, ShapeParam, template
 from search_spaces.lib.cuda_gemm import cuda_vector_lanes
+from search_spaces.lib.gemm import gemm_shape
 from search_spaces.lib.onnx_graphs import typed_model
 from search_spaces.lib.tiling import unroll
 
@@ -289,9 +290,7 @@ def onnx_graph(shape, dtype):
 PATTERN = Pattern.from_module(
     globals(),
     description="x @ dequant(W)^T + b, W int4/int8 per output row with group-wise scales (LLM decode)",
-    shape_params=[ShapeParam("m", 4, 2, "rows of x (tokens being decoded)"),
-                  ShapeParam("n", 1024, 32, "output features (rows of W)"),
-                  ShapeParam("k", 1024, 64, "input features (the reduction)"),
+    shape_params=[*gemm_shape((4, 2), (1024, 32), (1024, 64)),
                   ShapeParam("group", 64, 32, "values sharing one scale along k (divides k)"),
                   ShapeParam("bits", 4, 4, "weight bits: 4 (two per byte) or 8")],
     dtypes=("float32",),
