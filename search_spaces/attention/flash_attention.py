@@ -26,10 +26,11 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import (Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, onnx_model, static_shape,
-                              template)
-from search_spaces.lib.attention import (BATCH, CUDA_LOAD_LANES, HEAD_DIM, annotate_read, gqa_heads, row_lanes, sdpa,
-                                         vector_split)
+from autofuse.pattern import Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, static_shape, template
+from search_spaces.lib.attention import (BATCH, CUDA_LOAD_LANES, HEAD_DIM, annotate_read, attention_graph, gqa_heads,
+                                         row_lanes, sdpa, vector_split)
+from search_spaces.lib.attention import attention_inputs as make_inputs
+from search_spaces.lib.attention import attention_reference as reference
 from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import dtype_bytes, exp_f32
 
@@ -210,33 +211,6 @@ def build(shape, dtype):
                     o[vb, vh, vi, vd] = T.Cast(dtype, acc[vb, vh, vi, vd] / l[vb, vh, vi])
 
     return flash_attention
-
-
-def reference(q, k, v, shape=None):
-    causal = int((shape or {}).get("causal", 0))
-    qf, kf, vf = (x.astype(np.float64) for x in (q, k, v))
-    # Grouped-query: K/V head g serves query heads g * group .. (g + 1) * group - 1.
-    group = q.shape[1] // k.shape[1]
-    kf, vf = (np.repeat(x, group, axis=1) for x in (kf, vf))
-    sq, skv, d = q.shape[2], k.shape[2], q.shape[3]
-    s = qf @ np.swapaxes(kf, -1, -2) / math.sqrt(d)
-    if causal:
-        i = np.arange(sq)[:, None]
-        j = np.arange(skv)[None, :]
-        s = np.where(j <= i + (skv - sq), s, -np.inf)
-    s = s - s.max(axis=-1, keepdims=True)
-    e = np.exp(s)
-    return (e / e.sum(axis=-1, keepdims=True) @ vf).astype(q.dtype)
-
-
-def make_inputs(shape, dtype, seed):
-    rng = np.random.default_rng(seed)
-    b, h, kvh, sq, skv, d = (shape[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim"))
-    # Unit-normal q and k: scores q.k/sqrt(d) are about unit-normal, a realistic softmax spread.
-    # Drawn as float32 and cast: a half-precision run gets the float32 run's inputs, rounded.
-    arrays = [rng.standard_normal((b, h, sq, d)), rng.standard_normal((b, kvh, skv, d)),
-              rng.standard_normal((b, kvh, skv, d))]
-    return [a.astype(np.float32).astype(dtype) for a in arrays]
 
 
 def visible_pairs(shape):
@@ -500,42 +474,7 @@ def cuda_flash(sch, target, knobs):
 
 
 def onnx_graph(shape, dtype):
-    """MatMul(q, Transpose(k)) * scale [+ constant 0/-1e9 causal mask], Softmax, MatMul with v: the
-    score matrix is materialised, as the baselines compute it. With kv_heads < heads, K and V are
-    first repeated to every query head of their group (Unsqueeze, Expand, Reshape), as exporters
-    write grouped-query attention in standard ops."""
-    from onnx import helper
-    b, h, kvh, sq, skv, d = (shape[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim"))
-    causal = int(shape.get("causal", 0))
-    consts = {"scale": np.array(1.0 / math.sqrt(d), dtype=dtype)}
-    nodes = []
-    k_in, v_in = "k", "v"
-    if kvh != h:
-        consts["axis2"] = np.array([2], dtype=np.int64)
-        consts["group_shape"] = np.array([b, kvh, h // kvh, skv, d], dtype=np.int64)
-        consts["heads_shape"] = np.array([b, h, skv, d], dtype=np.int64)
-        for x in ("k", "v"):
-            nodes += [helper.make_node("Unsqueeze", [x, "axis2"], [f"{x}_1"]),
-                      helper.make_node("Expand", [f"{x}_1", "group_shape"], [f"{x}_group"]),
-                      helper.make_node("Reshape", [f"{x}_group", "heads_shape"], [f"{x}_heads"])]
-        k_in, v_in = "k_heads", "v_heads"
-    nodes += [helper.make_node("Transpose", [k_in], ["kt"], perm=[0, 1, 3, 2]),
-              helper.make_node("MatMul", ["q", "kt"], ["qk"]),
-              helper.make_node("Mul", ["qk", "scale"], ["scores"])]
-    logits = "scores"
-    if causal:
-        i = np.arange(sq)[:, None]
-        j = np.arange(skv)[None, :]
-        # -1e9 rather than -inf: exp underflows to exactly 0 either way, and a finite mask is what
-        # exporters emit.
-        consts["mask"] = np.where(j <= i + (skv - sq), 0.0, -1e9).astype(dtype)
-        nodes.append(helper.make_node("Add", ["scores", "mask"], ["masked"]))
-        logits = "masked"
-    nodes += [helper.make_node("Softmax", [logits], ["probs"], axis=-1),
-              helper.make_node("MatMul", ["probs", v_in], ["o"])]
-    return onnx_model("flash_attention", nodes,
-                      [("q", (b, h, sq, d)), ("k", (b, kvh, skv, d)), ("v", (b, kvh, skv, d))],
-                      [("o", (b, h, sq, d))], dtype, consts)
+    return attention_graph("flash_attention", shape, dtype)
 
 
 def _relax_pattern():

@@ -22,6 +22,7 @@ from search_spaces.lib.attention import (HEAD_DIM, MAX_SEQ, cpu_softmax_tail, cu
                                          gqa_heads, softmax_stages)
 from search_spaces.lib.cpu_rows import rfactor_lanes
 from search_spaces.lib.cuda_rows import vector_load
+from search_spaces.lib.onnx_graphs import attention_nodes
 from search_spaces.lib.tiling import unroll, vectorize_inner
 
 
@@ -225,11 +226,7 @@ def onnx_graph(shape, dtype):
     else:  # an empty cache: the new row alone (no zero-length Slice, which XLA and Relax handle badly)
         nodes += [helper.make_node("Identity", [f"{c}_row"], [f"{c}_seen"]) for c in "kv"]
     nodes += [helper.make_node("Reshape", ["q", "group_shape"], ["qg"]),
-              helper.make_node("Transpose", ["k_seen"], ["kt"], perm=[0, 1, 3, 2]),
-              helper.make_node("MatMul", ["qg", "kt"], ["s"]),
-              helper.make_node("Mul", ["s", "scale"], ["ss"]),
-              helper.make_node("Softmax", ["ss"], ["p"], axis=-1),
-              helper.make_node("MatMul", ["p", "v_seen"], ["og"]),
+              *attention_nodes("qg", "k_seen", "v_seen", "og"),
               helper.make_node("Reshape", ["og", "out_shape"], ["out"])]
     cache = (nb, hkv, smax, hd)
     return onnx_model("gqa_decode_attention", nodes,

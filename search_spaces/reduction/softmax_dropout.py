@@ -19,8 +19,8 @@ from search_spaces.lib.cuda_rows import output_rows, unroll_chunks, vector_load
 from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import DROPOUT_P as P  # noqa: F401 (the default p)
 from search_spaces.lib.tir_math import DROPOUT_SEED as SEED
-from search_spaces.lib.tir_math import (DROPOUT_PERMILLE, dropout_constants, dropout_mask, dropout_p, dtype_bytes, exp_f32,
-                                       hash_keep)
+from search_spaces.lib.tir_math import (DROPOUT_PERMILLE, dropout_constants, dropout_mask, dropout_p, dtype_bytes,
+                                       exp_f32, hash_keep)
 
 def build(shape, dtype):
     return build_with(shape, dtype, dropout_p(shape), SEED)
