@@ -16,7 +16,8 @@ from tvm.script import tirx as T
 from autofuse.pattern import Pattern, RelaxRule, constant_value, dtype_of, onnx_model, static_shape, template
 from search_spaces.lib.cuda_gemm import (cuda_fetch_shared, cuda_pipeline, cuda_split_k, cuda_tile_output, cuda_unroll,
                                          cuda_vector_lanes)
-from search_spaces.lib.gemm import ffn_shape, matmul_stage
+from search_spaces.lib.gemm import ffn_shape
+from search_spaces.lib.stages import matmul_stage
 from search_spaces.lib.tiling import epilogue_on_tile, parallel_register_tile, unroll
 from search_spaces.lib.tir_math import DROPOUT_SEED as SEED
 from search_spaces.lib.tir_math import DROPOUT_PERMILLE, dropout_constants, dropout_mask, dropout_p, exp_f32, hash_keep

@@ -20,7 +20,8 @@ from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_
                                          cuda_split_k, cuda_tile_output, cuda_unroll, cuda_vector_lanes,
                                          cuda_wmma_fetch, cuda_wmma_group, cuda_wmma_stage_out, cuda_wmma_tensorize,
                                          cuda_wmma_tile)
-from search_spaces.lib.gemm import gemm_shape, matmul_stage
+from search_spaces.lib.gemm import gemm_shape
+from search_spaces.lib.stages import matmul_stage
 from search_spaces.lib.tiling import epilogue_on_tile, parallel_register_tile, unroll
 
 

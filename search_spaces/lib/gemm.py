@@ -1,8 +1,6 @@
-"""GEMM pieces that do not depend on the target: the shape parameters of the GEMM and FFN patterns
-(``gemm_shape``, ``ffn_shape``) and their TensorIR reduction stage (``matmul_stage``); the CPU and
-CUDA schedules of that stage are ``cpu_gemm`` and ``cuda_gemm``."""
-
-from tvm.script import tirx as T
+"""The shape parameters of the GEMM and FFN patterns (``gemm_shape``, ``ffn_shape``); their
+reduction stage is ``stages.matmul_stage``, its CPU and CUDA schedules ``cpu_gemm`` and
+``cuda_gemm``."""
 
 from autofuse.pattern import ShapeParam
 
@@ -20,21 +18,3 @@ def ffn_shape(tokens, hidden, inter):
     return [ShapeParam("tokens", *tokens, "tokens (rows of x)"),
             ShapeParam("hidden", *hidden, "model width (x and y)"),
             ShapeParam("inter", *inter, "intermediate width of the FFN")]
-
-
-def matmul_stage(name, acc, extents, product):
-    """Writes, inside a ``T.prim_func``, the block ``name`` over spatial i, spatial j, reduction k
-    (``extents`` = (m, n, k)): ``acc[i, j]`` starts at 0 of its dtype and adds ``product(i, j, k)``
-    (the casts of the operands included). Its block keeps ``name`` however often it is called:
-    each call parses a fresh macro (a macro suffixes its blocks' names from its second call on)."""
-
-    @T.macro
-    def stage(name, acc, extents, product):
-        for i, j, kk in T.grid(*extents):
-            with T.sblock(name):
-                vi, vj, vk = T.axis.remap("SSR", [i, j, kk])
-                with T.init():
-                    acc[vi, vj] = T.cast(0, acc.dtype)
-                acc[vi, vj] = acc[vi, vj] + product(vi, vj, vk)
-
-    stage(name, acc, extents, product)

@@ -18,7 +18,8 @@ from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, fit_tiles, onnx_model, template
 from search_spaces.lib.cuda_gemm import cuda_vector_lanes
-from search_spaces.lib.gemm import ffn_shape, matmul_stage
+from search_spaces.lib.gemm import ffn_shape
+from search_spaces.lib.stages import matmul_stage, row_sum_stage
 from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tir_math import exp_f32
 
@@ -80,12 +81,7 @@ def build(shape, dtype):
             with T.sblock("gate_exp"):
                 vt, vj = T.axis.remap("SS", [t, j])
                 ex[vt, vj] = exp_f32(logits[vt, sel[vt, vj]] - logits[vt, sel[vt, 0]])
-        for t, j in T.grid(NT, K):
-            with T.sblock("gate_sum"):
-                vt, vj = T.axis.remap("SR", [t, j])
-                with T.init():
-                    esum[vt] = T.float32(0)
-                esum[vt] = esum[vt] + ex[vt, vj]
+        row_sum_stage("gate_sum", esum, (NT, K), lambda t, j: ex[t, j])
         for t, j in T.grid(NT, K):
             with T.sblock("gate"):
                 vt, vj = T.axis.remap("SS", [t, j])

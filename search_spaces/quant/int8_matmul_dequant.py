@@ -18,8 +18,9 @@ from autofuse.errors import AutofuseError
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, static_shape, template
 from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_pipeline, cuda_split_k,
                                          cuda_tile_output, cuda_unroll, cuda_vector_lanes, dp4a_intrin)
-from search_spaces.lib.gemm import gemm_shape, matmul_stage
+from search_spaces.lib.gemm import gemm_shape
 from search_spaces.lib.onnx_graphs import typed_model
+from search_spaces.lib.stages import matmul_stage
 from search_spaces.lib.tiling import epilogue_on_tile, parallel_register_tile, unroll
 
 

@@ -16,6 +16,7 @@ from tvm.script import tirx as T
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, onnx_model, static_shape, template
 from search_spaces.lib.cpu_rows import lanes_innermost, parallel_rows, rfactor_lanes
 from search_spaces.lib.cuda_rows import output_rows, unroll_chunks, vector_load
+from search_spaces.lib.stages import row_sum_stage
 from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import DROPOUT_P as P  # noqa: F401 (the default p)
 from search_spaces.lib.tir_math import DROPOUT_SEED as SEED
@@ -42,12 +43,8 @@ def build_with(shape, dtype, p, seed):
                 with T.init():
                     row_max[vi] = T.min_value("float32")
                 row_max[vi] = T.max(row_max[vi], T.Cast("float32", x[vi, vk]))
-        for i, k in T.grid(rows, cols):
-            with T.sblock("exp_sum"):
-                vi, vk = T.axis.remap("SR", [i, k])
-                with T.init():
-                    row_sum[vi] = T.float32(0)
-                row_sum[vi] = row_sum[vi] + exp_f32(T.Cast("float32", x[vi, vk]) - row_max[vi])
+        row_sum_stage("exp_sum", row_sum, (rows, cols),
+                      lambda i, k: exp_f32(T.Cast("float32", x[i, k]) - row_max[i]))
         for i, j in T.grid(rows, cols):
             with T.sblock("norm_dropout"):
                 vi, vj = T.axis.remap("SS", [i, j])

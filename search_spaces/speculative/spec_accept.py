@@ -21,6 +21,7 @@ from autofuse.pattern import Pattern, ShapeParam, template
 from search_spaces.lib.cpu_rows import lanes_innermost, rfactor_lanes
 from search_spaces.lib.cuda_rows import CudaRows, unroll_chunks, vector_load
 from search_spaces.lib.onnx_graphs import typed_model
+from search_spaces.lib.stages import row_sum_stage
 from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import exp_f32
 
@@ -130,12 +131,7 @@ def build(shape, dtype):
                         T.float32(0))
             # Its own block, not a loop in sample, so that chunk_res has two consumers: with sample its
             # only one, MetaSchedule's multi-level tiling tried to reverse_compute_at sample under it.
-            for b, c in T.grid(B, C):
-                with T.sblock("res_total"):
-                    vb, vc = T.axis.remap("SR", [b, c])
-                    with T.init():
-                        total[vb] = T.float32(0)
-                    total[vb] = total[vb] + csum[vb, vc]
+            row_sum_stage("res_total", total, (B, C), lambda b, c: csum[b, c])
             for b in range(B):
                 with T.sblock("sample"):
                     vb = T.axis.spatial(B, b)
