@@ -300,8 +300,20 @@ class ShapeParam:
     doc: str = ""
     minimum: int = 1
 
+    def with_sizes(self, default: int, small: int) -> ShapeParam:
+        """The same parameter with another default and small size (a shared one, sized for a pattern)."""
+        return dataclasses.replace(self, default=default, small=small)
+
 
 Shape = dict[str, int]
+
+# What nearly every pattern computes in: its TensorIR takes any of them (float32 accumulation).
+FLOAT_DTYPES = ("float32", "float16", "bfloat16")
+
+# Pattern fields a pattern module fills by defining functions of these names (``from_module``);
+# ``bytes`` is ``nbytes`` there, not to shadow the builtin.
+MODULE_FUNCTIONS = {"build": "build", "reference": "reference", "make_inputs": "make_inputs",
+                    "flops": "flops", "bytes": "nbytes", "onnx_graph": "onnx_graph", "sdpa": "sdpa"}
 
 
 @dataclasses.dataclass
@@ -341,6 +353,24 @@ class Pattern:
     # Baselines doing more work than this pattern's kernel: contender name (or "onnx_graph": every
     # contender running onnx_graph) -> why. compare shows them labelled, outside ours / best.
     more_work: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def from_module(cls, namespace: dict[str, Any], **fields) -> Pattern:
+        """The pattern a module ``search_spaces/<family>/<name>.py`` declares with
+        ``PATTERN = Pattern.from_module(globals(), ...)``: ``name`` and ``family`` from the module's
+        name, the functions of ``MODULE_FUNCTIONS``' names it defines or imports (``onnx_graph``
+        and ``sdpa`` where it has them), ``dtypes`` ``FLOAT_DTYPES``. ``fields`` override any of
+        these and give the rest (description, shape_params, templates, ...)."""
+        parts = namespace.get("__name__", "").split(".")
+        found = {"name": parts[-1], "family": parts[-2] if len(parts) > 1 else "", "dtypes": FLOAT_DTYPES}
+        found.update({field: namespace[var] for field, var in MODULE_FUNCTIONS.items() if var in namespace})
+        found.update(fields)
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+                   and found.get(f.name) in (None, "")]
+        if missing:
+            raise TypeError(f"pattern module {namespace.get('__name__')!r} gives no {', '.join(missing)}")
+        return cls(**found)
 
     def run_reference(self, inputs, shape: Shape) -> list[np.ndarray]:
         takes_shape = "shape" in inspect.signature(self.reference).parameters

@@ -21,10 +21,12 @@ from tvm.script import tirx as T
 
 from autofuse.pattern import KernelTemplate, Pattern, ShapeParam, onnx_model, template
 from search_spaces.lib import cuda_attention
-from search_spaces.lib.attention import cpu_softmax_tail, cuda_decode_attention, decode_vector, softmax_stages
+from search_spaces.lib.attention import (HEAD_DIM, MAX_SEQ, cpu_softmax_tail, cuda_decode_attention, decode_vector,
+                                         gqa_heads, softmax_stages)
 from search_spaces.lib.cpu_rows import rfactor_lanes
 from search_spaces.lib.cuda_wgmma import HOPPER
 from search_spaces.lib.cuda_rows import vector_load
+from search_spaces.lib.onnx_graphs import attention_nodes
 from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tirx_sequence import buffer, sequence, workspace
 
@@ -265,11 +267,7 @@ def onnx_graph(shape, dtype):
     else:  # an empty cache: the new row alone (no zero-length Slice, which XLA and Relax handle badly)
         nodes += [helper.make_node("Identity", [f"{c}_row"], [f"{c}_seen"]) for c in "kv"]
     nodes += [helper.make_node("Reshape", ["q", "group_shape"], ["qg"]),
-              helper.make_node("Transpose", ["k_seen"], ["kt"], perm=[0, 1, 3, 2]),
-              helper.make_node("MatMul", ["qg", "kt"], ["s"]),
-              helper.make_node("Mul", ["s", "scale"], ["ss"]),
-              helper.make_node("Softmax", ["ss"], ["p"], axis=-1),
-              helper.make_node("MatMul", ["p", "v_seen"], ["og"]),
+              *attention_nodes("qg", "k_seen", "v_seen", "og"),
               helper.make_node("Reshape", ["og", "out_shape"], ["out"])]
     cache = (nb, hkv, smax, hd)
     return onnx_model("gqa_decode_attention", nodes,
@@ -292,19 +290,13 @@ def sdpa(torch, shape, q, k_new, v_new, k_cache, v_cache):
     return [o.squeeze(2), k_out, v_out]
 
 
-PATTERN = Pattern(
-    name="gqa_decode_attention", family="attention",
+PATTERN = Pattern.from_module(
+    globals(),
     description="one-token GQA decode: append k/v at cache_len, attend over positions 0..cache_len",
     shape_params=[ShapeParam("batch", 2, 2, "sequences, one new token each"),
-                  ShapeParam("num_heads", 32, 4, "query heads"),
-                  ShapeParam("num_kv_heads", 8, 2, "K/V heads (divides num_heads; 1 is MQA)"),
-                  ShapeParam("head_dim", 128, 8, "per-head feature size"),
-                  ShapeParam("max_seq", 1024, 16, "cache capacity (positions)"),
+                  *gqa_heads((32, 4), (8, 2), prefix="num_"), HEAD_DIM.with_sizes(128, 8), MAX_SEQ,
                   ShapeParam("cache_len", 511, 9, "tokens already cached; the new one goes there",
                              minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
     templates=[kv_head, cuda_split_kv, cuda_kv_head],
-    sdpa=sdpa,
     num_outputs=3,
 )

@@ -16,18 +16,17 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import (KernelTemplate, Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, onnx_model,
-                              static_shape, template)
+from autofuse.pattern import (FLOAT_DTYPES, KernelTemplate, Pattern, RelaxRule, constant_value, dtype_of,
+                              onnx_model, static_shape, template)
 from search_spaces.lib import cuda_wgmma
-from search_spaces.lib.tirx_sequence import buffer, prefixed, sequence, unprefixed, workspace
 from search_spaces.lib.cuda_gemm import (cuda_fetch_shared, cuda_pipeline, cuda_split_k, cuda_tile_output, cuda_unroll,
                                          cuda_vector_lanes)
+from search_spaces.lib.gemm import ffn_shape
+from search_spaces.lib.stages import matmul_stage
 from search_spaces.lib.tiling import epilogue_on_tile, parallel_register_tile, unroll
 from search_spaces.lib.tir_math import DROPOUT_SEED as SEED
-from search_spaces.lib.tir_math import dropout_constants, dropout_mask, dropout_p, exp_f32, hash_keep
-
-
-DTYPES = ("float32", "float16", "bfloat16")
+from search_spaces.lib.tir_math import DROPOUT_PERMILLE, dropout_constants, dropout_mask, dropout_p, exp_f32, hash_keep
+from search_spaces.lib.tirx_sequence import buffer, prefixed, sequence, unprefixed, workspace
 
 
 def build(shape, dtype):
@@ -48,18 +47,10 @@ def build_with(shape, dtype, p, seed):
         u = T.sblock_alloc_buffer((tokens, inter), "float32")
         h = T.sblock_alloc_buffer((tokens, inter), "float32")
         acc = T.sblock_alloc_buffer((tokens, hidden), "float32")
-        for t, n, k in T.grid(tokens, inter, hidden):
-            with T.sblock("gate"):
-                vt, vn, vk = T.axis.remap("SSR", [t, n, k])
-                with T.init():
-                    g[vt, vn] = T.float32(0)
-                g[vt, vn] = g[vt, vn] + T.Cast("float32", x[vt, vk]) * T.Cast("float32", w1[vk, vn])
-        for t, n, k in T.grid(tokens, inter, hidden):
-            with T.sblock("up"):
-                vt, vn, vk = T.axis.remap("SSR", [t, n, k])
-                with T.init():
-                    u[vt, vn] = T.float32(0)
-                u[vt, vn] = u[vt, vn] + T.Cast("float32", x[vt, vk]) * T.Cast("float32", w3[vk, vn])
+        matmul_stage("gate", g, (tokens, inter, hidden),
+                     lambda t, n, k: T.Cast("float32", x[t, k]) * T.Cast("float32", w1[k, n]))
+        matmul_stage("up", u, (tokens, inter, hidden),
+                     lambda t, n, k: T.Cast("float32", x[t, k]) * T.Cast("float32", w3[k, n]))
         for t, n in T.grid(tokens, inter):
             with T.sblock("swiglu"):
                 vt, vn = T.axis.remap("SS", [t, n])
@@ -67,12 +58,7 @@ def build_with(shape, dtype, p, seed):
                 # e = exp(-|a|) in (0, 1]: sigmoid(a) = (a < 0 ? e : 1) / (1 + e), never overflowing.
                 e: T.let = exp_f32(-T.fabs(a))
                 h[vt, vn] = a * T.Select(a < T.float32(0), e, T.float32(1)) / (T.float32(1) + e) * u[vt, vn]
-        for t, m, n in T.grid(tokens, hidden, inter):
-            with T.sblock("down"):
-                vt, vm, vn = T.axis.remap("SSR", [t, m, n])
-                with T.init():
-                    acc[vt, vm] = T.float32(0)
-                acc[vt, vm] = acc[vt, vm] + h[vt, vn] * T.Cast("float32", w2[vn, vm])
+        matmul_stage("down", acc, (tokens, hidden, inter), lambda t, m, n: h[t, n] * T.Cast("float32", w2[n, m]))
         for t, m in T.grid(tokens, hidden):
             with T.sblock("epilogue"):
                 vt, vm = T.axis.remap("SS", [t, m])
@@ -305,7 +291,7 @@ def _relax_rewrite(matched, kernel):
     if static_shape(w3) != (hidden, inter) or static_shape(w2) != (inter, hidden):
         return None
     dtype = dtype_of(x)
-    if dtype not in DTYPES or any(dtype_of(t) != dtype for t in (w1, w3, w2, r)):
+    if dtype not in FLOAT_DTYPES or any(dtype_of(t) != dtype for t in (w1, w3, w2, r)):
         return None
     tokens = int(np.prod(xs[:-1]))
     permille = 0
@@ -340,15 +326,11 @@ def onnx_graph(shape, dtype):
                       [("y", (tokens, hidden))], dtype, {"keep_scale": scale})
 
 
-PATTERN = Pattern(
-    name="swiglu_ffn", family="ffn",
+PATTERN = Pattern.from_module(
+    globals(),
     description="r + dropout((silu(x W1) * (x W3)) W2): SwiGLU FFN with hashed dropout and residual fused",
-    shape_params=[ShapeParam("tokens", 128, 8, "tokens (rows of x)"),
-                  ShapeParam("hidden", 256, 16, "model width (x, y and the residual)"),
-                  ShapeParam("inter", 704, 24, "intermediate width (~2.75x hidden, Llama-style)"),
-                  ShapeParam("p_permille", 100, 100, "dropout probability in 1/1000 (0: inference)", minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=DTYPES,
+    # inter ~2.75x hidden, as in Llama.
+    shape_params=[*ffn_shape((128, 8), (256, 16), (704, 24)), DROPOUT_PERMILLE],
     templates=[two_gemms, cuda_wgmma_two_gemms, cuda_two_gemms],
     relax_rules=[RelaxRule("swiglu_residual", _relax_pattern, _relax_rewrite)],
 )

@@ -17,18 +17,16 @@ reach.
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import (KernelTemplate, Pattern, RelaxRule, ShapeParam, dtype_of, onnx_model, static_shape,
-                              template)
+from autofuse.pattern import FLOAT_DTYPES, KernelTemplate, Pattern, RelaxRule, dtype_of, onnx_model, static_shape, template
 from search_spaces.lib import cuda_wgmma
 from search_spaces.lib.cpu_gemm import schedule_packed_gemm
 from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_outputs_per_thread, cuda_pipeline,
                                          cuda_split_k, cuda_tile_output, cuda_unroll, cuda_vector_lanes,
                                          cuda_wmma_fetch, cuda_wmma_group, cuda_wmma_stage_out, cuda_wmma_tensorize,
                                          cuda_wmma_tile)
+from search_spaces.lib.gemm import gemm_shape
+from search_spaces.lib.stages import matmul_stage
 from search_spaces.lib.tiling import epilogue_on_tile, parallel_register_tile, unroll
-
-
-DTYPES = ("float32", "float16", "bfloat16")
 
 
 def build(shape, dtype):
@@ -43,12 +41,7 @@ def build(shape, dtype):
                          b: T.Buffer((n,), dtype), y: T.Buffer((m, n), dtype)):
         T.func_attr({"global_symbol": "linear_bias_relu", "tirx.noalias": True})
         acc = T.alloc_buffer((m, n), "float32")
-        for i, j, kk in T.grid(m, n, k):
-            with T.sblock("matmul"):
-                vi, vj, vk = T.axis.remap("SSR", [i, j, kk])
-                with T.init():
-                    acc[vi, vj] = T.float32(0)
-                acc[vi, vj] = acc[vi, vj] + to_f32(x[vi, vk]) * to_f32(w[vj, vk])
+        matmul_stage("matmul", acc, (m, n, k), lambda i, j, kk: to_f32(x[i, kk]) * to_f32(w[j, kk]))
         for i, j in T.grid(m, n):
             with T.sblock("bias_relu"):
                 vi, vj = T.axis.remap("SS", [i, j])
@@ -198,7 +191,7 @@ def _relax_rewrite(matched, kernel):
     if None in (xs, ws, bs) or len(xs) < 2 or len(ws) != 2 or bs != (ws[1],) or xs[-1] != ws[0]:
         return None
     dtype = dtype_of(x)
-    if not dtype == dtype_of(w) == dtype_of(b) or dtype not in DTYPES:
+    if not dtype == dtype_of(w) == dtype_of(b) or dtype not in FLOAT_DTYPES:
         return None
     m = int(np.prod(xs[:-1]))
     rows = x if len(xs) == 2 else relax.op.reshape(x, (m, xs[-1]))
@@ -215,14 +208,10 @@ def onnx_graph(shape, dtype):
                                            helper.make_node("Relu", ["t"], ["y"])],
                       [("x", (m, k)), ("w", (n, k)), ("b", (n,))], [("y", (m, n))], dtype)
 
-PATTERN = Pattern(
-    name="linear_bias_relu", family="gemm",
+PATTERN = Pattern.from_module(
+    globals(),
     description="relu(x @ W^T + b): GEMM with bias and ReLU fused in its epilogue",
-    shape_params=[ShapeParam("m", 256, 16, "rows of x (tokens)"),
-                  ShapeParam("n", 256, 32, "output features"),
-                  ShapeParam("k", 256, 16, "input features")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=DTYPES,
+    shape_params=gemm_shape((256, 16), (256, 32), (256, 16)),
     templates=[packed_tile, tiled_epilogue, cuda_wgmma_relu, cuda_tiled_epilogue, cuda_wmma],
     relax_rules=[RelaxRule("matmul_add_relu", _relax_pattern, _relax_rewrite)],
 )

@@ -12,10 +12,10 @@ import math
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, onnx_model, static_shape, template
+from autofuse.pattern import FLOAT_DTYPES, Pattern, RelaxRule, dtype_of, onnx_model, static_shape, template
 from search_spaces.lib.cpu_rows import parallel_rows, rfactor_lanes, vectorize_rf
 from search_spaces.lib.cuda_rows import CudaRows, row_keeping, unroll_chunks, vector_load, vector_store
-from search_spaces.lib.layernorm import EPS, layernorm, layernorm_stages
+from search_spaces.lib.layernorm import EPS, ROWS_HIDDEN, layernorm, layernorm_stages
 from search_spaces.lib.layernorm import residual_inputs as make_inputs
 from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tir_math import dtype_bytes
@@ -159,7 +159,7 @@ def _relax_rewrite(matched, kernel):
     if static_shape(gamma) != (hidden,) or static_shape(beta) != (hidden,):
         return None
     dtype = dtype_of(a)
-    if dtype not in PATTERN.dtypes or any(dtype_of(t) != dtype for t in (b, gamma, beta)):
+    if dtype not in FLOAT_DTYPES or any(dtype_of(t) != dtype for t in (b, gamma, beta)):
         return None
     attrs = call.attrs
     if [int(v) for v in attrs.axes] not in ([-1], [len(shape) - 1]) or not attrs.center or not attrs.scale:
@@ -183,13 +183,10 @@ def onnx_graph(shape, dtype):
                       [("x", (rows, hidden)), ("r", (rows, hidden)), ("gamma", (hidden,)), ("beta", (hidden,))],
                       [("h", (rows, hidden)), ("y", (rows, hidden))], dtype)
 
-PATTERN = Pattern(
-    name="layernorm_residual", family="normalization",
+PATTERN = Pattern.from_module(
+    globals(),
     description="h = x + r; y = LayerNorm(h) * gamma + beta over the last axis (eps=1e-5); outputs h and y",
-    shape_params=[ShapeParam("rows", 512, 8, "rows (tokens); LayerNorm is over each row"),
-                  ShapeParam("hidden", 768, 64, "hidden size (the normalised axis)")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
+    shape_params=list(ROWS_HIDDEN),
     # The first CUDA template is the default of builds without records: the fastest on the H200
     # (benchmarks/results/h200/check-rows-*.json, check-large-*.json).
     templates=[row_fused, cuda_rows_smem, cuda_rows_reread, cuda_rows],
