@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import itertools
+import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -169,6 +170,7 @@ class KernelTemplate:
         self.archs = tuple(archs)
         self.build_arch = build_arch
         self.doc = doc or ((build.__doc__ or "").strip().splitlines() or [""])[0]
+        self._configs: dict[str, list[dict]] = {}  # per shape and dtype: a space walked once
 
     def applies_to(self, target: Target) -> bool:
         if target.kind.name not in self.target_kinds:
@@ -179,6 +181,12 @@ class KernelTemplate:
         """Every knob configuration ``check`` accepts for ``shape``, ``default`` first, then by how
         few knobs differ from it, then by how many steps along each knob's values (BN 256 -> 128
         before 64); remaining ties in the space's order."""
+        key = json.dumps([shape, dtype], sort_keys=True, default=str)
+        if key not in self._configs:
+            self._configs[key] = self._walk(shape, dtype)
+        return [dict(knobs) for knobs in self._configs[key]]
+
+    def _walk(self, shape: dict, dtype: str) -> list[dict]:
         found = []
         for values in itertools.product(*self.space.values()):
             knobs = dict(zip(self.space, values))
