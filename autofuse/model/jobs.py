@@ -14,6 +14,7 @@ from tvm.target import Target
 
 from ..database import TuningDatabase
 from ..errors import AutofuseError
+from ..kernel_templates import tune_kernels
 from ..progress import tuning_bar
 from ..target import device_for
 from ..tune import TuneStats, tune
@@ -65,7 +66,22 @@ def tune_model(prepared: PreparedModel, target: Target, db: TuningDatabase, *, t
         stats = tune(tasks, target, db.ms, db.work_dir, trials_per_task=trials, trials_total=trials,
                      space=space, seed=seed, cost_model_path=db.cost_model_path, run_timeout=run_timeout,
                      runner=runner, on_progress=on_progress, on_phase=on_phase)
+        if space != "generic":  # its pattern kernels' kernel templates, as ``tune --pattern`` searches them
+            tune_kernels(_pattern_jobs(prepared.mod), target, db, trials=trials, on_phase=on_phase)
     return tasks, stats
+
+
+def _pattern_jobs(mod: tvm.IRModule) -> list:
+    """One pattern workload per distinct pattern kernel of a fused model."""
+    from ..tune_patterns import Job
+    from .kernels import kernels
+
+    found = {}
+    for kernel in kernels(mod):
+        if kernel.pattern is not None:
+            key = (kernel.pattern.name, json.dumps(kernel.shape, sort_keys=True), kernel.dtype)
+            found.setdefault(key, (kernel.pattern, kernel.shape, kernel.dtype))
+    return [Job(*args) for args in found.values()]
 
 
 @dataclasses.dataclass
