@@ -7,8 +7,9 @@ A kernel here is anything with ``name``, ``func`` (the PrimFunc its schedules ar
 for a kernel no pattern made): a pattern workload (``tune_patterns.Job``) or a model's kernel
 (``model.kernels.Kernel``).
 
-- Default schedules, in the order they are tried: each of the pattern's templates with its fixed
-  knobs, then what TVM runs untuned: dlight's rules on a GPU (an unscheduled GPU kernel builds and
+- Default schedules, in the order they are tried: each of the pattern's kernel templates that
+  applies at its default knobs (``autofuse.kernel_templates``), each of its schedule rules with its
+  fixed knobs, then what TVM runs untuned: dlight's rules on a GPU (an unscheduled GPU kernel builds and
   then crashes the device), the TensorIR as written on a CPU.
 - The check: a pattern kernel against the pattern's numpy reference; any other kernel against its
   untuned self on seeded data (reordered float sums differ a little); both by
@@ -27,6 +28,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 
 from .accuracy import Check, compare, reduction_length
+from . import kernel_templates
 from .database import TuningDatabase
 from .measure import empty_outputs, param_arrays, run_on, time_function, to_device
 from .pattern import DLIGHT, Pattern, Shape
@@ -36,7 +38,8 @@ TEMPLATE_DEFAULT = "template-default"
 UNSCHEDULED = "unscheduled"
 DEFAULTS = (TEMPLATE_DEFAULT, DLIGHT.name, UNSCHEDULED)
 
-CheckFn = Callable[[s_tir.Schedule], tuple[bool, str]]
+# Takes a schedule, or the module of a kernel template's kernel.
+CheckFn = Callable[[s_tir.Schedule | tvm.IRModule], tuple[bool, str]]
 
 
 class Kernel(Protocol):
@@ -49,6 +52,9 @@ class Kernel(Protocol):
 
 
 def build_kernel(mod: tvm.IRModule | tirx.PrimFunc, target: Target):
+    """A kernel template's kernel goes through the tirx pipeline, everything else through s_tir."""
+    if kernel_templates.has_tirx(mod):
+        return kernel_templates.build_tirx(mod, target)
     return tvm.tirx.build(mod, target=target)
 
 
@@ -103,7 +109,7 @@ def checker(kernel: Kernel, target: Target, dev) -> CheckFn:
     if kernel.pattern is not None:
         def check_pattern(sch):
             try:
-                rt = build_kernel(sch.mod, target)
+                rt = build_kernel(sch if isinstance(sch, tvm.IRModule) else sch.mod, target)
             except Exception as err:  # a record that no longer builds is as unusable as a wrong one
                 return False, f"build failed: {_first_line(err)}"
             result = check_module(kernel.pattern, rt, kernel.func, kernel.shape, kernel.dtype, dev)
@@ -153,6 +159,9 @@ class Choice:
     default_secs: float | None = None
     # Why defaults before this one were passed over (also among ``choose``'s rejected lines).
     notes: list[str] = dataclasses.field(default_factory=list)
+    # A kernel template's knob values (``mod`` then holds its tirx kernel; source "kernel:<name>"
+    # for a record).
+    knobs: dict | None = None
 
     @property
     def is_record(self) -> bool:
@@ -161,40 +170,53 @@ class Choice:
 
 def choose(kernel: Kernel, db: TuningDatabase | None, target: Target, dev, *, defaults: bool = True,
            fallback: bool = False, repeat: int = 10, min_repeat_ms: int = 50) -> tuple[Choice | None, list[str]]:
-    """Never worse than no tuning: the best checked record and the first default that passes its
-    check, timed on the same inputs; the faster one runs (a short search can leave records slower
-    than the template's fixed knobs).
+    """Never worse than no tuning: the best checked record of each kind (MetaSchedule's, a kernel
+    template's) and the first default that passes its check, timed on the same inputs; the fastest
+    one runs (a short search can leave records slower than the template's fixed knobs).
 
     ``defaults`` off: records only (how the generic space is measured on its own). ``fallback``:
     when no template default passes, the untuned kernel (a model's every kernel must run). ``dev``
     None: nothing runs here, so nothing is checked (compiling for a device this machine lacks).
     Returns None when nothing may run, and one line per candidate not used."""
     check = checker(kernel, target, dev) if dev is not None else None
-    chosen, rejected = None, []
+    records, rejected = [], []
     if db is not None:
         if check is None:
             raise ValueError("records are only used after their check, which needs a device")
         chosen, rejected = db.best(kernel.workload, check)
+        if chosen is not None:
+            records.append(Choice(chosen.schedule.mod, chosen.source, chosen.record.trace,
+                                  record_source=chosen.source))
+        # A kernel record was checked when it was measured (its verdict is in the record).
+        found, module, passed_over = kernel_templates.best_record(kernel, db, target)
+        rejected = rejected + passed_over
+        if found is not None:
+            records.append(Choice(module, found.source, None, record_source=found.source, knobs=found.knobs))
     notes: list[str] = []
     default = _checked_default(kernel, target, check, fallback, notes) if defaults else None
     rejected = rejected + notes
-    record = Choice(chosen.schedule.mod, chosen.source, chosen.record.trace,
-                    record_source=chosen.source) if chosen is not None else None
     if default is not None:
         default.notes = notes
-    if record is None or default is None:
-        return record or default, rejected
-    for candidate in (record, default):
+    candidates = records + ([default] if default is not None else [])
+    if len(candidates) <= 1:
+        return (candidates[0] if candidates else None), rejected
+    for candidate in candidates:
         candidate.secs = time_kernel(kernel, build_kernel(candidate.mod, target), dev, repeat, min_repeat_ms)
-    winner = record if record.secs <= default.secs else default
+    record = min(records, key=lambda c: c.secs)  # ties: MetaSchedule's, listed first
+    winner = record if default is None or record.secs <= default.secs else default
     return dataclasses.replace(winner, record_source=record.source, record_secs=record.secs,
-                               default_secs=default.secs), rejected
+                               default_secs=default.secs if default is not None else None), rejected
 
 
 def _checked_default(kernel: Kernel, target: Target, check: CheckFn | None, fallback: bool,
                      notes: list[str]) -> Choice | None:
     """The first default schedule that applies and passes ``check``; each one passed over is
-    said in ``notes``."""
+    said in ``notes``. A kernel template that applies comes before the schedule rules."""
+    for template, knobs, mod in kernel_templates.default_choices(kernel, target):
+        ok, message = check(mod) if check is not None else (True, "")
+        if ok:
+            return Choice(mod, TEMPLATE_DEFAULT, None, knobs=knobs)
+        notes.append(f"template default failed the numerical check ({template.name}): {message}")
     templates = kernel.pattern.templates_for(target) if kernel.pattern is not None else []
     for template in templates:
         try:
