@@ -341,10 +341,17 @@ def _divisor_below(count: int, want: int) -> int:
 
 def default_blocking(row_tiles: int, col_tiles: int, tile: RegisterTile, cores: int) -> tuple[int, int]:
     """Untuned (MC, NC) in register tiles: NC up to 4 panels and 128 columns (64 on AVX2, 128 on
-    AVX-512), MC all rows, split only where fewer than two blocks per core would be left."""
+    AVX-512), MC all rows, split where fewer than two blocks per core would be left or the blocks
+    would not spread evenly over the cores (11 column blocks on 2 cores: 6 and 5), until they do
+    or there are 8 a core."""
     nc = _divisor_below(col_tiles, max(1, min(4, 128 // tile.cols)))
-    row_blocks = -(-2 * cores // (col_tiles // nc))
-    mc = _divisor_below(row_tiles, -(-row_tiles // row_blocks))
+    col_blocks = col_tiles // nc
+    mc = row_tiles
+    for row_blocks in range(1, row_tiles + 1):
+        mc = _divisor_below(row_tiles, -(-row_tiles // row_blocks))
+        blocks = col_blocks * (row_tiles // mc)
+        if blocks >= 2 * cores and (blocks % cores == 0 or blocks >= 8 * cores):
+            break
     return mc, nc
 
 
