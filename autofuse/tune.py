@@ -118,11 +118,15 @@ class ArmsSearch(ms.search_strategy.PySearchStrategy):
     an evolutionary search of their own (half the population each), and every measured batch
     takes half its candidates from each. Both draw on the same database (each arm's population
     starts from the best records of either) and cost model. An arm that has nothing left to
-    propose leaves the rest of the budget to the other."""
+    propose leaves the rest of the budget to the other. ``seeds`` (the templates' untuned
+    defaults) are measured first, so that the union ends no worse than them and both arms start
+    from them."""
 
-    def __init__(self):
+    def __init__(self, seeds=()):
         base = ms.search_strategy.SearchStrategy.create("evolutionary")
         self.population = max(16, int(base.population_size) // 2)
+        self.seeds = list(seeds)
+        self.pending: list = []
         self.arms: list = []
         self.owners: list[int] = []
         self.done: set[int] = set()
@@ -138,12 +142,21 @@ class ArmsSearch(ms.search_strategy.PySearchStrategy):
     def _initialize_with_tune_context(self, context) -> None:
         self.context = context
 
+    def _candidate(self, sch):
+        """``sch`` after the postprocessors every sample gets, as a measure candidate; None when
+        one refuses it."""
+        sch = sch.copy()
+        if not all(post.apply(sch) for post in self.context.space_generator.postprocs):
+            return None
+        return ms.MeasureCandidate(sch, ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True))
+
     def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None) -> None:
         groups = [[s for s in design_spaces if record_source(s.trace) != "generic"],
                   [s for s in design_spaces if record_source(s.trace) == "generic"]]
         groups = [g for g in groups if g]
         self.arms = [self._new_arm() for _ in groups]
         self.max_trials, self.measured, self.done = int(max_trials), 0, set()
+        self.pending = [c for c in map(self._candidate, self.seeds) if c is not None]
         share = max(1, -(-int(num_trials_per_iter) // len(groups)))
         for arm, spaces in zip(self.arms, groups):
             # Each arm may take the whole budget; this search stops at max_trials in all.
@@ -154,17 +167,19 @@ class ArmsSearch(ms.search_strategy.PySearchStrategy):
             arm.post_tuning()
 
     def generate_measure_candidates(self):
-        if self.measured >= self.max_trials:
+        left = self.max_trials - self.measured
+        if left <= 0:
             return None
-        candidates, self.owners = [], []
+        candidates, self.pending = self.pending[:left], []
+        self.owners = [-1] * len(candidates)
         for index, arm in enumerate(self.arms):
-            if index in self.done:
+            if index in self.done or len(candidates) >= left:
                 continue
             batch = arm.generate_measure_candidates()
             if batch is None:
                 self.done.add(index)
                 continue
-            batch = list(batch)[:self.max_trials - self.measured - len(candidates)]
+            batch = list(batch)[:left - len(candidates)]
             candidates += batch
             self.owners += [index] * len(batch)
         return candidates or None
@@ -177,7 +192,22 @@ class ArmsSearch(ms.search_strategy.PySearchStrategy):
                 arm.notify_runner_results([measure_candidates[n] for n in mine], [results[n] for n in mine])
 
     def clone(self):
-        return ArmsSearch()
+        return ArmsSearch(self.seeds)
+
+
+def template_defaults(templates: Sequence[Template], func, target: Target) -> list:
+    """The untuned schedule of each template that applies (one that fails at this shape is left
+    out, as ``verify`` leaves it out of the defaults)."""
+    seeds = []
+    for template in templates:
+        try:
+            prim = func if isinstance(func, tirx.PrimFunc) else list(func.functions.values())[0]
+            sch = template.apply(prim, target, tunable=False)
+        except Exception:  # a template that does not fit this shape: no seed from it
+            continue
+        if sch is not None:
+            seeds.append(sch)
+    return seeds
 
 
 def fast_build(mod, target, _params):
@@ -303,10 +333,12 @@ def _context(task: Task, space: str, target: Target, logger, rand_state: int) ->
     ScheduleError inside a default rule, e.g. on the running-state blocks of an online softmax),
     its templates alone, rather than a session that dies before its first trial."""
     def make(space_name):
-        both = space_name == "union" and any(t.applies_to(target) for t in task.templates)
+        usable = [t for t in task.templates if t.applies_to(target)]
+        strategy = (ArmsSearch(template_defaults(usable, task.func, target))
+                    if space_name == "union" and usable else "evolutionary")
         return ms.TuneContext(mod=task.func, target=target, space_generator=make_space(task.templates, space_name, target),
-                              search_strategy=ArmsSearch() if both else "evolutionary", task_name=task.name,
-                              rand_state=rand_state, num_threads="physical", logger=logger).clone()
+                              search_strategy=strategy, task_name=task.name, rand_state=rand_state,
+                              num_threads="physical", logger=logger).clone()
 
     context = make(space)
     if space == "template":

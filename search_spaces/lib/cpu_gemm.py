@@ -341,16 +341,20 @@ def _divisor_below(count: int, want: int) -> int:
 
 def default_blocking(row_tiles: int, col_tiles: int, tile: RegisterTile, cores: int) -> tuple[int, int]:
     """Untuned (MC, NC) in register tiles: NC up to 4 panels and 128 columns (64 on AVX2, 128 on
-    AVX-512), MC all rows, split where fewer than two blocks per core would be left or the blocks
-    would not spread evenly over the cores (11 column blocks on 2 cores: 6 and 5), until they do
-    or there are 8 a core."""
+    AVX-512), MC all rows. Where the blocks would be fewer than two per core or not spread
+    evenly over the cores (11 column blocks on 2 cores: 6 and 5), fewer columns per block first
+    (a task packs only its own columns), then fewer rows (each row block packs its columns
+    again), until they spread evenly or there are 8 a core."""
+    def even(blocks):
+        return blocks >= 2 * cores and (blocks % cores == 0 or blocks >= 8 * cores)
+
     nc = _divisor_below(col_tiles, max(1, min(4, 128 // tile.cols)))
-    col_blocks = col_tiles // nc
+    while nc > 1 and not even(col_tiles // nc):
+        nc = _divisor_below(col_tiles, nc - 1)
     mc = row_tiles
     for row_blocks in range(1, row_tiles + 1):
         mc = _divisor_below(row_tiles, -(-row_tiles // row_blocks))
-        blocks = col_blocks * (row_tiles // mc)
-        if blocks >= 2 * cores and (blocks % cores == 0 or blocks >= 8 * cores):
+        if even(col_tiles // nc * (row_tiles // mc)):
             break
     return mc, nc
 
