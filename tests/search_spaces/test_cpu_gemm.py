@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import tvm
 from tvm import s_tir
-from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 from tvm.script import tirx as T
 from tvm.target import Target
+from tvm.tirx import ForKind
 
 from autofuse.accuracy import compare
 from autofuse.pattern import Knobs
@@ -18,10 +18,9 @@ from autofuse.registry import get_pattern
 from autofuse.target import parse_target
 from autofuse.verify import check_module
 from search_spaces.gemm import linear_bias_relu as lbr
-from tvm.tirx import ForKind
-
-from search_spaces.lib.cpu_gemm import (SKINNY_ROWS, DotTile, RegisterTile, VectorUnit, dot_tile, register_tile,
-                                        schedule_gemm, schedule_packed_gemm, schedule_skinny_gemm, vector_unit)
+from search_spaces.lib.cpu_gemm import (SKINNY_ROWS, DotTile, RegisterTile, VectorUnit, default_blocking, dot_tile,
+                                        register_tile, schedule_gemm, schedule_packed_gemm, schedule_skinny_gemm,
+                                        vector_unit)
 
 TARGET = parse_target("llvm")
 DEV = tvm.cpu()
@@ -106,7 +105,7 @@ def test_micro_kernel_has_no_predicate(m, n):
 
 def test_each_task_packs_its_own_panels():
     """The packing copy runs inside the parallel loop, into a buffer of the task's columns only."""
-    _, sch, tile = _schedule(_shape(13, 256, 24))
+    _, sch, tile = _schedule(_shape(13, 512, 24))
     outer = sch.get_loops(sch.get_sblock("w_global"))[0]
     assert sch.get(outer).kind == ForKind.PARALLEL
     assert sch.get(sch.get_loops(sch.get_sblock("matmul_update"))[0]).same_as(sch.get(outer))
@@ -115,7 +114,17 @@ def test_each_task_packs_its_own_panels():
             tvm.s_tir.transform.LowerInitBlock()(sch.mod))))).script()
     parallel_at = lowered.index("T.parallel(")
     alloc_at = lowered.index("w_global = T.alloc_buffer(")
-    assert alloc_at > parallel_at and f"T.alloc_buffer((2, 24, {tile.cols})" in lowered, "2 panels a task"
+    _, panels = default_blocking(-(-13 // tile.rows), 512 // tile.cols, tile, 2)
+    assert panels == 2 and tile.cols == 64, "8 column panels, 4 tasks on 2 cores"
+    assert alloc_at > parallel_at and f"T.alloc_buffer(({panels}, 24, {tile.cols})" in lowered, "a task's panels"
+
+
+def test_untuned_blocking_spreads_evenly_over_the_cores():
+    tile = RegisterTile(6, 64, 16)
+    assert default_blocking(86, 16, tile, 2) == (86, 2)   # 512 x 1024: 8 blocks of 2 panels, all rows
+    assert default_blocking(43, 4, tile, 2) == (43, 1)    # 256^3: one panel a block before splitting rows
+    assert default_blocking(22, 11, tile, 2) == (11, 1)   # 11 panels: rows halved, 22 blocks
+    assert default_blocking(1, 11, tile, 2) == (1, 1)     # nothing left to split
 
 
 def test_dot_tile_and_path_follow_the_shape():
