@@ -64,7 +64,8 @@ def test_spaces_produce_their_own_records(tmp_path):
     tune([Task("lbr", func, pattern.templates)], target, db.ms, db.work_dir, trials_per_task=4,
          space="template", seed=3)
     sources = {record_source(r.trace) for r in db.ms.get_all_tuning_records()}
-    assert sources == {"generic", "template:tiled_epilogue"}
+    cpu_templates = {f"template:{t.name}" for t in pattern.templates if t.applies_to(target)}
+    assert "generic" in sources and sources - {"generic"} and sources - {"generic"} <= cpu_templates
 
 
 def test_several_patterns_tune_in_one_session(tmp_path):
