@@ -41,7 +41,8 @@ def run(args) -> int:
     result = build_model(prepared, target, open_database(args, target, none_allowed=True), output,
                          verify=not args.no_verify, seed=args.seed, cuda_graph=args.cuda_graph)
     rows = [dataclasses.asdict(d) for d in result.decisions]
-    print(table(rows, [("name", "kernel"), ("pattern", "pattern"), ("applied", "applied"), ("source", "record from"),
+    print(table(rows, [("name", "kernel"), ("pattern", "pattern"), ("applied", "applied"), ("default", "default"),
+                       ("source", "record from"),
                        ("default_ms", "default ms"), ("tuned_ms", "record ms"), ("note", "note")]))
     applied = sum(d.applied == "record" for d in result.decisions)
     print(f"{applied} of {len(result.decisions)} kernels use a tuned record; the others their default schedule")

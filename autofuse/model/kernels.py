@@ -69,17 +69,21 @@ class KernelDecision:
     tuned_ms: float | None
     note: str = ""
     records: int = 0        # tuning records of this kernel in the database, failed trials included
+    # Which default schedule: "template-default", a CPU rule ("cpu_gemm", ...), "dlight" or
+    # "unscheduled"; None when a record runs and no default was timed against it.
+    default: str | None = None
 
 
-def apply_database(mod: tvm.IRModule, db: TuningDatabase | None, target: Target,
-                   dev) -> tuple[tvm.IRModule, list[KernelDecision]]:
+def apply_database(mod: tvm.IRModule, db: TuningDatabase | None, target: Target, dev,
+                   stock: bool = False) -> tuple[tvm.IRModule, list[KernelDecision]]:
     """Each kernel gets its best checked record if that beats its default schedule, else the first
     default that passes its check (pattern kernels: their template defaults, then the untuned
-    kernel). ``dev`` None: compiled for a device this machine lacks, so nothing is checked."""
+    default: ``verify``'s module docstring). ``stock``: TVM's own default instead (the TVM
+    baselines). ``dev`` None: compiled for a device this machine lacks, so nothing is checked."""
     decisions = []
     mod = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(dict(mod.functions_items()))
     for kernel in kernels(mod):
-        choice, rejected = choose(kernel, db, target, dev, fallback=True, repeat=5, min_repeat_ms=20)
+        choice, rejected = choose(kernel, db, target, dev, fallback=True, stock=stock, repeat=5, min_repeat_ms=20)
         if choice is None:
             what = f"kernel {kernel.name}" + (f" ({kernel.pattern.name})" if kernel.pattern else "")
             raise AutofuseError(f"{what} has nothing to run on {target.kind.name}: {'; '.join(rejected)}")
@@ -102,7 +106,7 @@ def _decision(kernel: Kernel, choice, records_rejected: int, records: int, with_
     ms = (lambda secs: secs * 1e3 if secs is not None else None)
     return KernelDecision(kernel.name, kernel.pattern.name if kernel.pattern else None, applied,
                           choice.record_source, ms(choice.default_secs), ms(choice.record_secs), "; ".join(notes),
-                          records)
+                          records, choice.default_source)
 
 
 def _as_kernel(scheduled, kernel: Kernel):
