@@ -4,6 +4,7 @@ worse than the default), and each kernel's figures as built."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -33,8 +34,11 @@ class Kernel:
 
     @property
     def workload(self) -> tvm.IRModule:
-        """The module MetaSchedule's Relax integration tunes for this kernel (same structure)."""
-        return tvm.IRModule({"main": self.original.with_attr("global_symbol", "main")})
+        """The module MetaSchedule's Relax integration tunes for this kernel (same structure), on a
+        copy of the model's PrimFunc: a TVM 0.27 schedule of a PrimFunc nothing else holds
+        (``s_tir.Schedule(kernel.func)``) rewrites its body in place from the first ``annotate``
+        on (every template's first step), and ``with_attr`` shares that body with ``original``."""
+        return tvm.IRModule({"main": copy.deepcopy(self.original).with_attr("global_symbol", "main")})
 
     @property
     def func(self) -> tirx.PrimFunc:

@@ -269,14 +269,14 @@ def batched_gemm(sch, target, knobs) -> None:
     j0, j1, lanes = sch.split(j, knobs.tile(j, 3, [tile.cols // tile.lanes, tile.lanes], max_innermost_factor=16))
     k0, k1 = sch.split(k, knobs.tile(k, 2, [4], max_innermost_factor=8))
     sch.reorder(*batches, i0, j0, k0, k1, i1, j1, lanes)
-    tiles = sch.fuse(*batches, i0, j0)
-    sch.parallel(tiles)
     accumulate = sch.cache_write(matmul, 0, "local")
-    sch.reverse_compute_at(accumulate, tiles, preserve_unit_loops=True)
+    sch.reverse_compute_at(accumulate, j0, preserve_unit_loops=True)
     chain = [accumulate]
     for block in epilogue:
-        sch.reverse_compute_at(block, tiles, preserve_unit_loops=True)
+        sch.reverse_compute_at(block, j0, preserve_unit_loops=True)
         chain.append(block)
+    # Fused after the epilogue moved in: its iterators then bind to the split loops.
+    sch.parallel(sch.fuse(*batches, i0, j0))
     for block in chain[:-1]:
         if not is_output(sch, block):
             sch.compute_inline(block)
