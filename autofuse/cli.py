@@ -11,7 +11,8 @@ import sys
 
 from .baselines import BASELINES
 from .commands import build, db, listing, rpc, run, tune
-from .commands.common import Parser, db_flag, non_negative_int, pattern_flags, positive_int, target_flag
+from .commands.common import (Parser, db_flag, input_shape_flag, non_negative_int, pattern_flags, positive_int,
+                              target_flag)
 from .errors import AutofuseError
 
 
@@ -43,7 +44,7 @@ def _add_compare_parser(sub) -> None:
         "pattern's shape. Writes report.md, report.json, report.png and roofline.png to --report."), parents=[
         pattern_flags("compare on a pattern (several separated by commas, or 'all') at its default shape",
                       "override a pattern shape parameter"),
-        db_flag("database root (default logs); none: no records"), target_flag()])
+        db_flag("database root (default logs); none: no records"), target_flag(), input_shape_flag()])
     cmp.set_defaults(handler=cmd_compare)
     cmp.add_argument("model", nargs="?", default=None, metavar="MODEL.onnx", help="compare on this ONNX model")
     cmp.add_argument("--baselines", default="all",

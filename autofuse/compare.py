@@ -117,7 +117,7 @@ def pattern_subject(pattern, shape: dict, dtype: str, folder: str, seed: int = 0
                    more_work=dict(pattern.more_work))
 
 
-def model_subject(path: str, seed: int = 0) -> Subject:
+def model_subject(path: str, seed: int = 0, input_shapes: dict[str, tuple[int, ...]] | None = None) -> Subject:
     """A model's figures: FLOPs estimated over its auto-fused kernels; bytes the least any
     schedule moves (inputs, weights and outputs once each); its check's accumulation the longest
     reduction of those kernels."""
@@ -129,7 +129,7 @@ def model_subject(path: str, seed: int = 0) -> Subject:
     from .model.importer import random_inputs
     from .model.jobs import prepare
 
-    prepared = prepare(path, "auto")
+    prepared = prepare(path, "auto", input_shapes)
     feeds = random_inputs(prepared.onnx, seed)
     flops = 0.0
     for gv, func in prepared.mod.functions_items():
@@ -195,23 +195,36 @@ def pattern_shapes(items: list[str] | None, patterns) -> dict[str, dict[str, str
 def tune_subject(subject: Subject, ctx: Context, baselines: list[str], trials: int, seed: int | None,
                  progress: bool) -> dict:
     """Give ours (union space) and tvm-auto (generic space on the auto-fused kernels) the same
-    number of new trials in the shared database; returns the budgets for the report."""
+    number of new trials in the shared database; returns the budgets for the report, with each
+    search's wall time and when its first batch was measured (a model's import and fusion
+    included, as ``autofuse tune MODEL`` spends them)."""
     from .model.jobs import prepare, tune_model
 
     budgets = {}
+    start = time.perf_counter()
     if subject.kind == "pattern":
         from .tune_patterns import Job, tune_jobs
-        tune_jobs([Job(subject.pattern, subject.shape, subject.dtype)], ctx.target, ctx.db, trials=trials,
-                  space="union", seed=seed, progress=progress)
+        _, stats = tune_jobs([Job(subject.pattern, subject.shape, subject.dtype)], ctx.target, ctx.db, trials=trials,
+                             space="union", seed=seed, progress=progress)
     else:
-        tune_model(prepare(subject.onnx_path, "patterns"), ctx.target, ctx.db, trials=trials, space="union",
-                   seed=seed, progress=progress)
-    budgets["autofuse"] = {"space": "union", "trials": trials}
+        prepared = prepare(subject.onnx_path, "patterns", subject.input_shapes)
+        _, stats = tune_model(prepared, ctx.target, ctx.db, trials=trials, space="union", seed=seed, progress=progress)
+    budgets["autofuse"] = _tuning_figures("union", trials, stats, start)
     if "tvm-auto" in baselines and subject.onnx_path is not None:
-        tune_model(prepare(subject.onnx_path, "auto"), ctx.target, ctx.db, trials=trials, space="generic",
-                   seed=seed, progress=progress)
-        budgets["tvm-auto"] = {"space": "generic", "trials": trials}
+        start = time.perf_counter()
+        prepared = prepare(subject.onnx_path, "auto", subject.input_shapes)
+        _, stats = tune_model(prepared, ctx.target, ctx.db, trials=trials, space="generic", seed=seed,
+                              progress=progress)
+        budgets["tvm-auto"] = _tuning_figures("generic", trials, stats, start)
     return budgets
+
+
+def _tuning_figures(space: str, trials: int, stats, start: float) -> dict:
+    """``start``: perf_counter when the step began; the search itself started at stats.start_secs."""
+    before = stats.start_secs - start  # import, fusion and task extraction
+    return {"space": space, "trials": trials, "measured": stats.total_trials,
+            "tune_secs": time.perf_counter() - start,
+            "first_batch_secs": before + stats.first_trial_secs if stats.first_trial_secs is not None else None}
 
 
 def _new_row(name: str, contender, subject: Subject) -> dict:
@@ -514,6 +527,8 @@ def run_command(args) -> int:
         raise AutofuseError("give a MODEL.onnx or --pattern NAME|all (one of them)")
     if args.model is not None and (args.shape or args.small or args.dtype):
         raise AutofuseError("--shape/--small/--dtype apply to patterns, not to a model")
+    if args.model is None and getattr(args, "input_shape", None):
+        raise AutofuseError("--input-shape applies to a model, not to patterns (use --shape)")
     baselines = parse_baselines(args.baselines)
     target = parse_target(args.target)
     require_device(target, "compare measures on it (run it on the GPU's host: benchmarks/gpu_session.sh)")
@@ -540,7 +555,9 @@ def run_command(args) -> int:
             print("autofuse compare: matplotlib is not installed: no plots (pip install -e '.[bench]')",
                   file=sys.stderr)
             plots = False
-    subjects = [model_subject(args.model)] if args.model is not None else [
+    from .commands.common import input_shapes
+    subjects = [model_subject(args.model, input_shapes=input_shapes(getattr(args, "input_shape", None)))] \
+        if args.model is not None else [
         pattern_subject(pattern, shape, dtype, os.path.join(folder, "graphs")) for pattern, shape, dtype in jobs]
     db = None if args.db == "none" else TuningDatabase(args.db, target)
     ctx = Context(target, device_for(target), threads, db, work_dir=folder)

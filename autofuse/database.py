@@ -6,6 +6,10 @@ A record is only ever used (reported, applied to a build) after its kernel has m
 pattern's numpy reference; the verdict is cached beside the database in
 ``autofuse_verdicts.json`` so a record is checked once. A record that fails stays in the database
 (it is history) but is never chosen; the next best is tried instead.
+
+Kernel templates' records (``autofuse.kernel_templates``) live in the same folder, in
+``kernel_records.json``, each with the verdict of the check it passed or failed when measured;
+``db.kernels`` reads and appends them, and ``check_folder``/``compact_folder`` cover them too.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 from tvm.target import Target
 
 from .errors import AutofuseError
+from .kernel_templates import KERNEL_RECORDS, KernelRecords, check_records, compact_records
 from .pattern import TEMPLATE_ANNOTATION
 from .store import FAILED_RUN_SECS, SafeJSONDatabase, mean_secs, workload_key
 from .target import target_key
@@ -80,6 +85,8 @@ class TuningDatabase:
         self.ms = SafeJSONDatabase(os.path.join(self.path, WORKLOADS), os.path.join(self.path, RECORDS))
         self._verdicts_path = os.path.join(self.path, VERDICTS)
         self._verdicts = self._load_verdicts()
+        # Kernel-template records (autofuse.kernel_templates), beside MetaSchedule's.
+        self.kernels = KernelRecords(self.path)
 
     @property
     def work_dir(self) -> str:
@@ -195,7 +202,7 @@ def database_folders(root: str) -> list[str]:
     if not os.path.isdir(root):
         raise AutofuseError(f"no database at {root}")
     found = sorted(os.path.join(root, name) for name in os.listdir(root)
-                   if os.path.isfile(os.path.join(root, name, WORKLOADS)))
+                   if any(os.path.isfile(os.path.join(root, name, f)) for f in (WORKLOADS, KERNEL_RECORDS)))
     if not found:
         raise AutofuseError(f"no database under {root} (expected {root}/<target>/{WORKLOADS})")
     return found
@@ -213,7 +220,8 @@ def trace_applies(record: ms.database.TuningRecord) -> bool:
 
 def check_folder(folder: str) -> dict:
     """What is in one database folder and what is wrong with it: skipped lines (file:line: why),
-    records whose trace no longer applies, records that failed the numerical check."""
+    records whose trace no longer applies, records that failed the numerical check; kernel
+    records counted in (those that no longer replay are problems)."""
     quiet = log.level
     log.setLevel(logging.ERROR)  # the skipped lines are this function's answer, not warnings
     try:
@@ -238,13 +246,17 @@ def check_folder(folder: str) -> dict:
                     failed_checks += not json.loads(line)["ok"]
                 except (ValueError, KeyError, TypeError):
                     problems.append(f"{verdicts}:{number}: not a verdict")
-    return {"folder": folder, "workloads": len(db.workloads()), "records": len(records), "valid": valid,
-            "failed_numerical_check": failed_checks, "problems": problems}
+    kernels = check_records(folder)
+    return {"folder": folder, "workloads": len(db.workloads()) + kernels["workloads"],
+            "records": len(records) + kernels["records"], "valid": valid + kernels["valid"],
+            "failed_numerical_check": failed_checks + kernels["failed_numerical_check"],
+            "problems": problems + kernels["problems"]}
 
 
 def compact_folder(folder: str, keep: int) -> tuple[int, int]:
     """Rewrite one folder's database keeping the ``keep`` best records per workload whose trace
-    still applies and that did not fail their numerical check; (records before, after)."""
+    still applies and that did not fail their numerical check, and as many kernel records per
+    pattern workload that passed theirs and still replay; (records before, after), both kinds."""
     db = SafeJSONDatabase(os.path.join(folder, WORKLOADS), os.path.join(folder, RECORDS))
     verdicts = load_verdicts(os.path.join(folder, VERDICTS))
 
@@ -254,4 +266,6 @@ def compact_folder(folder: str, keep: int) -> tuple[int, int]:
         verdict = verdicts.get((workload_key(record.workload.mod), trace_key(record)))
         return (verdict is None or verdict["ok"]) and trace_applies(record)
 
-    return db.compact(keep, usable=usable)
+    before, after = db.compact(keep, usable=usable)
+    kernels_before, kernels_after = compact_records(folder, keep)
+    return before + kernels_before, after + kernels_after

@@ -17,6 +17,9 @@ several processes at once.
 - ``compact`` rewrites both files keeping the best records per workload: new files are written
   and fsync'ed beside the old ones, then swapped in under a commit marker, so a kill at any
   moment leaves either the old pair or the new pair (the next open finishes or undoes a swap).
+
+``JSONLinesFile`` keeps any other JSON-lines file of the folder (kernel templates' records) the
+same way: locked appends of whole fsync'ed lines, damage skipped, atomic rewrite.
 """
 
 from __future__ import annotations
@@ -329,14 +332,8 @@ class SafeJSONDatabase(ms.database.PyDatabase):
 
     # --- internals ---------------------------------------------------------------------------
 
-    @contextlib.contextmanager
     def _locked(self, mode: int):
-        with open(self._lock_path, "a", encoding="utf-8") as handle:
-            fcntl.flock(handle, mode)
-            try:
-                yield
-            finally:
-                fcntl.flock(handle, fcntl.LOCK_UN)
+        return folder_lock(self._lock_path, mode)
 
     def _find(self, mod: tvm.IRModule) -> int | None:
         for index in self._by_hash.get(_index_key(mod), ()):
@@ -380,6 +377,86 @@ class SafeJSONDatabase(ms.database.PyDatabase):
                 stale = "ScheduleError" in type(err).__name__ or "ScheduleError" in str(err)
                 self._skip(rfile.path, number, "its trace no longer applies to its workload" if stale
                            else f"record TVM cannot parse ({_reason(err)})")
+
+
+class JSONLinesFile:
+    """An append-only file of JSON objects, one a line, kept as the database files are: each append
+    happens under the folder's exclusive lock (``.lock``, shared with ``SafeJSONDatabase``) after
+    reading what other processes appended, as one fsync'ed write; a line that is not a JSON object
+    is skipped and listed in ``problems``; a half-written last line is skipped and moved aside to
+    ``<file>.damaged`` by the next append. ``rewrite`` replaces the whole file atomically, keeping
+    the old one as ``<file>.bak``. The file is only created by the first append."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._lock_path = os.path.join(os.path.dirname(os.path.abspath(path)), LOCK)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._file = _File(self.path)
+        self._entries: list[tuple[int, dict]] = []
+        self.problems: list[Problem] = []
+
+    def entries(self) -> list[tuple[int, dict]]:
+        """(line number, object) of every readable line, in file order."""
+        if not os.path.exists(self.path):
+            return []
+        with self._locked(fcntl.LOCK_SH):
+            self._refresh()
+        return list(self._entries)
+
+    def append(self, value: dict) -> None:
+        with self._locked(fcntl.LOCK_EX):
+            self._refresh()
+            self._file.append(_dumps(value))
+            self._entries.append((self._file.lines, value))
+
+    def rewrite(self, values: list[dict]) -> None:
+        """Replace the file's lines by ``values``: written and fsync'ed beside it, the old file
+        hard-linked to ``.bak``, then swapped in by one rename (a kill leaves old or new)."""
+        with self._locked(fcntl.LOCK_EX):
+            new = f"{self.path}.new"
+            with open(new, "w", encoding="utf-8") as f:
+                f.writelines(_dumps(v) + "\n" for v in values)
+                f.flush()
+                os.fsync(f.fileno())
+            if os.path.exists(self.path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(f"{self.path}.bak")
+                os.link(self.path, f"{self.path}.bak")
+            os.replace(new, self.path)
+            _fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+            self._reset()
+            self._refresh()
+
+    def _locked(self, mode: int):
+        return folder_lock(self._lock_path, mode)
+
+    def _refresh(self) -> None:
+        for number, text in self._file.read_new():
+            try:
+                value = json.loads(text)
+            except ValueError as err:
+                value, reason = None, f"not JSON ({_reason(err)})"
+            else:
+                reason = "not a JSON object"
+            if not isinstance(value, dict):
+                problem = Problem(self.path, number, reason)
+                self.problems.append(problem)
+                log.warning("%s; skipped", problem)
+                continue
+            self._entries.append((number, value))
+
+
+@contextlib.contextmanager
+def folder_lock(lock_path: str, mode: int):
+    """The database folder's advisory lock (``fcntl.LOCK_SH`` or ``LOCK_EX``) on ``lock_path``."""
+    with open(lock_path, "a", encoding="utf-8") as handle:
+        fcntl.flock(handle, mode)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def _reason(err: BaseException) -> str:

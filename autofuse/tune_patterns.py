@@ -13,6 +13,8 @@ from .errors import AutofuseError
 from .pattern import Pattern, Shape, shape_label
 from .progress import tuning_bar
 from .target import device_for
+from .kernel_templates import count as kernel_record_count
+from .kernel_templates import tune_kernels
 from .tune import Task, TuneStats, tune
 from .verify import build_kernel, choose, time_kernel, untuned
 
@@ -51,7 +53,7 @@ def summarize(job: Job, db: TuningDatabase, target: Target, *, space: str, stats
         untuned_secs = time_kernel(job, build_kernel(untuned(job.func, target)[0].mod, target), dev, repeat)
     except ValueError:  # no dlight rule schedules it on this GPU
         untuned_secs = None
-    valid, total = db.count(job.func)
+    valid, total = (a + b for a, b in zip(db.count(job.func), kernel_record_count(job, db)))
     row = {
         "pattern": job.pattern.name, "shape": shape_label(job.shape), "dtype": job.dtype, "space": space,
         "trials": stats.trials.get(index, 0) if stats else 0, "records": total, "valid_records": valid,
@@ -64,10 +66,21 @@ def summarize(job: Job, db: TuningDatabase, target: Target, *, space: str, stats
                                                                         dev, repeat)
         record_secs = choice.record_secs if choice.record_secs is not None else (best if choice.is_record else None)
         row.update(best_ms=best * 1e3, speedup=untuned_secs / best if untuned_secs is not None else None,
-                   source=choice.source, record_ms=record_secs * 1e3 if record_secs else None,
+                   source=choice.source, knobs=choice.knobs, record_ms=record_secs * 1e3 if record_secs else None,
                    gflops=job.pattern.flops(job.shape) / best / 1e9,
                    gbps=job.pattern.bytes(job.shape, job.dtype) / best / 1e9)
     return row
+
+
+def add_kernel_trials(stats: TuneStats, kernel_stats: dict) -> None:
+    """Count a kernel-template search (``kernel_templates.tune_kernels``) into the session's stats."""
+    for index, done in kernel_stats.items():
+        stats.trials[index] = stats.trials.get(index, 0) + done.trials
+        stats.failed[index] = stats.failed.get(index, 0) + done.failed
+        stats.task_secs[index] = stats.task_secs.get(index, 0.0) + done.secs
+        stats.total_secs += done.secs
+        if done.best_secs is not None and done.best_secs < stats.best_secs.get(index, float("inf")):
+            stats.best_secs[index] = done.best_secs
 
 
 def tune_jobs(jobs: list[Job], target: Target, db: TuningDatabase, *, trials: int, space: str,
@@ -80,6 +93,10 @@ def tune_jobs(jobs: list[Job], target: Target, db: TuningDatabase, *, trials: in
         stats = tune(tasks, target, db.ms, db.work_dir, trials_per_task=trials, space=space, seed=seed,
                      cost_model_path=db.cost_model_path, run_timeout=run_timeout, runner=runner,
                      on_progress=on_progress, on_phase=on_phase)
+        # Kernel templates' spaces (the template space's other kind): up to ``trials`` configs each,
+        # measured on this host's device.
+        if space != "generic":
+            add_kernel_trials(stats, tune_kernels(jobs, target, db, trials=trials, on_phase=on_phase))
     rows = []
     for index, job in enumerate(jobs):
         rows.append(summarize(job, db, target, space=space, stats=stats, index=index))

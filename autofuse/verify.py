@@ -7,11 +7,12 @@ A kernel here is anything with ``name``, ``func`` (the PrimFunc its schedules ar
 for a kernel no pattern made): a pattern workload (``tune_patterns.Job``) or a model's kernel
 (``model.kernels.Kernel``).
 
-- Default schedules, in the order they are tried: each of the pattern's templates with its fixed
-  knobs, then the untuned default: dlight's rules on a GPU (an unscheduled GPU kernel builds and
-  then crashes the device), the CPU rules of the schedule library on a CPU
-  (``search_spaces.lib.cpu_rules``: packed GEMM, rows, injective, parallel), and where none
-  applies or passes its check, the TensorIR as written.
+- Default schedules, in the order they are tried: each of the pattern's kernel templates that
+  applies at its default knobs (``autofuse.kernel_templates``), each of its schedule rules with its
+  fixed knobs, then the untuned default: dlight's rules on a GPU (an unscheduled GPU kernel builds
+  and then crashes the device), the CPU rules of the schedule library on a CPU
+  (``search_spaces.lib.cpu_rules``: packed GEMM, batched GEMM, rows, injective, parallel), and
+  where none applies or passes its check, the TensorIR as written.
 - What TVM runs as shipped (``stock``: the tvm-untuned and tvm-auto baselines): dlight on a GPU,
   the TensorIR as written on a CPU, built without ``fast_math``.
 - Building (``build_kernel``, and ``fast_math`` for a model): on a CPU, float32 exp/erf/tanh/
@@ -34,6 +35,7 @@ from tvm import s_tir, tirx
 from tvm.target import Target
 
 from .accuracy import Check, compare, reduction_length
+from . import kernel_templates
 from .database import TuningDatabase
 from .measure import empty_outputs, param_arrays, run_on, time_function, to_device
 from .pattern import DLIGHT, Pattern, Shape, Template
@@ -49,7 +51,8 @@ TEMPLATE_DEFAULT = "template-default"
 UNSCHEDULED = "unscheduled"
 DEFAULTS = (TEMPLATE_DEFAULT, DLIGHT.name, UNSCHEDULED, *(rule.name for rule in CPU_RULES))
 
-CheckFn = Callable[[s_tir.Schedule], tuple[bool, str]]
+# Takes a schedule, or the module of a kernel template's kernel.
+CheckFn = Callable[[s_tir.Schedule | tvm.IRModule], tuple[bool, str]]
 
 
 class Kernel(Protocol):
@@ -68,7 +71,10 @@ def fast_math(mod, target: Target):
 
 
 def build_kernel(mod: tvm.IRModule | tirx.PrimFunc, target: Target, *, stock: bool = False):
-    """``stock``: as TVM builds it (libm's math): references and the TVM baselines."""
+    """A kernel template's kernel goes through the tirx pipeline, everything else through s_tir.
+    ``stock``: as TVM builds it (libm's math): references and the TVM baselines."""
+    if kernel_templates.has_tirx(mod):
+        return kernel_templates.build_tirx(mod, target)
     return tvm.tirx.build(mod if stock else fast_math(mod, target), target=target)
 
 
@@ -143,7 +149,7 @@ def checker(kernel: Kernel, target: Target, dev, stock: bool = False) -> CheckFn
     if kernel.pattern is not None:
         def check_pattern(sch):
             try:
-                rt = build_kernel(sch.mod, target, stock=stock)
+                rt = build_kernel(sch if isinstance(sch, tvm.IRModule) else sch.mod, target, stock=stock)
             except Exception as err:  # a record that no longer builds is as unusable as a wrong one
                 return False, f"build failed: {_first_line(err)}"
             result = check_module(kernel.pattern, rt, kernel.func, kernel.shape, kernel.dtype, dev)
@@ -194,6 +200,9 @@ class Choice:
     default_secs: float | None = None
     # Why defaults before this one were passed over (also among ``choose``'s rejected lines).
     notes: list[str] = dataclasses.field(default_factory=list)
+    # A kernel template's knob values (``mod`` then holds its tirx kernel; source "kernel:<name>"
+    # for a record).
+    knobs: dict | None = None
     default_source: str | None = None  # the checked default's source, also when a record won
 
     @property
@@ -204,9 +213,9 @@ class Choice:
 def choose(kernel: Kernel, db: TuningDatabase | None, target: Target, dev, *, defaults: bool = True,
            fallback: bool = False, stock: bool = False, repeat: int = 10,
            min_repeat_ms: int = 50) -> tuple[Choice | None, list[str]]:
-    """Never worse than no tuning: the best checked record and the first default that passes its
-    check, timed on the same inputs; the faster one runs (a short search can leave records slower
-    than the template's fixed knobs).
+    """Never worse than no tuning: the best checked record of each kind (MetaSchedule's, a kernel
+    template's) and the first default that passes its check, timed on the same inputs; the fastest
+    one runs (a short search can leave records slower than the template's fixed knobs).
 
     ``defaults`` off: records only (how the generic space is measured on its own). ``fallback``:
     when no template default passes, the untuned default (a model's every kernel must run).
@@ -214,33 +223,47 @@ def choose(kernel: Kernel, db: TuningDatabase | None, target: Target, dev, *, de
     runs here, so nothing is checked (compiling for a device this machine lacks). Returns None
     when nothing may run, and one line per candidate not used."""
     check = checker(kernel, target, dev, stock) if dev is not None else None
-    chosen, rejected = None, []
+    records, rejected = [], []
     if db is not None:
         if check is None:
             raise ValueError("records are only used after their check, which needs a device")
         chosen, rejected = db.best(kernel.workload, check)
+        if chosen is not None:
+            records.append(Choice(chosen.schedule.mod, chosen.source, chosen.record.trace,
+                                  record_source=chosen.source))
+        # A kernel record was checked when it was measured (its verdict is in the record).
+        found, module, passed_over = kernel_templates.best_record(kernel, db, target)
+        rejected = rejected + passed_over
+        if found is not None:
+            records.append(Choice(module, found.source, None, record_source=found.source, knobs=found.knobs))
     notes: list[str] = []
     default = _checked_default(kernel, target, check, fallback, stock, notes) if defaults else None
     rejected = rejected + notes
-    record = Choice(chosen.schedule.mod, chosen.source, chosen.record.trace,
-                    record_source=chosen.source) if chosen is not None else None
     if default is not None:
         default.notes = notes
         default.default_source = default.source
-    if record is None or default is None:
-        return record or default, rejected
-    for candidate in (record, default):
+    candidates = records + ([default] if default is not None else [])
+    if len(candidates) <= 1:
+        return (candidates[0] if candidates else None), rejected
+    for candidate in candidates:
         candidate.secs = time_kernel(kernel, build_kernel(candidate.mod, target, stock=stock), dev, repeat,
                                      min_repeat_ms)
-    winner = record if record.secs <= default.secs else default
+    record = min(records, key=lambda c: c.secs)  # ties: MetaSchedule's, listed first
+    winner = record if default is None or record.secs <= default.secs else default
     return dataclasses.replace(winner, record_source=record.source, record_secs=record.secs,
-                               default_secs=default.secs, default_source=default.source), rejected
+                               default_secs=default.secs if default is not None else None,
+                               default_source=default.source if default is not None else None), rejected
 
 
 def _checked_default(kernel: Kernel, target: Target, check: CheckFn | None, fallback: bool, stock: bool,
                      notes: list[str]) -> Choice | None:
     """The first default schedule that applies and passes ``check``; each one passed over is
-    said in ``notes``."""
+    said in ``notes``. A kernel template that applies comes before the schedule rules."""
+    for template, knobs, mod in kernel_templates.default_choices(kernel, target):
+        ok, message = check(mod) if check is not None else (True, "")
+        if ok:
+            return Choice(mod, TEMPLATE_DEFAULT, None, knobs=knobs)
+        notes.append(f"template default failed the numerical check ({template.name}): {message}")
     templates = kernel.pattern.templates_for(target) if kernel.pattern is not None else []
     for template in templates:
         try:

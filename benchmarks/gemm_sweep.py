@@ -21,19 +21,20 @@ how many each contender's kernels have).
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from autofuse.errors import AutofuseError  # noqa: E402  (imports nothing heavy: threads are pinned first)
+# Neither imports anything heavy: threads are pinned first.
+from autofuse.errors import AutofuseError  # noqa: E402
+from benchmarks import sweep  # noqa: E402
+from benchmarks.sweep import fmt as _fmt, median_ms as _ms, ratio as _ratio  # noqa: E402
 
-RESULTS = os.path.join(REPO, "benchmarks", "results")
 SCHEMA = "autofuse.gemm_sweep/1"
 PATTERN = "linear_bias_relu"
 GRID_M = (1, 16, 128, 512, 2048)
@@ -73,27 +74,12 @@ def parse_shapes(text: str | None) -> list[tuple[int, int, int]]:
     return shapes
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trials", type=int, default=64,
-                        help="new trials for ours-tuned and for tvm-auto per shape; 0: the untuned default only")
+def parse_args(argv: list[str]):
+    parser = sweep.parser(__doc__, 64, "new trials for ours-tuned and for tvm-auto per shape; 0: the untuned "
+                                       "default only")
     parser.add_argument("--shapes", default=None, help="MxNxK[,MxNxK...] (default: the grid and 2048^3)")
-    parser.add_argument("--budget-secs", type=float, default=None, help="start no shape after this many seconds")
-    parser.add_argument("--threads", type=int, default=None, help="cores for every contender (default: all)")
-    parser.add_argument("--target", default="llvm")
-    parser.add_argument("--db", default=None, help="database root (default: a fresh temporary folder)")
-    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/gemm-sweep-<target-key>.json)")
-    parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0, help="tuning seed (inputs are always seed 0)")
-    parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    if args.trials < 0:
-        raise AutofuseError(f"--trials must be 0 or more, got {args.trials}")
-    if args.budget_secs is not None and args.budget_secs <= 0:
-        raise AutofuseError(f"--budget-secs must be positive, got {args.budget_secs}")
-    if args.repeat < 1 or args.warmup < 0:
-        raise AutofuseError("--repeat must be at least 1 and --warmup 0 or more")
+    sweep.check(args)
     args.shape_list = parse_shapes(args.shapes)
     return args
 
@@ -212,15 +198,6 @@ def _not_run(name: str, reason: str) -> dict:
             "samples_ms": [], "scaled_err": None, "rival": name in RIVALS}
 
 
-def _ms(rows: dict, name: str) -> float | None:
-    row = rows.get(name)
-    return row["median_ms"] if row and row.get("status") == "ok" else None
-
-
-def _ratio(a: float | None, b: float | None) -> float | None:
-    return a / b if a is not None and b else None
-
-
 def measure_shape(shape, pattern, ctx_default, ctx_tuned, machine, args, numpy_contender, folder: str, log) -> dict:
     from autofuse.compare import compare_subject, pattern_subject
 
@@ -252,9 +229,7 @@ def measure_shape(shape, pattern, ctx_default, ctx_tuned, machine, args, numpy_c
     log(f"{label(shape)}: measuring numpy (run and check, timing)")
     rows.append(numpy_row(numpy_contender, subject, ctx_default, default, machine, repeat=args.repeat,
                           warmup=args.warmup))
-    for row in rows:  # compare's per-call ratios; this sweep's own are on the shape
-        for key in ("autofuse_speedup", "ratio_to_best_baseline", "best_baseline"):
-            row.pop(key, None)
+    sweep.drop_compare_ratios(rows)
     by_name = {r["name"]: r for r in rows}
     record["contenders"] = [by_name[name] for name in ORDER]
     for key in ("reference", "accumulation", "dtype_bound", "bound", "framework"):
@@ -318,12 +293,6 @@ def summarize(shapes: list[dict], trials: int) -> dict:
 
 # --- Markdown ------------------------------------------------------------------------------------
 
-def _fmt(value, digits: int = 3) -> str:
-    if value is None:
-        return "-"
-    return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:.0f}"
-
-
 def _cell(row: dict) -> str:
     """median ms (GFLOP/s)."""
     if row["status"] == "ok":
@@ -386,67 +355,40 @@ def markdown(report: dict) -> str:
 
 
 def write(report: dict, path: str) -> None:
-    from autofuse.report import write_json
     report["summary"] = summarize(report["shapes"], report["trials_added"])
-    write_json(path, report)
-    md = os.path.splitext(path)[0] + ".md"
-    with open(f"{md}.tmp", "w", encoding="utf-8") as f:
-        f.write(markdown(report))
-    os.replace(f"{md}.tmp", md)
+    sweep.write(report, path, markdown)
 
 
 # --- the command ---------------------------------------------------------------------------------
 
 def run(args, argv: list[str]) -> int:
-    from autofuse.compare import pin_threads
-    threads = pin_threads(args.threads)  # before TVM, onnxruntime or jax start their pools
-    blas_threads = numpy_blas_threads(threads)
-
-    import dataclasses
-
-    from autofuse.baselines import Context
-    from autofuse.compare import device_session, new_report
-    from autofuse.database import TuningDatabase
-    from autofuse.registry import resolve_patterns
-    from autofuse.roofline import load_or_measure
-    from autofuse.target import device_for, parse_target, target_key
-
-    pattern = resolve_patterns(PATTERN)[0]
-    for shape in args.shape_list:  # every shape checked before anything runs
-        pattern.resolve_shape(dict(zip("mnk", shape)))
-    target = parse_target(args.target)
-    out = args.out or os.path.join(RESULTS, f"gemm-sweep-{target_key(target)}.json")
     log = lambda msg: print(f"gemm_sweep: {msg}", file=sys.stderr, flush=True)  # noqa: E731
-    with tempfile.TemporaryDirectory(prefix="gemm-sweep-") as work:
-        db = TuningDatabase(args.db or os.path.join(work, "db"), target)
-        dev = device_for(target)
-        ctx_default = Context(target, dev, threads, None, work_dir=work)
-        ctx_tuned = Context(target, dev, threads, db, work_dir=work)
-        with device_session(ctx_default):
-            log(f"this machine's roofline ({threads} threads)")
-            machine = load_or_measure(os.path.join(db.path, "roofline.json"), threads)
-            report = new_report(ctx_tuned, machine, baselines=["tvm-auto", "onnxruntime", "xla"], trials=args.trials,
-                                repeat=args.repeat, warmup=args.warmup, argv=argv)
-            del report["subjects"], report["budgets"]
-            report.update(schema=SCHEMA, pattern=PATTERN, dtype="float32", contenders=list(ORDER), rivals=list(RIVALS),
-                          numpy_blas_threads=blas_threads, budget_secs=args.budget_secs, input_seed=0,
-                          tuning_seed=args.seed, database=args.db or "temporary (fresh for this run)",
-                          roofline=dataclasses.asdict(machine), shapes=[], not_started=[])
-            start = time.perf_counter()
-            for index, shape in enumerate(args.shape_list):
-                if args.budget_secs is not None and time.perf_counter() - start >= args.budget_secs:
-                    report["not_started"] = [label(s) for s in args.shape_list[index:]]
-                    log(f"--budget-secs {args.budget_secs} spent: {len(report['not_started'])} shape(s) not started")
-                    break
-                folder = os.path.join(work, "graphs", label(shape))
-                record = measure_shape(shape, pattern, ctx_default, ctx_tuned, machine, args,
-                                       NumpyMatmul(blas_threads), folder, log)
-                report["shapes"].append(record)
-                report["elapsed_secs"] = time.perf_counter() - start
-                write(report, out)
-                log(f"{record['label']}: {record['ours']} / best ({record['best_rival']}) = "
-                    f"{_fmt(record['ratio'])} in {record['secs']:.0f} s; wrote {out}")
+    with sweep.session(args, argv, "gemm-sweep", ["tvm-auto", "onnxruntime", "xla"], log) as bench:
+        from autofuse.database import TuningDatabase
+        from autofuse.registry import resolve_patterns
+
+        pattern = resolve_patterns(PATTERN)[0]
+        for shape in args.shape_list:  # every shape checked before anything runs
+            pattern.resolve_shape(dict(zip("mnk", shape)))
+        blas_threads = numpy_blas_threads(bench.ctx.threads)
+        ctx_default = bench.ctx
+        ctx_tuned = dataclasses.replace(ctx_default, db=TuningDatabase(bench.db_root, ctx_default.target))
+        report, out = bench.report, bench.out
+        report.update(schema=SCHEMA, pattern=PATTERN, dtype="float32", contenders=list(ORDER), rivals=list(RIVALS),
+                      numpy_blas_threads=blas_threads, shapes=[])
+        start = time.perf_counter()
+        for index, shape in enumerate(args.shape_list):
+            if sweep.budget_spent(args, start, [label(s) for s in args.shape_list[index:]], report, log):
+                break
+            folder = os.path.join(bench.work, "graphs", label(shape))
+            record = measure_shape(shape, pattern, ctx_default, ctx_tuned, bench.machine, args,
+                                   NumpyMatmul(blas_threads), folder, log)
+            report["shapes"].append(record)
+            report["elapsed_secs"] = time.perf_counter() - start
             write(report, out)
+            log(f"{record['label']}: {record['ours']} / best ({record['best_rival']}) = "
+                f"{_fmt(record['ratio'])} in {record['secs']:.0f} s; wrote {out}")
+        write(report, out)
     print(markdown(report))
     print(f"wrote {out} and {os.path.splitext(out)[0]}.md")
     failed = [s["label"] for s in report["shapes"] if s["contenders"][0]["status"] != "ok"]
@@ -457,13 +399,7 @@ def run(args, argv: list[str]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    try:
-        args = parse_args(argv)
-        return run(args, [os.path.relpath(os.path.abspath(__file__), os.getcwd()), *argv])
-    except AutofuseError as err:
-        print(f"gemm_sweep: {err}", file=sys.stderr)
-        return 2
+    return sweep.main("gemm_sweep", __file__, parse_args, run, argv)
 
 
 if __name__ == "__main__":

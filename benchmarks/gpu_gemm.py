@@ -76,7 +76,7 @@ def sweep_configs(m: int, n: int, k: int, dtype: str) -> list[dict]:
     the default, then wait depth 1, grids that fill more of the H200's 132 SMs, larger tiles,
     4 stages before 3 and 5."""
     shape = {"m": m, "n": n, "k": k}
-    space = {**cuda_wgmma.KNOBS, "stages": (3, 4, 5), "wait_depth": (1,)}
+    space = {**cuda_wgmma.KNOBS, "block_n": (128, 256), "stages": (3, 4, 5), "wait_depth": (1,)}
     wanted = cuda_wgmma.configs(shape, dtype, space)
     for block_n in (256, 128):
         knobs = {**cuda_wgmma.DEFAULT_KNOBS, "block_n": block_n, "wait_depth": 0}

@@ -16,6 +16,13 @@
 #             large shapes, then compared
 #   check     XLA on the GPU on the patterns it gained ops for; the templates changed since
 #             (uneven rows, padded keys); attention against torch SDPA
+#   kernels   the Hopper kernel templates (issues 22, 23), at most 8 minutes: compare in float16 of
+#             linear_bias_relu 4096^3, swiglu_ffn 4096 x 4096 x 11008, flash_attention B8 H16
+#             S2048 D128 and gqa_decode_attention (batch 16, 32/8 heads, D128, cache 4000 of 4096)
+#             against torch eager, torch.compile and SDPA; their GPU tests
+#             (tests/test_kernel_templates_gpu.py); the float16 decoder_block against torch.compile.
+#             Everything lands in $OUT/kernels.tar.gz (the device returns at most 8 files) and the
+#             log in $OUT/kernels.log
 # Every step has its own timeout, so a slow one cannot take the others' reports with it; a
 # compare rewrites its report.json after every pattern, so a cut one keeps what it measured.
 set -u
@@ -69,8 +76,27 @@ check)
   timeout 150 "${COMPARE[@]}" --db none --pattern flash_attention,cross_attention,gqa_decode_attention --dtype float16 \
     --baselines torch-eager,torch-compile,torch-sdpa,xla --repeat 30 --report "$OUT/compare-attention-float16"
   ;;
+kernels)
+  work=$(mktemp -d)
+  trap 'tar -C "$work" -czf "$OUT/kernels.tar.gz" .' EXIT
+  exec > >(tee "$OUT/kernels.log") 2>&1
+  commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  timeout 130 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern linear_bias_relu,swiglu_ffn \
+    --shape linear_bias_relu:m=4096,n=4096,k=4096 --shape swiglu_ffn:tokens=4096,hidden=4096,inter=11008 \
+    --baselines torch-eager,torch-compile,torch-sdpa --repeat 10 --report "$work/compare-kernels-gemm-float16"
+  timeout 130 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern flash_attention,gqa_decode_attention \
+    --shape flash_attention:batch=8,heads=16,kv_heads=16,seq_q=2048,seq_kv=2048,head_dim=128,causal=0 \
+    --shape gqa_decode_attention:batch=16,num_heads=32,num_kv_heads=8,head_dim=128,max_seq=4096,cache_len=4000 \
+    --baselines torch-eager,torch-compile,torch-sdpa --repeat 10 --report "$work/compare-kernels-attention-float16"
+  timeout 140 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_templates_gpu.py --durations=20 \
+    --junitxml="$work/kernel-templates-gpu.xml"
+  models=$(mktemp -d)
+  python3 models/make_models.py --only decoder_block --dtype float16 --out "$models"
+  timeout 80 "${COMPARE[@]}" "${commit[@]}" --db none "$models/decoder_block-float16.onnx" \
+    --baselines torch-eager,torch-compile --repeat 20 --report "$work/compare-decoder-block-float16"
+  ;;
 *)
-  echo "usage: $0 measure|tune|check" >&2
+  echo "usage: $0 measure|tune|check|kernels" >&2
   exit 2
   ;;
 esac

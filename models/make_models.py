@@ -1,12 +1,13 @@
 """Write small, deterministic ONNX models for autofuse's end-to-end runs.
 
-    python models/make_models.py [--out DIR] [--only NAME]
+    python models/make_models.py [--out DIR] [--only NAME] [--dtype float16]
 
 Every model is opset 17 (default domain), ir_version 8, float32 (quant_mlp: int8 weights with
 float32 scales), with its weights stored as initializers drawn from ``np.random.default_rng(seed)``
 (one fixed seed per model). Nothing that changes between runs (timestamps, random names) goes into
 a model, so building one twice gives byte-identical serialized bytes; the tests compare the
-committed ``models/*.onnx`` with a fresh build.
+committed ``models/*.onnx`` with a fresh build. ``--dtype float16`` writes NAME-float16.onnx, every
+float32 tensor cast to float16 (not committed: build it where it is needed).
 Only ``onnx.helper`` / ``onnx.numpy_helper`` are used.
 """
 
@@ -292,12 +293,38 @@ MODELS = {
 }
 
 DEFAULT_OUT = os.path.dirname(os.path.abspath(__file__))
+DTYPES = {"float32": TensorProto.FLOAT, "float16": TensorProto.FLOAT16}
 
 
-def write_model(name, out_dir=DEFAULT_OUT):
-    model = MODELS[name]()
+def cast_model(model, dtype):
+    """``model`` with every float32 tensor (initializers, graph inputs and outputs) in ``dtype``:
+    the same graph with half-precision weights and activations, as a float16 export stores it."""
+    if dtype == "float32":
+        return model
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    graph = model.graph
+    for index, tensor in enumerate(graph.initializer):
+        if tensor.data_type == TensorProto.FLOAT:
+            # a -1e9 mask becomes the dtype's lowest finite value, not -inf
+            info = np.finfo(dtype)
+            array = np.clip(numpy_helper.to_array(tensor), info.min, info.max).astype(dtype)
+            graph.initializer[index].CopyFrom(numpy_helper.from_array(array, tensor.name))
+    for value in (*graph.input, *graph.output):
+        if value.type.tensor_type.elem_type == TensorProto.FLOAT:
+            value.type.tensor_type.elem_type = DTYPES[dtype]
+    return model
+
+
+def model_path(name, out_dir=DEFAULT_OUT, dtype="float32"):
+    return os.path.join(out_dir, f"{name}.onnx" if dtype == "float32" else f"{name}-{dtype}.onnx")
+
+
+def write_model(name, out_dir=DEFAULT_OUT, dtype="float32"):
+    """Build, check and write one model (in ``dtype``: ``cast_model``; a float16 model is named
+    NAME-float16.onnx and not committed)."""
+    model = cast_model(MODELS[name](), dtype)
     onnx.checker.check_model(model, full_check=True)
-    path = os.path.join(out_dir, f"{name}.onnx")
+    path = model_path(name, out_dir, dtype)
     with open(path, "wb") as f:
         f.write(model.SerializeToString())
     return path
@@ -313,11 +340,13 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=DEFAULT_OUT, help="output folder (default: this script's folder)")
     parser.add_argument("--only", choices=sorted(MODELS), help="write just this model")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                        help="float16: every float32 tensor in float16, written as NAME-float16.onnx")
     args = parser.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     names = [args.only] if args.only else list(MODELS)
     for name in names:
-        path = write_model(name, args.out)
+        path = write_model(name, args.out, args.dtype)
         print(f"{path}  {os.path.getsize(path)} bytes  {DESCRIPTIONS[name]}")
     return 0
 

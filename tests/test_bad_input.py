@@ -30,6 +30,14 @@ def _qlinear_matmul_model(path):
     onnx.save(model, str(path))
 
 
+def _nonzero_model(path):
+    # Imports, but NonZero's output shape is known only at run time.
+    graph = helper.make_graph([helper.make_node("NonZero", ["x"], ["y"], name="nz")], "nz",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 5])],
+                              [helper.make_tensor_value_info("y", TensorProto.INT64, [2, "n"])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
@@ -37,6 +45,7 @@ def files(tmp_path_factory):
     (root / "text.onnx").write_text("this is not a protobuf at all \x00\x01 garbage")
     (root / "truncated.onnx").write_bytes((MODELS / "mlp.onnx").read_bytes()[:5000])
     _qlinear_matmul_model(root / "qlinear.onnx")
+    _nonzero_model(root / "nonzero.onnx")
     (root / "a-file").write_text("blocks any folder beneath it")
     np.savez(root / "x-wrong-shape.npz", x=np.zeros((3, 3), dtype="float32"))
     np.savez(root / "x-float64.npz", x=np.zeros((128, 256), dtype="float64"))
@@ -100,6 +109,14 @@ CASES = [
     ("run {LIB} --inputs {F}/x-wrong-shape.npz", "shape"),
     ("run {LIB} --inputs {F}/x-float64.npz", "dtype"),
     ("run {F}/nope.so", "nope.so"),
+    ("tune {F}/nonzero.onnx", "node 'nz' (NonZero) gives a tensor whose shape is known only at run time"),
+    ("build models/real/bert-torchscript-dynamic.onnx -o {F}/out/m.so", "--input-shape input_ids=<batch>x<seq>"),
+    ("build models/real/bert-torchscript-dynamic.onnx --input-shape input_ids -o {F}/out/m.so", "NAME=DIMS"),
+    ("tune models/real/bert-torchscript-dynamic.onnx --input-shape tokens=1x8", "'tokens', not an input"),
+    ("compare models/real/bert-torchscript-dynamic.onnx --input-shape input_ids=1x8,attention_mask=2x8",
+     "dimension 'batch' two sizes"),
+    ("tune --pattern linear_bias_relu --input-shape x=1x8", "--input-shape applies to a model"),
+    ("run {LIB} --input-shape x=1x256", "was built for x=128x256, not 1x256"),
     ("db check --db {F}/no-db-here", "no database"),
     ("db compact --db {DB} --keep 0", "must be positive"),
     ("list --target tpu", "unknown target"),

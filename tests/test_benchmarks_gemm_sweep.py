@@ -2,7 +2,6 @@
 read, and one 16x256x256 shape at --trials 0 run as a user runs it (JSON and Markdown written,
 every contender in them, --budget-secs stopping the next shape; bad input one line and exit 2)."""
 
-import dataclasses
 import importlib.util
 import json
 import os
@@ -12,7 +11,7 @@ import sys
 import pytest
 
 from autofuse.errors import AutofuseError
-from conftest import REPO
+from conftest import REPO, store_roofline
 
 SCRIPT = os.path.join(REPO, "benchmarks", "gemm_sweep.py")
 
@@ -86,15 +85,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
 
 
 def test_one_small_shape_untuned(tmp_path):
-    from autofuse.roofline import Machine
-    from autofuse.target import host_cores, parse_target, target_key
-
-    # Stored roofline figures, so the run does not spend half a minute measuring them.
-    folder = tmp_path / "db" / target_key(parse_target("llvm"))
-    folder.mkdir(parents=True)
-    machine = Machine(10.0, 100.0, "test", "test", host_cores(), bandwidth_ladder=[[1 << 20, 20.0], [1 << 28, 10.0]],
-                      peak_label="FMA peak")
-    (folder / "roofline.json").write_text(json.dumps(dataclasses.asdict(machine)))
+    store_roofline(tmp_path / "db")
     out = tmp_path / "out" / "sweep.json"
     # One shape takes more than a second: --budget-secs 1 leaves the second one unstarted.
     flags = ["--trials", "0", "--shapes", "16x256x256,32x256x256", "--budget-secs", "1", "--repeat", "3",

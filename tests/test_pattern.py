@@ -1,7 +1,7 @@
 import pytest
 
 from autofuse.errors import AutofuseError
-from autofuse.pattern import Knobs, fit_tiles
+from autofuse.pattern import FLOAT_DTYPES, Knobs, Pattern, ShapeParam, fit_tiles
 from autofuse.registry import get_pattern
 
 
@@ -72,3 +72,56 @@ def test_template_apply_passes_overrides_to_its_knobs():
     assert 'T.thread_binding(16, thread="threadIdx.y")' in str(default.mod)
     assert 'T.thread_binding(8, thread="threadIdx.y")' in str(wider.mod)
     assert 'T.thread_binding(2, thread="vthread.y")' in str(wider.mod)
+
+
+def _module_namespace(**functions):
+    def fn(*args, **kwargs):
+        return None
+    names = ("build", "reference", "make_inputs", "flops", "nbytes")
+    namespace = {"__name__": "search_spaces.demo_family.demo_pattern"}
+    namespace.update({n: functions.get(n, fn) for n in names})
+    namespace.update({n: f for n, f in functions.items() if n not in names})
+    return namespace
+
+
+def test_from_module_takes_the_conventional_names():
+    def nbytes(shape, dtype):
+        return 7.0
+
+    namespace = _module_namespace(nbytes=nbytes)
+    pattern = Pattern.from_module(namespace, description="d", shape_params=[ShapeParam("n", 4, 2)], templates=[])
+    assert (pattern.name, pattern.family) == ("demo_pattern", "demo_family")
+    assert pattern.bytes is nbytes and pattern.build is namespace["build"]
+    assert pattern.dtypes == FLOAT_DTYPES
+    assert pattern.onnx_graph is None and pattern.sdpa is None  # optional: absent from the module
+
+
+def test_from_module_fields_override_the_module():
+    def sdpa(torch, shape, *inputs):
+        return inputs
+
+    def other_build(shape, dtype):
+        return None
+
+    pattern = Pattern.from_module(_module_namespace(sdpa=sdpa), name="renamed", build=other_build, dtypes=("float32",),
+                                  description="d", shape_params=[], templates=[])
+    assert pattern.name == "renamed" and pattern.family == "demo_family"
+    assert pattern.build is other_build and pattern.sdpa is sdpa and pattern.dtypes == ("float32",)
+
+
+def test_from_module_names_what_the_module_lacks():
+    namespace = _module_namespace()
+    del namespace["make_inputs"]
+    with pytest.raises(TypeError, match="gives no description, make_inputs$"):
+        Pattern.from_module(namespace, shape_params=[], templates=[])
+
+
+def test_registered_patterns_take_their_module_functions():
+    import search_spaces.attention.cross_attention as module
+    pattern = get_pattern("cross_attention")
+    assert pattern.build is module.build and pattern.bytes is module.nbytes and pattern.sdpa is module.sdpa
+
+
+def test_shape_param_with_sizes_keeps_name_doc_and_minimum():
+    param = ShapeParam("causal", 1, 1, "mask", minimum=0)
+    assert param.with_sizes(0, 1) == ShapeParam("causal", 0, 1, "mask", minimum=0)

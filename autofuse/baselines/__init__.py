@@ -52,6 +52,20 @@ class Subject:
     def feeds(self) -> dict[str, np.ndarray]:
         return dict(zip(self.input_names, self.inputs))
 
+    @property
+    def input_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The shape of each input: what a model's symbolic axes are bound to (``--input-shape``)."""
+        return {name: tuple(x.shape) for name, x in self.feeds.items()}
+
+    def static_graph(self):
+        """The subject's ONNX graph with its inputs bound to the subject's shapes and its shape
+        computations folded (``model.shapes``): the same computation, for the baselines that
+        translate the graph (XLA, torch)."""
+        import onnx
+
+        from ..model.shapes import static_model
+        return static_model(onnx.load(self.onnx_path), self.input_shapes, self.onnx_path)[0]
+
 
 @dataclasses.dataclass
 class Context:

@@ -35,6 +35,7 @@ class Node:
     op_type: str
     attrs: dict
     opset: int
+    outputs: int = 1    # how many outputs the node names (Split into equal parts needs it)
 
     def get(self, name: str, default=None):
         return self.attrs.get(name, default)
@@ -69,7 +70,7 @@ def parse_graph(model, ops: dict, missing_message: str) -> Graph:
     input_names = [value.name for value in graph.input if value.name not in constants]
     nodes = []
     for node in graph.node:
-        info = Node(node.op_type, _attrs(node), opset)
+        info = Node(node.op_type, _attrs(node), opset, len(node.output))
         args = node_args(node, constants)
         if args is not None and folds(node.op_type, args):
             store_results(node, OPS[node.op_type](np, info, *args), constants, folded=True)
@@ -237,6 +238,19 @@ def _sigmoid(xp, node, x):
     return jax.nn.sigmoid(x)
 
 
+def _hard_sigmoid(xp, node, x):
+    alpha = xp.asarray(node.get("alpha", 0.2), x.dtype)
+    beta = xp.asarray(node.get("beta", 0.5), x.dtype)
+    return xp.clip(alpha * x + beta, xp.zeros((), x.dtype), xp.ones((), x.dtype))
+
+
+def _hard_swish(xp, node, x):
+    # The spec's function: x * max(0, min(1, x / 6 + 0.5)).
+    gate = xp.clip(x * xp.asarray(1 / 6, x.dtype) + xp.asarray(0.5, x.dtype), xp.zeros((), x.dtype),
+                   xp.ones((), x.dtype))
+    return x * gate
+
+
 def _where(xp, node, condition, x, y):
     return xp.where(condition, x, y)
 
@@ -331,6 +345,45 @@ def _global_average_pool(xp, node, x):
     return x.mean(axis=tuple(range(2, x.ndim)), keepdims=True)
 
 
+def _max_pool(xp, node, x):
+    import jax
+
+    spatial = x.ndim - 2
+    kernel = list(node["kernel_shape"])
+    strides = list(node.get("strides", [1] * spatial))
+    dilations = list(node.get("dilations", [1] * spatial))
+    begins, ends = window_pads(node, x.shape[2:], kernel, strides, dilations)
+    init = -xp.inf if xp.issubdtype(x.dtype, xp.floating) else xp.iinfo(x.dtype).min
+    return jax.lax.reduce_window(x, xp.asarray(init, x.dtype), jax.lax.max, (1, 1, *kernel), (1, 1, *strides),
+                                 [(0, 0), (0, 0), *zip(begins, ends)], window_dilation=(1, 1, *dilations))
+
+
+def window_pads(node, sizes, kernel, strides, dilations) -> tuple[list[int], list[int]]:
+    """A Conv's or pooling window's padding before and after each spatial axis: ``pads`` or
+    ``auto_pad``, plus, with a pooling ``ceil_mode``, what makes the last partial window count."""
+    spatial = len(sizes)
+    auto_pad = node.get("auto_pad", "NOTSET")
+    if auto_pad in ("NOTSET", "VALID"):
+        pads = list(node.get("pads", [0] * (2 * spatial))) if auto_pad == "NOTSET" else [0] * (2 * spatial)
+        begins, ends = pads[:spatial], pads[spatial:]
+    else:
+        begins, ends = [], []
+        for size, k, stride, dilation in zip(sizes, kernel, strides, dilations):
+            total = max((math.ceil(size / stride) - 1) * stride + (k - 1) * dilation + 1 - size, 0)
+            small, large = total // 2, total - total // 2
+            # SAME_UPPER puts the odd pad at the end, SAME_LOWER at the beginning.
+            begins.append(small if auto_pad == "SAME_UPPER" else large)
+            ends.append(large if auto_pad == "SAME_UPPER" else small)
+    if node.get("ceil_mode", 0):
+        for i, (size, k, stride, dilation) in enumerate(zip(sizes, kernel, strides, dilations)):
+            span = size + begins[i] + ends[i] - (k - 1) * dilation - 1
+            windows = math.ceil(span / stride) + 1
+            if (windows - 1) * stride >= size + begins[i]:  # a window may not start in the end padding
+                windows -= 1
+            ends[i] += max((windows - 1) * stride + (k - 1) * dilation + 1 - (size + begins[i] + ends[i]), 0)
+    return begins, ends
+
+
 def _reduce(name: str):
     def op(xp, node, x, axes=None):
         axes = _axes(node, axes, f"the axes of Reduce{name.capitalize()}")
@@ -356,6 +409,43 @@ def _constant(xp, node):
             return np.asarray(node[name], dtype)
     raise AutofuseError(f"the XLA baseline supports Constant with {', '.join(['value', *kinds])} only, "
                         f"not {', '.join(node.attrs)}")
+
+
+def _constant_of_shape(xp, node, shape):
+    from onnx import numpy_helper
+
+    value = numpy_helper.to_array(node["value"]) if "value" in node.attrs else np.zeros(1, np.float32)
+    return xp.full(tuple(_static(shape, "ConstantOfShape's shape")), value.reshape(()), dtype=value.dtype)
+
+
+def _range(xp, node, start, limit, delta):
+    # Its length depends on its operands' values: they must be known before tracing.
+    bounds = [v for v in (start, limit, delta) if isinstance(v, np.ndarray)]
+    if len(bounds) < 3:
+        raise AutofuseError("the XLA baseline needs static shapes, but Range's bounds are computed from the graph inputs")
+    return np.arange(start.item(), limit.item(), delta.item()).astype(start.dtype)
+
+
+def _split(xp, node, x, split=None):
+    axis = node.get("axis", 0) % x.ndim
+    if split is not None:
+        sizes = _static(split, "Split's sizes")
+    elif "split" in node.attrs:  # an attribute before opset 13
+        sizes = list(node["split"])
+    else:
+        parts = node.get("num_outputs") or node.outputs
+        size = -(-x.shape[axis] // parts)  # the last part takes what is left (opset 18)
+        sizes = [min(size, x.shape[axis] - i * size) for i in range(parts)]
+    cuts = np.cumsum(sizes)[:-1].tolist()
+    return tuple(xp.split(x, cuts, axis=axis))
+
+
+def _gather_nd(xp, node, x, indices):
+    if node.get("batch_dims", 0):
+        raise AutofuseError("the XLA baseline supports GatherND with batch_dims = 0 only")
+    depth = indices.shape[-1]
+    index = tuple(_normalized(xp, indices[..., i], x.shape[i]) for i in range(depth))
+    return x[index]
 
 
 def _shape(xp, node, x):
@@ -525,7 +615,10 @@ OPS: dict[str, Callable] = {
     "Gather": _gather, "Slice": _slice, "Expand": _expand, "GatherElements": _gather_elements,
     "ScatterElements": _scatter_elements, "CumSum": _cumsum, "TopK": _top_k, "Einsum": _einsum,
     "MatMulInteger": _matmul_integer,
+    "IsNaN": _unary("isnan"), "Cos": _unary("cos"), "Sin": _unary("sin"), "HardSigmoid": _hard_sigmoid,
+    "HardSwish": _hard_swish, "MaxPool": _max_pool, "ConstantOfShape": _constant_of_shape, "Range": _range,
+    "Split": _split, "GatherND": _gather_nd,
 }
 
 # These call jax itself (jax.lax, jax.nn), so they never run on the numpy constant path.
-_JAX_ONLY = {"Erf", "Sigmoid", "Conv", "Softmax"}
+_JAX_ONLY = {"Erf", "Sigmoid", "Conv", "Softmax", "MaxPool"}

@@ -23,14 +23,14 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import AutofuseError
-from .onnx_to_jax import Node, folds, node_args, parse_graph, store_results
+from .onnx_to_jax import Node, folds, node_args, parse_graph, store_results, window_pads
 from .onnx_to_jax import OPS as NUMPY_OPS
 
 # Operand positions that must be known when the function is made (Python ints, not tensors).
 STATIC_INPUTS = {
     "Reshape": (1,), "Expand": (1,), "Slice": (1, 2, 3, 4), "Unsqueeze": (1,), "Squeeze": (1,),
     "ReduceMean": (1,), "ReduceSum": (1,), "ReduceMax": (1,), "ReduceMin": (1,), "TopK": (1,),
-    "CumSum": (1,),
+    "CumSum": (1,), "Split": (1,),
 }
 
 
@@ -127,8 +127,8 @@ class _Tensors:
 
 def _step(node, info: Node, constants: dict, tensors: _Tensors) -> _Step:
     if OPS[node.op_type] is None:
-        raise AutofuseError(f"the torch baseline needs static shapes, but ONNX shape inference cannot "
-                            f"tell the shape of {node.op_type}'s input {node.input[0]!r}")
+        raise AutofuseError(f"the torch baseline needs static shapes, but the operands of {node.op_type} "
+                            f"({', '.join(node.input)}) are not known before run time")
     static = STATIC_INPUTS.get(node.op_type, ())
     args = []
     for position, name in enumerate(node.input):
@@ -154,7 +154,7 @@ def _inferred_shapes(model) -> dict[str, tuple[int, ...]]:
     """Static shapes of the graph's values by ONNX shape inference, so Shape folds."""
     import onnx
 
-    inferred = onnx.shape_inference.infer_shapes(model)
+    inferred = onnx.shape_inference.infer_shapes(model, data_prop=True)
     shapes = {}
     for value in [*inferred.graph.input, *inferred.graph.value_info, *inferred.graph.output]:
         dims = value.type.tensor_type.shape.dim
@@ -238,6 +238,16 @@ def _identity(node, x):
     return x
 
 
+def _hard_sigmoid(node, x):
+    import torch
+    return torch.clamp(node.get("alpha", 0.2) * x + node.get("beta", 0.5), 0.0, 1.0)
+
+
+def _hard_swish(node, x):
+    import torch.nn.functional as F
+    return F.hardswish(x)  # x * relu6(x + 3) / 6: the spec's alpha = 1/6, beta = 0.5
+
+
 def _where(node, condition, x, y):
     import torch
     return torch.where(condition, x, y)
@@ -314,29 +324,11 @@ def _conv(node, x, w, b=None):
         raise AutofuseError(f"the torch baseline supports Conv over 1 to 3 spatial dimensions, not {spatial}")
     strides = node.get("strides", [1] * spatial)
     dilations = node.get("dilations", [1] * spatial)
-    begins, ends = _conv_pads(node, x.shape[2:], w.shape[2:], strides, dilations)
+    begins, ends = window_pads(node, x.shape[2:], w.shape[2:], strides, dilations)
     if begins != ends:  # torch pads both sides alike: pad the input first
         x = F.pad(x, [p for i in reversed(range(spatial)) for p in (begins[i], ends[i])])
         begins = [0] * spatial
     return conv(x, w, b, strides, begins, dilations, node.get("group", 1))
-
-
-def _conv_pads(node, sizes, kernel, strides, dilations) -> tuple[list[int], list[int]]:
-    spatial = len(sizes)
-    auto_pad = node.get("auto_pad", "NOTSET")
-    if auto_pad == "NOTSET":
-        pads = list(node.get("pads", [0] * (2 * spatial)))
-        return pads[:spatial], pads[spatial:]
-    if auto_pad == "VALID":
-        return [0] * spatial, [0] * spatial
-    begins, ends = [], []
-    for size, k, stride, dilation in zip(sizes, kernel, strides, dilations):
-        total = max((math.ceil(size / stride) - 1) * stride + (k - 1) * dilation + 1 - size, 0)
-        small, large = total // 2, total - total // 2
-        # SAME_UPPER puts the odd pad at the end, SAME_LOWER at the beginning.
-        begins.append(small if auto_pad == "SAME_UPPER" else large)
-        ends.append(large if auto_pad == "SAME_UPPER" else small)
-    return begins, ends
 
 
 def _batch_norm(node, x, scale, bias, mean, var):
@@ -370,6 +362,22 @@ def _softmax(node, x):
     axis = node.get("axis", 1) % x.ndim
     flat = x.reshape(math.prod(x.shape[:axis]), math.prod(x.shape[axis:]))
     return torch.softmax(flat, dim=1).reshape(x.shape)
+
+
+def _max_pool(node, x):
+    import torch.nn.functional as F
+
+    spatial = x.ndim - 2
+    pool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}.get(spatial)
+    if pool is None:
+        raise AutofuseError(f"the torch baseline supports MaxPool over 1 to 3 spatial dimensions, not {spatial}")
+    kernel = list(node["kernel_shape"])
+    strides = list(node.get("strides", [1] * spatial))
+    dilations = list(node.get("dilations", [1] * spatial))
+    begins, ends = window_pads(node, x.shape[2:], kernel, strides, dilations)
+    # Padded with -inf first (torch pads both sides alike and limits the pad to half the window).
+    x = F.pad(x, [p for i in reversed(range(spatial)) for p in (begins[i], ends[i])], value=float("-inf"))
+    return pool(x, kernel, strides, 0, dilations)
 
 
 def _global_average_pool(node, x):
@@ -501,6 +509,23 @@ def _slice(node, x, starts=None, ends=None, axes=None, steps=None):
     return x
 
 
+def _split(node, x, split=None):
+    import torch
+    axis = node.get("axis", 0) % x.ndim
+    if split is None and "split" in node.attrs:
+        split = list(node["split"])
+    if split is None:
+        parts = node.get("num_outputs") or node.outputs
+        split = -(-x.shape[axis] // parts)  # equal parts, the last one smaller (opset 18)
+    return tuple(torch.split(x, split, dim=axis))
+
+
+def _gather_nd(node, x, indices):
+    if node.get("batch_dims", 0):
+        raise AutofuseError("the torch baseline supports GatherND with batch_dims = 0 only")
+    return x[tuple(_normalized_indices(indices[..., i], x.shape[i]) for i in range(indices.shape[-1]))]
+
+
 def _expand(node, x, shape):
     # ONNX Expand broadcasts both ways: a 1 in ``shape`` keeps the input's dim.
     return x.expand(np.broadcast_shapes(tuple(x.shape), tuple(shape)))
@@ -522,9 +547,12 @@ OPS: dict[str, Callable] = {
     "GlobalAveragePool": _global_average_pool, "ReduceMean": _reduce("mean"), "ReduceSum": _reduce("sum"),
     "ReduceMax": _reduce("amax"), "ReduceMin": _reduce("amin"), "CumSum": _cumsum, "Einsum": _einsum,
     "TopK": _top_k,
-    # Constant always folds, and Shape folds when shape inference knows its input's shape; never run.
-    "Constant": None, "Shape": None,
+    # Never run: Constant always folds, Shape when shape inference knows its input's shape, and
+    # ConstantOfShape and Range when their operands (shapes) are known, as they must be.
+    "Constant": None, "Shape": None, "ConstantOfShape": None, "Range": None,
     "Reshape": _reshape, "Transpose": _transpose, "Flatten": _flatten, "Unsqueeze": _unsqueeze,
     "Squeeze": _squeeze, "Concat": _concat, "Gather": _gather, "GatherElements": _gather_elements,
     "ScatterElements": _scatter_elements, "Slice": _slice, "Expand": _expand,
+    "IsNaN": _unary("isnan"), "Cos": _unary("cos"), "Sin": _unary("sin"), "HardSigmoid": _hard_sigmoid,
+    "HardSwish": _hard_swish, "MaxPool": _max_pool, "Split": _split, "GatherND": _gather_nd,
 }

@@ -24,7 +24,7 @@ def prepare_relax(subject: Subject, ctx: Context, fusion: str, db, stock: bool =
 
     if subject.onnx_path is None:
         raise Unavailable(f"{subject.name} has no ONNX graph to import")
-    prepared = prepare(subject.onnx_path, fusion)
+    prepared = prepare(subject.onnx_path, fusion, subject.input_shapes)
     mod, decisions = apply_database(prepared.mod, db, ctx.target, ctx.dev, stock=stock)
     main = relax.VirtualMachine(model_build.build(mod, ctx.target, stock=stock), ctx.dev)["main"]
     args = [tvm.runtime.tensor(x, ctx.dev) for x in subject.inputs]
@@ -34,6 +34,7 @@ def prepare_relax(subject: Subject, ctx: Context, fusion: str, db, stock: bool =
         last["out"] = main(*args)
 
     info = {"fusion": fusion, "kernels": len(decisions), "matches": dict(prepared.matches),
+            "folded": prepared.notes.folded, "import_warnings": len(prepared.notes.warnings),
             "records_applied": sum(d.applied == "record" for d in decisions),
             "records": sum(d.records for d in decisions),
             "decisions": [dataclasses.asdict(d) for d in decisions]}

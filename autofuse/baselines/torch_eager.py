@@ -37,11 +37,9 @@ def torch_device(torch, ctx: Context) -> str:
 def graph_function(subject: Subject, device: str) -> Callable:
     if subject.onnx_path is None:
         raise Unavailable(f"{subject.name} has no ONNX graph")
-    import onnx
-
     from .onnx_to_torch import torch_function
     try:
-        return torch_function(onnx.load(subject.onnx_path), device)
+        return torch_function(subject.static_graph(), device)
     except AutofuseError as err:  # an op without translation
         raise Unavailable(str(err)) from None
 

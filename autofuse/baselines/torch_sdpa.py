@@ -1,6 +1,6 @@
 """torch-sdpa: ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient /
 cuDNN kernels on a GPU, torch's CPU kernel otherwise), for the patterns that say how they map
-onto it (``Pattern.sdpa``, defined in the pattern's file)."""
+onto it (``Pattern.sdpa``, in the pattern's file or the schedule library)."""
 
 from __future__ import annotations
 

@@ -4,8 +4,6 @@ rest auto) with records applied never-worse, as ``autofuse build`` does."""
 
 from __future__ import annotations
 
-import tvm
-
 from ..errors import AutofuseError
 from . import Context, Prepared, Subject
 from .relax_vm import prepare_relax
@@ -28,19 +26,22 @@ class Autofuse:
     def _pattern(subject: Subject, ctx: Context) -> Prepared:
         from ..measure import empty_outputs, to_device
         from ..tune_patterns import Job
-        from ..verify import choose
+        from ..kernel_templates import count
+        from ..verify import build_kernel, choose
 
         job = Job(subject.pattern, subject.shape, subject.dtype)
         choice, rejected = choose(job, ctx.db, ctx.target, ctx.dev)
         if choice is None:
             raise AutofuseError(f"{job.label}: no record passed the numerical check and the pattern has no "
                                 f"template for {ctx.target.kind.name}")
-        rt = tvm.tirx.build(choice.mod, target=ctx.target)
+        rt = build_kernel(choice.mod, ctx.target)  # a kernel template's tirx kernel: the tirx pipeline
         args = to_device(subject.inputs, ctx.dev)
         outs = empty_outputs(job.pattern.output_specs(job.func), ctx.dev)
 
         valid, total = ctx.db.count(job.func) if ctx.db is not None else (0, 0)
+        kernel_valid, kernel_total = count(job, ctx.db)
+        valid, total = valid + kernel_valid, total + kernel_total
         return Prepared(lambda: rt(*args, *outs), ctx.dev.sync, lambda: [o.numpy() for o in outs],
-                        {"source": choice.source, "records": total, "valid_records": valid,
+                        {"source": choice.source, "knobs": choice.knobs, "records": total, "valid_records": valid,
                          "record_ms": choice.record_secs * 1e3 if choice.record_secs else None,
                          "rejected": rejected})

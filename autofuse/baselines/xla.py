@@ -23,13 +23,11 @@ class Xla:
             raise Unavailable("jax is not installed (pip install -e '.[bench]')") from None
         if subject.onnx_path is None:
             raise Unavailable(f"{subject.name} has no ONNX graph")
-        import onnx
-
         from .onnx_to_jax import jax_function
 
         device = _device(jax, ctx)
         try:
-            fn = jax.jit(jax_function(onnx.load(subject.onnx_path)))
+            fn = jax.jit(jax_function(subject.static_graph()))
         except AutofuseError as err:
             raise Unavailable(str(err)) from None
         args = [jax.device_put(x, device) for x in subject.inputs]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import sys
 
 from ..errors import AutofuseError
-from .common import db_flag, fusion_flag, open_database, print_matches, target_flag, target_of
+from .common import (db_flag, fusion_flag, input_shape_flag, input_shapes, open_database, print_matches,
+                     target_flag, target_of)
 
 
 def add_parser(sub) -> None:
@@ -15,7 +16,8 @@ def add_parser(sub) -> None:
         "(pattern kernels default to their template), build with relax.build, export a library that "
         "TVM's runtime loads alone (plus LIB.json describing inputs and kernels), and check the "
         "result against onnxruntime on seeded inputs (exit 1 on a mismatch)."), parents=[
-        fusion_flag(), db_flag("database root (default logs); --db none builds without records"), target_flag()])
+        fusion_flag(), db_flag("database root (default logs); --db none builds without records"), target_flag(),
+        input_shape_flag()])
     build.set_defaults(handler=run)
     build.add_argument("model", metavar="MODEL.onnx")
     build.add_argument("-o", "--output", default=None, help="library path (default out/<model>-<fusion>.so)")
@@ -35,7 +37,7 @@ def run(args) -> int:
     target = target_of(args, need_device="cannot run or check the build")
     if args.cuda_graph and target.kind.name != "cuda":
         raise AutofuseError(f"--cuda-graph needs a cuda target, not {target.kind.name}")
-    prepared = prepare(args.model, args.fusion)
+    prepared = prepare(args.model, args.fusion, input_shapes(args.input_shape))
     print_matches(prepared)
     output = args.output or os.path.join("out", f"{prepared.name}-{args.fusion}.so")
     result = build_model(prepared, target, open_database(args, target, none_allowed=True), output,

@@ -70,6 +70,39 @@ def fusion_flag(help: str | None = None) -> Parser:
     return parent
 
 
+def input_shape_flag() -> Parser:
+    """--input-shape NAME=DIMS, read by ``input_shapes``."""
+    parent = Parser(add_help=False)
+    parent.add_argument("--input-shape", action="append", metavar="NAME=DIMS", help=(
+        "a model input's shape, binding its symbolic (batch, sequence) axes, e.g. input_ids=1x128 "
+        "(repeatable or comma-separated, as trtexec --shapes)"))
+    return parent
+
+
+def input_shapes(items: list[str] | None) -> dict[str, tuple[int, ...]] | None:
+    """``--input-shape input_ids=1x128,attention_mask=1x128`` as {"input_ids": (1, 128), ...};
+    None when not given. Whether the names and ranks fit the model is checked against it
+    (``model.shapes.bind_input_shapes``)."""
+    if not items:
+        return None
+    shapes: dict[str, tuple[int, ...]] = {}
+    for item in items:
+        for part in item.split(","):
+            name, sep, dims = part.strip().rpartition("=")
+            if not sep or not name or not dims:
+                raise AutofuseError(f"--input-shape expects NAME=DIMS (e.g. input_ids=1x128), got {part.strip()!r}")
+            sizes = []
+            for dim in dims.split("x"):
+                if not (dim.isascii() and dim.isdigit()) or int(dim) == 0:
+                    raise AutofuseError(f"--input-shape {part.strip()}: {dim!r} is not a positive size "
+                                        "(DIMS are sizes joined by x, e.g. 1x128)")
+                sizes.append(int(dim))
+            if name in shapes:
+                raise AutofuseError(f"--input-shape gives {name!r} twice")
+            shapes[name] = tuple(sizes)
+    return shapes
+
+
 def shape_overrides(items: list[str] | None) -> dict[str, str]:
     """``--shape m=128,n=64 --shape k=32`` as {"m": "128", "n": "64", "k": "32"}."""
     overrides = {}
@@ -137,7 +170,9 @@ def check_writable(folder: str) -> None:
 
 
 def print_matches(prepared) -> None:
-    """Which patterns ``--fusion patterns`` found in a model."""
+    """What the import did (folded nodes, TVM's warnings: counted, not shown) and which patterns
+    ``--fusion patterns`` found in a model."""
+    print(f"autofuse: imported {prepared.name}: {prepared.notes.summary()}", file=sys.stderr)
     if prepared.fusion != "patterns":
         return
     if prepared.matches:

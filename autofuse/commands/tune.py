@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from ..errors import AutofuseError
-from .common import (db_flag, fusion_flag, open_database, pattern_flags, positive_float, positive_int,
-                     pattern_jobs, print_matches, target_flag, target_of)
+from .common import (db_flag, fusion_flag, input_shape_flag, input_shapes, open_database, pattern_flags,
+                     positive_float, positive_int, pattern_jobs, print_matches, target_flag, target_of)
 
 DEFAULT_PATTERN = "linear_bias_relu"
 DEFAULT_TRIALS = 32
@@ -25,7 +25,7 @@ def add_parser(sub) -> None:
         target_flag("llvm (this CPU, with its mcpu and core count), cuda/h200, or a JSON target dict"),
         db_flag("database root; records go to DB/<target-key>/ (default logs)"),
         fusion_flag("for a model: none (op per kernel), auto (TVM FuseOps, the XLA-style baseline) or "
-                    "patterns (our patterns matched first, the rest auto; default)")])
+                    "patterns (our patterns matched first, the rest auto; default)"), input_shape_flag()])
     tune.set_defaults(handler=run)
     tune.add_argument("model", nargs="?", default=None, metavar="MODEL.onnx",
                       help="tune this ONNX model's kernels instead of a pattern (see --fusion)")
@@ -50,6 +50,8 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     if args.model is not None:
         return _tune_model(args)
+    if args.input_shape:
+        raise AutofuseError("--input-shape applies to a model (autofuse tune MODEL.onnx), not to patterns")
     args.pattern = args.pattern or DEFAULT_PATTERN
     from ..report import TUNE_COLUMNS, machine_info, table, write_json
     from ..target import target_key
@@ -93,7 +95,8 @@ def _tune_model(args) -> int:
     if args.pattern or args.shape or args.small:
         raise AutofuseError("--pattern/--shape/--small apply to pattern tuning, not to a model")
     target = target_of(args, NEEDS_DEVICE)
-    prepared = prepare(args.model, args.fusion)
+    shapes = input_shapes(args.input_shape)
+    prepared = prepare(args.model, args.fusion, shapes)
     print_matches(prepared)
     runner, runner_status = _runner(args)
     db = open_database(args, target)
@@ -108,7 +111,8 @@ def _tune_model(args) -> int:
     print(table(rows, [("kernel", "kernel"), ("weight", "runs"), ("space", "space"), ("trials", "trials"),
                        ("best_ms", "best ms (measured in tuning)"), ("tune_secs", "time s")]))
     print(_throughput_line(stats))
-    print(f"next: autofuse build {args.model} --fusion {args.fusion} --db {args.db}")
+    bind = "".join(f" --input-shape {n}={'x'.join(map(str, d))}" for n, d in (shapes or {}).items())
+    print(f"next: autofuse build {args.model} --fusion {args.fusion} --db {args.db}{bind}")
     return 0
 
 

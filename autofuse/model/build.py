@@ -15,6 +15,7 @@ from tvm.target import Target
 
 from ..accuracy import Check, compare, reduction_length
 from ..errors import AutofuseError
+from ..kernel_templates import relax_build_options
 
 
 def build(mod: tvm.IRModule, target: Target, cuda_graph: bool = False, stock: bool = False):
@@ -27,7 +28,8 @@ def build(mod: tvm.IRModule, target: Target, cuda_graph: bool = False, stock: bo
         raise AutofuseError(f"--cuda-graph needs a cuda target, not {target.kind.name}")
     config = {"relax.backend.use_cuda_graph": True} if cuda_graph else {}
     with tvm.transform.PassContext(opt_level=3, config=config):
-        return relax.build(mod if stock else fast_math(mod, target), target=target)
+        # a kernel template's tirx kernel in ``mod``: its arch and the mixed tirx/s_tir pipeline
+        return relax.build(mod if stock else fast_math(mod, target), **relax_build_options(mod, target))
 
 
 class StagedLibrary:
@@ -47,7 +49,8 @@ class StagedLibrary:
         stem, ext = os.path.splitext(os.path.basename(path))
         # The same suffix: export_library picks the format (shared library, tar) from it.
         self.library = os.path.join(folder, f".{stem}.partial-{os.getpid()}{ext}")
-        executable.export_library(self.library)
+        with native_stderr_silenced():  # TVM logs a "Scope Saving" warning per constant scope
+            executable.export_library(self.library)
 
     def load(self):
         """The staged library as TVM's runtime loads it."""

@@ -1,19 +1,42 @@
 """ONNX files into Relax, with one clear error for each way a file can be unusable.
 
-The op set the Relax ONNX frontend converts is the op set autofuse supports; anything else is
-named in the error before the frontend is asked.
+Before the Relax frontend sees a model, its symbolic input dimensions are bound (``--input-shape``)
+and its shape computations folded (``shapes.static_model``): what reaches Relax has static
+shapes. The op set the Relax ONNX frontend
+converts is the op set autofuse supports; anything else is named in the error before the
+frontend is asked, and an op it fails on is named with its node. TVM's warnings during import are
+collected (``ImportNotes``), not printed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import io
 import os
+import tempfile
+import warnings
 
 import google.protobuf.message
 import numpy as np
 import onnx
-from tvm.relax.frontend.onnx import from_onnx, onnx_frontend
+from tvm import relax, tirx
+from tvm.relax.frontend.onnx import onnx_frontend
 
 from ..errors import AutofuseError
+from .shapes import input_specs
+
+@dataclasses.dataclass
+class ImportNotes:
+    """What happened on the way into Relax, for one summary line."""
+    folded: int = 0                                  # nodes replaced by constants
+    warnings: list[str] = dataclasses.field(default_factory=list)   # TVM's, captured
+
+    def summary(self) -> str:
+        parts = [f"{self.folded} shape/constant node(s) folded"]
+        if self.warnings:
+            parts.append(f"{len(self.warnings)} TVM import warning(s) not shown")
+        return ", ".join(parts)
 
 
 def load_onnx(path: str):
@@ -38,45 +61,109 @@ def load_onnx(path: str):
     return model
 
 
-def unsupported_ops(model) -> list[str]:
+def unsupported_ops(model) -> dict[str, str]:
+    """Op types the Relax frontend cannot convert, each with the first node that uses it."""
     known = set(onnx_frontend._get_convert_map()) | {"If", "Constant"}
-    return sorted({node.op_type for node in model.graph.node if node.op_type not in known})
+    missing: dict[str, str] = {}
+    for node in model.graph.node:
+        if node.op_type not in known:
+            missing.setdefault(node.op_type, node.name or (node.output[0] if node.output else "(unnamed)"))
+    return dict(sorted(missing.items()))
 
 
-def to_relax(model, path: str = "model"):
-    """The Relax IRModule of ``model``, weights embedded as constants."""
+def to_relax(model, path: str = "model", notes: ImportNotes | None = None):
+    """The Relax IRModule of ``model``, weights embedded as constants. An op the frontend cannot
+    convert is one error naming the op, its node and the model; TVM's warnings (Python's and
+    its C++ log on stderr) go to ``notes`` instead of the terminal."""
     missing = unsupported_ops(model)
     if missing:
-        raise AutofuseError(f"{path} uses ONNX op(s) the Relax frontend cannot import: {', '.join(missing)}")
+        named = ", ".join(f"{op} (node {node!r})" for op, node in missing.items())
+        raise AutofuseError(f"{path} uses ONNX op(s) the Relax frontend cannot import: {named}")
+    notes = notes if notes is not None else ImportNotes()
+    importer = _NamingImporter(None, "float32", keep_params_in_input=False, sanitize=True)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
     try:
-        return from_onnx(model, keep_params_in_input=False)
+        with captured_tvm_output(notes):
+            mod = importer.from_onnx(model.graph, opset)
+    except _NodeFailed as failed:
+        raise AutofuseError(f"{path}: node {failed.node!r} ({failed.op}) cannot be imported into Relax: "
+                            f"{_first_line(failed.cause)}") from None
     except Exception as err:  # the frontend raises many types for graphs it cannot convert
         raise AutofuseError(f"importing {path} into Relax failed: {_first_line(err)}") from None
+    if importer.dynamic is not None:
+        op, node = importer.dynamic
+        raise AutofuseError(f"{path}: node {node!r} ({op}) gives a tensor whose shape is known only at run time "
+                            "(data-dependent); autofuse builds models of static shapes")
+    return mod
 
 
-def input_specs(model) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, shape, numpy dtype) of each graph input that is not an initializer."""
-    initializers = {init.name for init in model.graph.initializer}
-    specs = []
-    for value in model.graph.input:
-        if value.name in initializers:
-            continue
-        tensor = value.type.tensor_type
-        dims = []
-        for d in tensor.shape.dim:
-            if not d.HasField("dim_value"):
-                raise AutofuseError(f"input {value.name!r} has a symbolic dimension {d.dim_param!r}: "
-                                    "give it a fixed size in the model")
-            dims.append(int(d.dim_value))
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)
-        specs.append((value.name, tuple(dims), np.dtype(dtype).name))
-    return specs
+class _NodeFailed(Exception):
+    def __init__(self, op: str, node: str, cause: BaseException):
+        super().__init__(op, node)
+        self.op, self.node, self.cause = op, node, cause
+
+
+class _NamingImporter(onnx_frontend.ONNXGraphImporter):
+    """TVM's importer, knowing which node it was converting when a conversion fails, and the
+    first node whose output shape is not static."""
+
+    dynamic: tuple[str, str] | None = None
+
+    def _convert_operator(self, op_name, inputs, attrs, opset):
+        node = attrs.get("tvm_custom", {}).get("name") or "(unnamed)"
+        try:
+            out = super()._convert_operator(op_name, inputs, attrs, opset)
+        except Exception as err:
+            raise _NodeFailed(op_name, node, err) from err
+        if self.dynamic is None and not _static(out):
+            self.dynamic = (op_name, node)
+        return out
+
+
+def _static(expr) -> bool:
+    """Every tensor in ``expr``'s type has a shape of integer constants."""
+    ty = getattr(expr, "ty", None)
+    return ty is None or _static_type(ty)
+
+
+def _static_type(ty) -> bool:
+    if isinstance(ty, relax.TupleType):
+        return all(_static_type(field) for field in ty.fields)
+    if isinstance(ty, relax.TensorType):
+        shape = ty.shape
+        return isinstance(shape, relax.ShapeExpr) and all(isinstance(v, tirx.IntImm) for v in shape.values)
+    return True
+
+
+@contextlib.contextmanager
+def captured_tvm_output(notes: ImportNotes):
+    """TVM's Python warnings, its prints and its C++ log (fd 2) into ``notes``."""
+    with warnings.catch_warnings(record=True) as caught, contextlib.redirect_stdout(io.StringIO()), \
+            tempfile.TemporaryFile(mode="w+b") as native:
+        warnings.simplefilter("always")
+        saved = os.dup(2)
+        os.dup2(native.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            notes.warnings.extend(str(w.message).splitlines()[0] for w in caught if str(w.message).strip())
+            native.seek(0)
+            notes.warnings.extend(line for line in native.read().decode(errors="replace").splitlines()
+                                  if line.strip())
 
 
 def random_inputs(model, seed: int = 0) -> dict[str, np.ndarray]:
+    return random_feeds(input_specs(model), seed)
+
+
+def random_feeds(specs, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded inputs for (name, shape, dtype) specs: standard normal floats; integers in [0, 8),
+    valid token ids and mask values (a negative id would index out of bounds)."""
     rng = np.random.default_rng(seed)
     inputs = {}
-    for name, shape, dtype in input_specs(model):
+    for name, shape, dtype in specs:
         if np.issubdtype(np.dtype(dtype), np.floating):
             inputs[name] = rng.standard_normal(shape).astype(dtype)
         else:

@@ -14,12 +14,15 @@ from tvm.target import Target
 
 from ..database import TuningDatabase
 from ..errors import AutofuseError
+from ..kernel_templates import tune_kernels
 from ..progress import tuning_bar
 from ..target import device_for
 from ..tune import TuneStats, tune
 from . import build as model_build
 from .fusion import fuse, kernel_names
-from .importer import input_specs, load_onnx, random_inputs, to_relax
+from .importer import (ImportNotes, captured_tvm_output, input_specs, load_onnx, random_feeds, random_inputs,
+                       to_relax)
+from .shapes import static_model
 from .kernels import apply_database
 from .tuning import model_tasks
 
@@ -31,18 +34,28 @@ class PreparedModel:
     fusion: str
     mod: tvm.IRModule
     matches: dict[str, int]
+    notes: ImportNotes = dataclasses.field(default_factory=ImportNotes)
 
     @property
     def name(self) -> str:
         return os.path.splitext(os.path.basename(self.path))[0]
 
 
-def prepare(path: str, fusion: str) -> PreparedModel:
-    model = load_onnx(path)
-    input_specs(model)  # symbolic input dimensions are an error before any work
-    imported = to_relax(model, path)
-    mod, matches = fuse(imported, fusion)
-    return PreparedModel(path, model, fusion, mod, matches)
+def prepare(path: str, fusion: str, input_shapes: dict[str, tuple[int, ...]] | None = None) -> PreparedModel:
+    """Load, bind ``input_shapes`` (``--input-shape``), fold shape computations, import and fuse.
+    ``onnx`` is the static, folded model; onnxruntime checks against the file at ``path``."""
+    model, folded = static_model(load_onnx(path), input_shapes, path)
+    notes = ImportNotes(folded=folded)
+    imported = to_relax(model, path, notes)
+    try:
+        with captured_tvm_output(notes):
+            mod, matches = fuse(imported, fusion)
+    except AutofuseError:
+        raise
+    except Exception as err:  # TVM's lowering of a construct the import let through
+        raise AutofuseError(f"{path}: lowering to kernels ({fusion} fusion) failed: "
+                            f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}") from None
+    return PreparedModel(path, model, fusion, mod, matches, notes)
 
 
 def tune_model(prepared: PreparedModel, target: Target, db: TuningDatabase, *, trials: int, space: str,
@@ -53,7 +66,22 @@ def tune_model(prepared: PreparedModel, target: Target, db: TuningDatabase, *, t
         stats = tune(tasks, target, db.ms, db.work_dir, trials_per_task=trials, trials_total=trials,
                      space=space, seed=seed, cost_model_path=db.cost_model_path, run_timeout=run_timeout,
                      runner=runner, on_progress=on_progress, on_phase=on_phase)
+        if space != "generic":  # its pattern kernels' kernel templates, as ``tune --pattern`` searches them
+            tune_kernels(_pattern_jobs(prepared.mod), target, db, trials=trials, on_phase=on_phase)
     return tasks, stats
+
+
+def _pattern_jobs(mod: tvm.IRModule) -> list:
+    """One pattern workload per distinct pattern kernel of a fused model."""
+    from ..tune_patterns import Job
+    from .kernels import kernels
+
+    found = {}
+    for kernel in kernels(mod):
+        if kernel.pattern is not None:
+            key = (kernel.pattern.name, json.dumps(kernel.shape, sort_keys=True), kernel.dtype)
+            found.setdefault(key, (kernel.pattern, kernel.shape, kernel.dtype))
+    return [Job(*args) for args in found.values()]
 
 
 @dataclasses.dataclass
@@ -117,9 +145,8 @@ def _vm_latency_ms(executable, feeds, dev, repeat: int) -> float:
 
 def load_inputs(meta: dict, inputs_path: str | None, seed: int) -> dict[str, np.ndarray]:
     """Inputs for ``run``: from an .npz (checked against the library's input specs) or random."""
-    rng = np.random.default_rng(seed)
     if inputs_path is None:
-        return {i["name"]: rng.standard_normal(i["shape"]).astype(i["dtype"]) for i in meta["inputs"]}
+        return random_feeds([(i["name"], i["shape"], i["dtype"]) for i in meta["inputs"]], seed)
     if not os.path.exists(inputs_path):
         raise AutofuseError(f"inputs file {inputs_path} does not exist")
     try:
@@ -139,7 +166,21 @@ def load_inputs(meta: dict, inputs_path: str | None, seed: int) -> dict[str, np.
     return feeds
 
 
-def run_library(library: str, inputs_path: str | None, seed: int = 0) -> tuple[dict, dict[str, np.ndarray]]:
+def _check_built_shapes(meta: dict, shapes: dict[str, tuple[int, ...]] | None, library: str) -> None:
+    """A library runs at the shapes it was built for: ``--input-shape`` must name those."""
+    built = {i["name"]: tuple(i["shape"]) for i in meta["inputs"]}
+    for name, dims in (shapes or {}).items():
+        if name not in built:
+            raise AutofuseError(f"--input-shape names {name!r}, not an input of {library} (its inputs: "
+                                f"{', '.join(built) or 'none'})")
+        if dims != built[name]:
+            raise AutofuseError(f"{library} was built for {name}={'x'.join(map(str, built[name]))}, not "
+                                f"{'x'.join(map(str, dims))}: build another with autofuse build --input-shape "
+                                f"{name}={'x'.join(map(str, dims))}")
+
+
+def run_library(library: str, inputs_path: str | None, seed: int = 0,
+                input_shapes: dict[str, tuple[int, ...]] | None = None) -> tuple[dict, dict[str, np.ndarray]]:
     meta_path = library + ".json"
     if not os.path.exists(library):
         raise AutofuseError(f"library {library} does not exist")
@@ -147,6 +188,7 @@ def run_library(library: str, inputs_path: str | None, seed: int = 0) -> tuple[d
         raise AutofuseError(f"{meta_path} is missing: build the library with `autofuse build`")
     with open(meta_path, encoding="utf-8") as f:
         meta = json.load(f)
+    _check_built_shapes(meta, input_shapes, library)
     feeds = load_inputs(meta, inputs_path, seed)
     try:
         with model_build.native_stderr_silenced():  # TVM logs a "Scope Loaded" warning per constant scope

@@ -13,6 +13,7 @@ from tvm import tirx
 from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.target import Target
 
+from .. import kernel_templates
 from ..database import TuningDatabase
 from ..errors import AutofuseError
 from ..measure import param_bytes
@@ -93,8 +94,8 @@ def apply_database(mod: tvm.IRModule, db: TuningDatabase | None, target: Target,
             raise AutofuseError(f"{what} has nothing to run on {target.kind.name}: {'; '.join(rejected)}")
         if choice.source != UNSCHEDULED:  # the TensorIR as written stays as TVM lowers it
             mod[kernel.gv] = _as_kernel(choice.mod["main"], kernel)
-        decisions.append(_decision(kernel, choice, len(rejected) - len(choice.notes),
-                                   db.count(kernel.workload)[1] if db is not None else 0, db is not None))
+        records = db.count(kernel.workload)[1] + kernel_templates.count(kernel, db)[1] if db is not None else 0
+        decisions.append(_decision(kernel, choice, len(rejected) - len(choice.notes), records, db is not None))
     return mod, decisions
 
 
@@ -105,6 +106,8 @@ def _decision(kernel: Kernel, choice, records_rejected: int, records: int, with_
     if choice.record_source is not None and not choice.is_record:
         notes.append("record slower than default")
     notes += choice.notes
+    if choice.knobs is not None:
+        notes.append("tirx kernel " + ",".join(f"{k}={v}" for k, v in choice.knobs.items()))
     applied = "record" if choice.is_record else ("template-default" if choice.source == TEMPLATE_DEFAULT
                                                  else "default")
     ms = (lambda secs: secs * 1e3 if secs is not None else None)
@@ -118,6 +121,10 @@ def _as_kernel(scheduled, kernel: Kernel):
     func = scheduled.without_attr("global_symbol")
     if kernel.original.attrs and "global_symbol" in kernel.original.attrs:
         func = func.with_attr("global_symbol", kernel.original.attrs["global_symbol"])
+    if kernel_templates.is_tirx(func):  # a kernel template's kernel: still this pattern's kernel
+        for key in (PATTERN_ATTR, SHAPE_ATTR, DTYPE_ATTR, "op_pattern"):
+            if key in kernel.original.attrs:
+                func = func.with_attr(key, kernel.original.attrs[key])
     return func.with_attr("tirx.is_scheduled", True)
 
 

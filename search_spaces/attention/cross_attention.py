@@ -13,8 +13,11 @@ import math
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
-from search_spaces.lib.attention import cpu_softmax_tail, load_lanes, row_lanes, softmax_stages, vector_split
+from autofuse.pattern import Pattern, ShapeParam, template
+from search_spaces.lib.attention import (BATCH, HEAD_DIM, HEADS, attention_graph, cpu_softmax_tail, load_lanes,
+                                         row_lanes, sdpa, softmax_stages, vector_split)
+from search_spaces.lib.attention import attention_inputs as make_inputs
+from search_spaces.lib.attention import attention_reference as reference
 from search_spaces.lib.cpu_rows import rfactor_lanes
 from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tir_math import dtype_bytes
@@ -37,23 +40,6 @@ def build(shape, dtype):
                lambda b, h, i, j, d: v[b, h, j, d], out, lambda b, h, i, d: [b, h, i, d], (nb, nh, sq, skv, hd), scale)
 
     return cross_attention
-
-
-def reference(q, k, v):
-    qf, kf, vf = (a.astype(np.float64) for a in (q, k, v))
-    s = qf @ kf.swapaxes(-1, -2) / math.sqrt(q.shape[-1])
-    e = np.exp(s - s.max(axis=-1, keepdims=True))
-    return ((e / e.sum(axis=-1, keepdims=True)) @ vf).astype(q.dtype)
-
-
-def make_inputs(shape, dtype, seed):
-    rng = np.random.default_rng(seed)
-    nb, nh, sq, skv, hd = _dims(shape)
-    # Unit-variance q and k give scores q.k/sqrt(hd) of unit variance: a softmax neither flat nor one-hot.
-    # Drawn as float32 and cast: a half-precision run gets the float32 run's inputs, rounded.
-    arrays = [rng.standard_normal((nb, nh, sq, hd)), rng.standard_normal((nb, nh, skv, hd)),
-              rng.standard_normal((nb, nh, skv, hd))]
-    return [a.astype(np.float32).astype(dtype) for a in arrays]
 
 
 def flops(shape):
@@ -226,36 +212,13 @@ def cuda_query_rows(sch, target, knobs):
 
 
 def onnx_graph(shape, dtype):
-    """MatMul(q, Transpose(k)) * scale, Softmax, MatMul with v: what an exporter writes for
-    scaled_dot_product_attention without a mask."""
-    from onnx import helper
-    nb, nh, sq, skv, hd = _dims(shape)
-    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
-             helper.make_node("MatMul", ["q", "kt"], ["s"]),
-             helper.make_node("Mul", ["s", "scale"], ["ss"]),
-             helper.make_node("Softmax", ["ss"], ["p"], axis=-1),
-             helper.make_node("MatMul", ["p", "v"], ["out"])]
-    return onnx_model("cross_attention", nodes,
-                      [("q", (nb, nh, sq, hd)), ("k", (nb, nh, skv, hd)), ("v", (nb, nh, skv, hd))],
-                      [("out", (nb, nh, sq, hd))], dtype,
-                      {"scale": np.asarray(1.0 / math.sqrt(hd), dtype=dtype)})
+    return attention_graph("cross_attention", shape, dtype, out="out")
 
 
-def sdpa(torch, shape, q, k, v):
-    """The torch-sdpa baseline: torch's scaled_dot_product_attention on the same tensors."""
-    return [torch.nn.functional.scaled_dot_product_attention(q, k, v)]
-
-
-PATTERN = Pattern(
-    name="cross_attention", family="attention",
+PATTERN = Pattern.from_module(
+    globals(),
     description="softmax(q k^T / sqrt(d)) v with seq_q != seq_kv, no mask, scores kept per query tile",
-    shape_params=[ShapeParam("batch", 1, 1, "batch size"),
-                  ShapeParam("heads", 8, 2, "attention heads"),
-                  ShapeParam("seq_q", 128, 8, "decoder (query) length"),
-                  ShapeParam("seq_kv", 384, 12, "encoder (key/value) length"),
-                  ShapeParam("head_dim", 64, 8, "per-head feature size")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
+    shape_params=[BATCH, HEADS, ShapeParam("seq_q", 128, 8, "decoder (query) length"),
+                  ShapeParam("seq_kv", 384, 12, "encoder (key/value) length"), HEAD_DIM],
     templates=[query_tile, cuda_query_rows],
-    sdpa=sdpa,
 )

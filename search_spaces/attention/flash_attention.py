@@ -17,7 +17,8 @@ right only because no template parallelises or reorders ``t``. seq_q and seq_kv 
 Templates: ``flash_tiles`` (CPU: query tiles in parallel, each K/V tile reused from L1 by a tile's
 rows) and ``cuda_flash`` (FlashAttention-2 on SIMT cores: a block per (batch, head, query tile),
 K/V tiles in shared memory, the running state in registers). Scores, statistics and acc are float32
-in every dtype.
+in every dtype. On an sm_90 GPU in float16/bfloat16 the kernel template ``cuda_wgmma_flash`` comes
+first where its tiles fit (``lib.cuda_attention``'s tensor-core prefill, written in the tirx script).
 """
 
 import math
@@ -26,9 +27,14 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import (Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, onnx_model, static_shape,
-                              template)
-from search_spaces.lib.attention import CUDA_LOAD_LANES, annotate_read, row_lanes, vector_split
+from autofuse.pattern import (FLOAT_DTYPES, KernelTemplate, Pattern, RelaxRule, ShapeParam, constant_value, dtype_of,
+                              static_shape, template)
+from search_spaces.lib import cuda_attention
+from search_spaces.lib.attention import (BATCH, CUDA_LOAD_LANES, HEAD_DIM, annotate_read, attention_graph, gqa_heads,
+                                         row_lanes, sdpa, vector_split)
+from search_spaces.lib.attention import attention_inputs as make_inputs
+from search_spaces.lib.attention import attention_reference as reference
+from search_spaces.lib.cuda_wgmma import HOPPER
 from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import dtype_bytes, exp_f32
 
@@ -209,33 +215,6 @@ def build(shape, dtype):
                     o[vb, vh, vi, vd] = T.Cast(dtype, acc[vb, vh, vi, vd] / l[vb, vh, vi])
 
     return flash_attention
-
-
-def reference(q, k, v, shape=None):
-    causal = int((shape or {}).get("causal", 0))
-    qf, kf, vf = (x.astype(np.float64) for x in (q, k, v))
-    # Grouped-query: K/V head g serves query heads g * group .. (g + 1) * group - 1.
-    group = q.shape[1] // k.shape[1]
-    kf, vf = (np.repeat(x, group, axis=1) for x in (kf, vf))
-    sq, skv, d = q.shape[2], k.shape[2], q.shape[3]
-    s = qf @ np.swapaxes(kf, -1, -2) / math.sqrt(d)
-    if causal:
-        i = np.arange(sq)[:, None]
-        j = np.arange(skv)[None, :]
-        s = np.where(j <= i + (skv - sq), s, -np.inf)
-    s = s - s.max(axis=-1, keepdims=True)
-    e = np.exp(s)
-    return (e / e.sum(axis=-1, keepdims=True) @ vf).astype(q.dtype)
-
-
-def make_inputs(shape, dtype, seed):
-    rng = np.random.default_rng(seed)
-    b, h, kvh, sq, skv, d = (shape[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim"))
-    # Unit-normal q and k: scores q.k/sqrt(d) are about unit-normal, a realistic softmax spread.
-    # Drawn as float32 and cast: a half-precision run gets the float32 run's inputs, rounded.
-    arrays = [rng.standard_normal((b, h, sq, d)), rng.standard_normal((b, kvh, skv, d)),
-              rng.standard_normal((b, kvh, skv, d))]
-    return [a.astype(np.float32).astype(dtype) for a in arrays]
 
 
 def visible_pairs(shape):
@@ -498,43 +477,20 @@ def cuda_flash(sch, target, knobs):
     unroll(sch, knobs, pc, explicit=0)
 
 
+def _wgmma_prefill(shape, dtype, knobs):
+    """FlashAttention on Hopper tensor cores (``lib.cuda_attention.prefill_attention``): TMA
+    producer warpgroup, two wgmma consumer warpgroups of 64 query rows, online softmax in
+    registers; float16/bfloat16, head_dim 64 or 128, seq_q a multiple of 128 and seq_kv of the key
+    tile (other shapes fall back to ``cuda_flash``)."""
+    return cuda_attention.prefill_attention(shape, dtype, knobs)
+
+
+cuda_wgmma_flash = KernelTemplate("cuda_wgmma_flash", _wgmma_prefill, cuda_attention.PREFILL_KNOBS,
+                                  cuda_attention.PREFILL_DEFAULT_KNOBS, cuda_attention.check_prefill, **HOPPER)
+
+
 def onnx_graph(shape, dtype):
-    """MatMul(q, Transpose(k)) * scale [+ constant 0/-1e9 causal mask], Softmax, MatMul with v: the
-    score matrix is materialised, as the baselines compute it. With kv_heads < heads, K and V are
-    first repeated to every query head of their group (Unsqueeze, Expand, Reshape), as exporters
-    write grouped-query attention in standard ops."""
-    from onnx import helper
-    b, h, kvh, sq, skv, d = (shape[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim"))
-    causal = int(shape.get("causal", 0))
-    consts = {"scale": np.array(1.0 / math.sqrt(d), dtype=dtype)}
-    nodes = []
-    k_in, v_in = "k", "v"
-    if kvh != h:
-        consts["axis2"] = np.array([2], dtype=np.int64)
-        consts["group_shape"] = np.array([b, kvh, h // kvh, skv, d], dtype=np.int64)
-        consts["heads_shape"] = np.array([b, h, skv, d], dtype=np.int64)
-        for x in ("k", "v"):
-            nodes += [helper.make_node("Unsqueeze", [x, "axis2"], [f"{x}_1"]),
-                      helper.make_node("Expand", [f"{x}_1", "group_shape"], [f"{x}_group"]),
-                      helper.make_node("Reshape", [f"{x}_group", "heads_shape"], [f"{x}_heads"])]
-        k_in, v_in = "k_heads", "v_heads"
-    nodes += [helper.make_node("Transpose", [k_in], ["kt"], perm=[0, 1, 3, 2]),
-              helper.make_node("MatMul", ["q", "kt"], ["qk"]),
-              helper.make_node("Mul", ["qk", "scale"], ["scores"])]
-    logits = "scores"
-    if causal:
-        i = np.arange(sq)[:, None]
-        j = np.arange(skv)[None, :]
-        # -1e9 rather than -inf: exp underflows to exactly 0 either way, and a finite mask is what
-        # exporters emit.
-        consts["mask"] = np.where(j <= i + (skv - sq), 0.0, -1e9).astype(dtype)
-        nodes.append(helper.make_node("Add", ["scores", "mask"], ["masked"]))
-        logits = "masked"
-    nodes += [helper.make_node("Softmax", [logits], ["probs"], axis=-1),
-              helper.make_node("MatMul", ["probs", v_in], ["o"])]
-    return onnx_model("flash_attention", nodes,
-                      [("q", (b, h, sq, d)), ("k", (b, kvh, skv, d)), ("v", (b, kvh, skv, d))],
-                      [("o", (b, h, sq, d))], dtype, consts)
+    return attention_graph("flash_attention", shape, dtype)
 
 
 def _relax_pattern():
@@ -580,12 +536,13 @@ def _kv_heads(matched, name, batch, heads, seq, head_dim):
 
 def _relax_rewrite(matched, kernel):
     """softmax(q @ k^T * 1/sqrt(d) [+ causal mask]) @ v over (batch, heads, seq, head_dim)
-    float32 tensors; k and v may be GQA-repeated from fewer heads (then the kernel gets the
-    unrepeated ones). The mask must be the end-aligned causal one (0 visible, <= -1e4 hidden);
+    tensors of one of the pattern's dtypes; k and v may be GQA-repeated from fewer heads (then the
+    kernel gets the unrepeated ones). The mask must be the end-aligned causal one (0 visible, <= -1e4 hidden);
     any other mask, scale or softmax axis leaves the graph alone."""
     q, scale = matched["q"], matched["scale"]
     qs = static_shape(q)
-    if qs is None or len(qs) != 4 or dtype_of(q) != "float32":
+    dtype = dtype_of(q)
+    if qs is None or len(qs) != 4 or dtype not in FLOAT_DTYPES:
         return None
     batch, heads, seq_q, head_dim = qs
     probs_shape = static_shape(matched["probs"])
@@ -597,7 +554,9 @@ def _relax_rewrite(matched, kernel):
     if int(matched["probs"].attrs.axis) not in (-1, 3):
         return None
     factor = constant_value(scale)
-    if factor.size != 1 or not math.isclose(float(factor.reshape(())), 1.0 / math.sqrt(head_dim), rel_tol=1e-6):
+    # 1/sqrt(d) as the graph's dtype holds it (a float16 graph's scale is rounded to float16)
+    if factor.size != 1 or not math.isclose(float(factor.reshape(())),
+                                            float(np.asarray(1.0 / math.sqrt(head_dim), factor.dtype)), rel_tol=1e-6):
         return None
     causal = 0
     if "mask" in matched:
@@ -615,38 +574,21 @@ def _relax_rewrite(matched, kernel):
         return None
     k = matched.get("k_plain", matched.get("k0"))
     v = matched.get("v_plain", matched.get("v0"))
-    if dtype_of(k) != "float32" or dtype_of(v) != "float32":
+    if dtype_of(k) != dtype or dtype_of(v) != dtype:
         return None
     shape = {"batch": batch, "heads": heads, "kv_heads": kv[0], "seq_q": seq_q, "seq_kv": seq_kv,
              "head_dim": head_dim, "causal": causal}
-    return kernel(shape, "float32", [q, k, v])
+    return kernel(shape, dtype, [q, k, v])
 
 
-def sdpa(torch, shape, q, k, v):
-    """The torch-sdpa baseline: torch's scaled_dot_product_attention on the same tensors."""
-    mask, causal = None, bool(shape.get("causal", 0))
-    if causal and shape["seq_q"] != shape["seq_kv"]:  # ours aligns the mask at the end, is_causal at the start
-        from torch.nn.attention.bias import causal_lower_right
-        mask, causal = causal_lower_right(shape["seq_q"], shape["seq_kv"]), False
-    return [torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
-                                                             enable_gqa=shape["kv_heads"] != shape["heads"])]
-
-
-PATTERN = Pattern(
-    name="flash_attention", family="attention",
+PATTERN = Pattern.from_module(
+    globals(),
     description="softmax(q k^T / sqrt(d) [+ causal mask]) v in one kernel, online softmax over key tiles",
-    shape_params=[ShapeParam("batch", 1, 1, "batch size"),
-                  ShapeParam("heads", 8, 2, "attention heads"),
-                  ShapeParam("kv_heads", 8, 2, "key/value heads (divides heads; 1 is MQA)"),
-                  ShapeParam("seq_q", 256, 16, "query positions"),
-                  ShapeParam("seq_kv", 256, 16, "key/value positions (any length; tiles of KV_TILE)"),
-                  ShapeParam("head_dim", 64, 8, "per-head feature size"),
+    shape_params=[BATCH, *gqa_heads((8, 2), (8, 2)), ShapeParam("seq_q", 256, 16, "query positions"),
+                  ShapeParam("seq_kv", 256, 16, "key/value positions (any length; tiles of KV_TILE)"), HEAD_DIM,
                   ShapeParam("causal", 1, 1, "1: key j visible to query i iff j <= i + seq_kv - seq_q",
                              minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
-    templates=[flash_tiles, cuda_flash],
-    sdpa=sdpa,
+    templates=[flash_tiles, cuda_wgmma_flash, cuda_flash],
     # Before softmax_dropout's rule, which would otherwise take the softmax out of the attention.
     relax_rules=[RelaxRule("attention", _relax_pattern, _relax_rewrite, priority=10)],
 )

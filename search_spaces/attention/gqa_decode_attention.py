@@ -9,7 +9,9 @@ an input cannot be checked against a reference. The copy is counted in ``bytes``
 Fused, each K/V row serves the whole query group while in cache: ``kv_head`` (CPU, parallel over
 (batch, K/V head), the copy in the same loop) and ``cuda_kv_head`` (the copy a kernel of its own,
 since TVM puts no barrier between a block's global writes and other threads' reads, then
-``lib.attention.cuda_decode_attention``). float32 scores and accumulators in every dtype.
+``lib.attention.cuda_decode_attention``). float32 scores and accumulators in every dtype. On an
+sm_90 GPU in float16/bfloat16 the kernel template ``cuda_split_kv`` comes first: the copy, then
+flash-decoding's split and combine kernels (``lib.cuda_attention``), at any cache length.
 """
 
 import math
@@ -17,11 +19,16 @@ import math
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
-from search_spaces.lib.attention import cpu_softmax_tail, cuda_decode_attention, decode_vector, softmax_stages
+from autofuse.pattern import KernelTemplate, Pattern, ShapeParam, onnx_model, template
+from search_spaces.lib import cuda_attention
+from search_spaces.lib.attention import (HEAD_DIM, MAX_SEQ, cpu_softmax_tail, cuda_decode_attention, decode_vector,
+                                         gqa_heads, softmax_stages)
 from search_spaces.lib.cpu_rows import rfactor_lanes
+from search_spaces.lib.cuda_wgmma import HOPPER
 from search_spaces.lib.cuda_rows import vector_load
+from search_spaces.lib.onnx_graphs import attention_nodes
 from search_spaces.lib.tiling import unroll, vectorize_inner
+from search_spaces.lib.tirx_sequence import buffer, sequence, workspace
 
 
 def _dims(shape):
@@ -195,6 +202,42 @@ def cuda_kv_head(sch, target, knobs):
                           head_rows, lambda b, h, g: (g,))
 
 
+# The split-KV kernels' knobs, their split count left to its heuristic (a function of the shape).
+SPLIT_KV_KNOBS = {name: values for name, values in cuda_attention.DECODE_KNOBS.items() if values is not None}
+SPLIT_KV_DEFAULT_KNOBS = {name: cuda_attention.DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_KNOBS}
+
+
+def _split_kv_check(shape, dtype, knobs):
+    _dims(shape)
+    cuda_attention.check_decode(shape, dtype, knobs)
+
+
+def _split_kv(shape, dtype, knobs):
+    """Flash-decoding on Hopper (``lib.cuda_attention``), three kernels in one PrimFunc
+    (``lib.tirx_sequence``): the cache append (``append_kv``: both caches copied, the new rows at
+    cache_len), the split kernel over the cache_len + 1 positions of the copies (each K/V row read
+    once for its whole query group, a partial per key split) and the combine; no cache length
+    limit. float16/bfloat16, head_dim 64 or 128, at most 8 query heads per K/V head."""
+    nb, hq, hkv, _, hd, smax, length = _dims(shape)
+    append = cuda_attention.append_kv(shape, dtype)
+    split, combine = cuda_attention.decode_attention(shape, dtype, knobs)
+    splits = cuda_attention.check_decode(shape, dtype, knobs)[1]["splits"]
+    q, out = buffer("q", (nb, hq, hd), dtype), buffer("out", (nb, hq, hd), dtype)
+    k_new, v_new = (buffer(name, (nb, hkv, hd), dtype) for name in ("k_new", "v_new"))
+    k_cache, v_cache, k_out, v_out = (buffer(name, (nb, hkv, smax, hd), dtype)
+                                      for name in ("k_cache", "v_cache", "k_cache_out", "v_cache_out"))
+    part_o = workspace("part_o", (nb, hq, splits, hd), "float32")
+    part_ml = workspace("part_ml", (nb, hq, splits, 2), "float32")
+    return sequence("gqa_decode_attention", [q, k_new, v_new, k_cache, v_cache, out, k_out, v_out],
+                    [(append, [k_new, v_new, k_cache, v_cache, k_out, v_out]),
+                     (split, [q, k_out, v_out, part_o, part_ml, length + 1]),
+                     (combine, [part_o, part_ml, out])], [part_o, part_ml])
+
+
+cuda_split_kv = KernelTemplate("cuda_split_kv", _split_kv, SPLIT_KV_KNOBS, SPLIT_KV_DEFAULT_KNOBS, _split_kv_check,
+                               **HOPPER)
+
+
 def onnx_graph(shape, dtype):
     """The decode step as a dynamic-length exporter writes it, attending over exactly cache_len + 1
     positions as the kernel does: the cache outputs as Where over a one-hot position mask (the
@@ -224,11 +267,7 @@ def onnx_graph(shape, dtype):
     else:  # an empty cache: the new row alone (no zero-length Slice, which XLA and Relax handle badly)
         nodes += [helper.make_node("Identity", [f"{c}_row"], [f"{c}_seen"]) for c in "kv"]
     nodes += [helper.make_node("Reshape", ["q", "group_shape"], ["qg"]),
-              helper.make_node("Transpose", ["k_seen"], ["kt"], perm=[0, 1, 3, 2]),
-              helper.make_node("MatMul", ["qg", "kt"], ["s"]),
-              helper.make_node("Mul", ["s", "scale"], ["ss"]),
-              helper.make_node("Softmax", ["ss"], ["p"], axis=-1),
-              helper.make_node("MatMul", ["p", "v_seen"], ["og"]),
+              *attention_nodes("qg", "k_seen", "v_seen", "og"),
               helper.make_node("Reshape", ["og", "out_shape"], ["out"])]
     cache = (nb, hkv, smax, hd)
     return onnx_model("gqa_decode_attention", nodes,
@@ -251,19 +290,13 @@ def sdpa(torch, shape, q, k_new, v_new, k_cache, v_cache):
     return [o.squeeze(2), k_out, v_out]
 
 
-PATTERN = Pattern(
-    name="gqa_decode_attention", family="attention",
+PATTERN = Pattern.from_module(
+    globals(),
     description="one-token GQA decode: append k/v at cache_len, attend over positions 0..cache_len",
     shape_params=[ShapeParam("batch", 2, 2, "sequences, one new token each"),
-                  ShapeParam("num_heads", 32, 4, "query heads"),
-                  ShapeParam("num_kv_heads", 8, 2, "K/V heads (divides num_heads; 1 is MQA)"),
-                  ShapeParam("head_dim", 128, 8, "per-head feature size"),
-                  ShapeParam("max_seq", 1024, 16, "cache capacity (positions)"),
+                  *gqa_heads((32, 4), (8, 2), prefix="num_"), HEAD_DIM.with_sizes(128, 8), MAX_SEQ,
                   ShapeParam("cache_len", 511, 9, "tokens already cached; the new one goes there",
                              minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
-    templates=[kv_head, cuda_kv_head],
-    sdpa=sdpa,
+    templates=[kv_head, cuda_split_kv, cuda_kv_head],
     num_outputs=3,
 )

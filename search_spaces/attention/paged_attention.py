@@ -18,7 +18,7 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, template
-from search_spaces.lib.attention import cuda_decode_attention, softmax_stages
+from search_spaces.lib.attention import HEAD_DIM, cuda_decode_attention, gqa_heads, softmax_stages
 from search_spaces.lib.cpu_rows import lanes_innermost, rfactor_lanes
 from search_spaces.lib.tiling import unroll, vectorize_inner
 
@@ -259,19 +259,15 @@ def onnx_graph(shape, dtype):
     return model
 
 
-PATTERN = Pattern(
-    name="paged_attention", family="attention",
+PATTERN = Pattern.from_module(
+    globals(),
     description="attention over a block-table paged KV cache (vLLM layout), GQA; q_len=1 is decode, "
                 "q_len>1 causal chunked prefill",
     shape_params=[ShapeParam("batch", 4, 2, "sequences"),
                   ShapeParam("q_len", 1, 3, "query tokens per sequence, its last ones (1: decode)"),
-                  ShapeParam("num_heads", 16, 4, "query heads"),
-                  ShapeParam("num_kv_heads", 4, 2, "key/value heads (divides num_heads)"),
-                  ShapeParam("head_dim", 64, 8, "head dimension"),
+                  *gqa_heads((16, 4), (4, 2), prefix="num_"), HEAD_DIM,
                   ShapeParam("page_size", 16, 4, "tokens per KV page"),
                   ShapeParam("max_pages", 32, 3, "block-table entries per sequence"),
                   ShapeParam("num_pages", 160, 8, "physical pages in the pool (>= batch*max_pages)")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
     templates=[row_parallel, cuda_kv_head],
 )

@@ -14,6 +14,7 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
+from search_spaces.lib.attention import BATCH, HEADS
 from search_spaces.lib.cuda_gemm import cuda_tile_output, cuda_unroll, cuda_vector_lanes
 from search_spaces.lib.tiling import unroll
 
@@ -237,15 +238,11 @@ def onnx_graph(shape, dtype):
                       [("scores", (b, heads, sq, sk))], dtype, consts)
 
 
-PATTERN = Pattern(
-    name="rope_qk", family="attention",
+PATTERN = Pattern.from_module(
+    globals(),
     description="rope(q) @ rope(k)^T / sqrt(D), rotate-half RoPE fused into the attention scores",
-    shape_params=[ShapeParam("batch", 1, 1, "batch size"),
-                  ShapeParam("heads", 8, 2, "attention heads"),
-                  ShapeParam("seq_q", 256, 8, "queries (the last seq_q positions)"),
+    shape_params=[BATCH, HEADS, ShapeParam("seq_q", 256, 8, "queries (the last seq_q positions)"),
                   ShapeParam("seq_k", 256, 12, "keys (positions 0..seq_k-1), >= seq_q"),
                   ShapeParam("head_dim", 64, 8, "head dimension D (even)", minimum=2)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
     templates=[key_tiles, cuda_score_tiles],
 )

@@ -290,8 +290,8 @@ def onnx_graph(shape, dtype):
                       [("x", (n, ci, h, w)), ("weight", (co, ci, k, k)), ("bn_scale", (co,)), ("bn_shift", (co,))],
                       [("y", (n, co, oh, ow))], dtype, consts)
 
-PATTERN = Pattern(
-    name="conv2d_bn_relu", family="conv",
+PATTERN = Pattern.from_module(
+    globals(),
     description="relu(batchnorm(conv2d(x, W))): NCHW 'same' conv, stride 1, folded inference BN + ReLU",
     shape_params=[ShapeParam("n", 1, 1, "batch"),
                   ShapeParam("c_in", 64, 4, "input channels"),
@@ -299,8 +299,6 @@ PATTERN = Pattern(
                   ShapeParam("w", 56, 8, "input width"),
                   ShapeParam("c_out", 64, 8, "output channels"),
                   ShapeParam("kernel", 3, 3, "kernel size (square); padding is kernel // 2")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
     templates=[tiled_direct, cuda_direct],
     relax_rules=[RelaxRule("conv2d_batch_norm_relu", _relax_pattern, _relax_rewrite)],
 )

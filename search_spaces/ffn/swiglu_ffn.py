@@ -7,19 +7,26 @@ Unfused, g, u and the down projection's output round-trip through memory; fused,
 tiles are computed back to back from the same x rows and only h is stored, and dropout and the
 residual run on the down accumulator tile. On CUDA (``cuda_two_gemms``) the down projection needs
 all of an h row, a grid-wide dependency, so the PrimFunc becomes two kernels with h (float32) in
-global memory between them.
+global memory between them. On an sm_90 GPU in float16/bfloat16 the kernel template ``cuda_wgmma``
+comes first where its tiles fit: the same two kernels on Hopper tensor cores (TMA + wgmma, written
+in the tirx script), h in the dtype (wgmma's operand type, as torch computes it).
 """
 
 import numpy as np
+from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import (Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, onnx_model, static_shape,
-                              template)
+from autofuse.pattern import (FLOAT_DTYPES, KernelTemplate, Pattern, RelaxRule, constant_value, dtype_of,
+                              onnx_model, static_shape, template)
+from search_spaces.lib import cuda_wgmma
 from search_spaces.lib.cuda_gemm import (cuda_fetch_shared, cuda_pipeline, cuda_split_k, cuda_tile_output, cuda_unroll,
                                          cuda_vector_lanes)
+from search_spaces.lib.gemm import ffn_shape
+from search_spaces.lib.stages import matmul_stage
 from search_spaces.lib.tiling import epilogue_on_tile, parallel_register_tile, unroll
 from search_spaces.lib.tir_math import DROPOUT_SEED as SEED
-from search_spaces.lib.tir_math import dropout_constants, dropout_mask, dropout_p, exp_f32, hash_keep
+from search_spaces.lib.tir_math import DROPOUT_PERMILLE, dropout_constants, dropout_mask, dropout_p, exp_f32, hash_keep
+from search_spaces.lib.tirx_sequence import buffer, prefixed, sequence, unprefixed, workspace
 
 
 def build(shape, dtype):
@@ -40,18 +47,10 @@ def build_with(shape, dtype, p, seed):
         u = T.sblock_alloc_buffer((tokens, inter), "float32")
         h = T.sblock_alloc_buffer((tokens, inter), "float32")
         acc = T.sblock_alloc_buffer((tokens, hidden), "float32")
-        for t, n, k in T.grid(tokens, inter, hidden):
-            with T.sblock("gate"):
-                vt, vn, vk = T.axis.remap("SSR", [t, n, k])
-                with T.init():
-                    g[vt, vn] = T.float32(0)
-                g[vt, vn] = g[vt, vn] + T.Cast("float32", x[vt, vk]) * T.Cast("float32", w1[vk, vn])
-        for t, n, k in T.grid(tokens, inter, hidden):
-            with T.sblock("up"):
-                vt, vn, vk = T.axis.remap("SSR", [t, n, k])
-                with T.init():
-                    u[vt, vn] = T.float32(0)
-                u[vt, vn] = u[vt, vn] + T.Cast("float32", x[vt, vk]) * T.Cast("float32", w3[vk, vn])
+        matmul_stage("gate", g, (tokens, inter, hidden),
+                     lambda t, n, k: T.Cast("float32", x[t, k]) * T.Cast("float32", w1[k, n]))
+        matmul_stage("up", u, (tokens, inter, hidden),
+                     lambda t, n, k: T.Cast("float32", x[t, k]) * T.Cast("float32", w3[k, n]))
         for t, n in T.grid(tokens, inter):
             with T.sblock("swiglu"):
                 vt, vn = T.axis.remap("SS", [t, n])
@@ -59,12 +58,7 @@ def build_with(shape, dtype, p, seed):
                 # e = exp(-|a|) in (0, 1]: sigmoid(a) = (a < 0 ? e : 1) / (1 + e), never overflowing.
                 e: T.let = exp_f32(-T.fabs(a))
                 h[vt, vn] = a * T.Select(a < T.float32(0), e, T.float32(1)) / (T.float32(1) + e) * u[vt, vn]
-        for t, m, n in T.grid(tokens, hidden, inter):
-            with T.sblock("down"):
-                vt, vm, vn = T.axis.remap("SSR", [t, m, n])
-                with T.init():
-                    acc[vt, vm] = T.float32(0)
-                acc[vt, vm] = acc[vt, vm] + h[vt, vn] * T.Cast("float32", w2[vn, vm])
+        matmul_stage("down", acc, (tokens, hidden, inter), lambda t, m, n: h[t, n] * T.Cast("float32", w2[n, m]))
         for t, m in T.grid(tokens, hidden):
             with T.sblock("epilogue"):
                 vt, vm = T.axis.remap("SS", [t, m])
@@ -201,6 +195,59 @@ def cuda_two_gemms(sch, target, knobs):
     cuda_pipeline(sch, k0, fetches)
 
 
+# Hopper (sm_90, float16/bfloat16): the gate/up pair and the down projection as two wgmma kernels
+# in one PrimFunc (``lib.tirx_sequence``), h between them in global memory, in the dtype (wgmma's
+# operand type). Their knobs are prefixed ``gate_`` and ``down_``.
+GATE, DOWN = "gate_", "down_"
+WGMMA_KNOBS = {**prefixed(cuda_wgmma.SWIGLU_KNOBS, GATE), **prefixed(cuda_wgmma.KNOBS, DOWN)}
+WGMMA_DEFAULT_KNOBS = {**prefixed(cuda_wgmma.SWIGLU_DEFAULT_KNOBS, GATE), **prefixed(cuda_wgmma.DEFAULT_KNOBS, DOWN)}
+
+
+def _gemm_shapes(shape):
+    tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
+    return {"m": tokens, "n": inter, "k": hidden}, {"m": tokens, "n": hidden, "k": inter}
+
+
+def _wgmma_check(shape, dtype, knobs):
+    gate, down = _gemm_shapes(shape)
+    cuda_wgmma.check(gate, dtype, unprefixed(knobs, GATE), space=cuda_wgmma.SWIGLU_KNOBS,
+                     default=cuda_wgmma.SWIGLU_DEFAULT_KNOBS, weights=2)
+    cuda_wgmma.check(down, dtype, unprefixed(knobs, DOWN))
+    dropout_constants(dropout_p(shape), SEED, shape["tokens"], shape["hidden"])
+
+
+def _wgmma_two_gemms(shape, dtype, knobs):
+    """h = silu(x W1) * (x W3) by ``cuda_wgmma.swiglu`` (both weight tiles per k slice under one A
+    tile, SiLU-multiply on the two accumulators), then y = r + dropout(h W2) by
+    ``cuda_wgmma.gemm_residual`` (dropout and the residual on the accumulator); the weights are
+    read as stored, (in, out), N-major."""
+    tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
+    gate_shape, down_shape = _gemm_shapes(shape)
+    mix, thresh, keep_scale = dropout_constants(dropout_p(shape), SEED, tokens, hidden)
+
+    def dropout_residual(acc, residual, row, col):
+        if not dropout_p(shape):  # inference: the mask keeps everything, scale 1
+            return residual + acc
+        # the flat index bound once: the epilogue is unrolled over the accumulator tile, and the hash
+        # repeats its argument eight times
+        flat = tirx.Var("flat", "int32")
+        return residual + tirx.Let(flat, row * hidden + col, T.Select(
+            hash_keep(flat, mix, thresh), acc * T.float32(keep_scale), T.float32(0)))
+
+    gate = cuda_wgmma.swiglu(gate_shape, dtype, unprefixed(knobs, GATE), b_layout="kn")
+    down = cuda_wgmma.gemm_residual(down_shape, dtype, unprefixed(knobs, DOWN), dropout_residual, b_layout="kn",
+                                    name="swiglu_down")
+    x, r, y = (buffer(name, (tokens, hidden), dtype) for name in ("x", "r", "y"))
+    w1, w3 = (buffer(name, (hidden, inter), dtype) for name in ("w1", "w3"))
+    w2 = buffer("w2", (inter, hidden), dtype)
+    h = workspace("h", (tokens, inter), dtype)
+    return sequence("swiglu_ffn", [x, w1, w3, w2, r, y], [(gate, [x, w1, w3, h]), (down, [h, w2, r, y])], [h])
+
+
+cuda_wgmma_two_gemms = KernelTemplate("cuda_wgmma", _wgmma_two_gemms, WGMMA_KNOBS, WGMMA_DEFAULT_KNOBS, _wgmma_check,
+                                      **cuda_wgmma.HOPPER)
+
+
 def _relax_pattern():
     from tvm.relax.dpl import is_const, is_op, wildcard
     x, w1, w3, w2, r = (wildcard() for _ in range(5))
@@ -228,8 +275,9 @@ def _dropout_permille(scale, tokens, hidden):
 
 
 def _relax_rewrite(matched, kernel):
-    """r + (silu(x @ w1) * (x @ w3)) @ w2, float32, x and r of the same shape, any rank >= 2
-    (leading axes are tokens); no dropout (inference) or exactly this pattern's mask."""
+    """r + (silu(x @ w1) * (x @ w3)) @ w2, all of one of the pattern's dtypes, x and r of the same
+    shape, any rank >= 2 (leading axes are tokens); no dropout (inference) or exactly this
+    pattern's mask."""
     from tvm import relax
     x, w1, w3, w2, r = (matched[k] for k in ("x", "w1", "w3", "w2", "r"))
     xs = static_shape(x)
@@ -242,7 +290,8 @@ def _relax_rewrite(matched, kernel):
     inter = w1s[1]
     if static_shape(w3) != (hidden, inter) or static_shape(w2) != (inter, hidden):
         return None
-    if any(dtype_of(t) != "float32" for t in (x, w1, w3, w2, r)):
+    dtype = dtype_of(x)
+    if dtype not in FLOAT_DTYPES or any(dtype_of(t) != dtype for t in (w1, w3, w2, r)):
         return None
     tokens = int(np.prod(xs[:-1]))
     permille = 0
@@ -251,7 +300,7 @@ def _relax_rewrite(matched, kernel):
         if permille is None or len(xs) != 2:
             return None
     flat = (lambda t: t) if len(xs) == 2 else (lambda t: relax.op.reshape(t, (tokens, hidden)))
-    out = kernel({"tokens": tokens, "hidden": hidden, "inter": inter, "p_permille": permille}, "float32",
+    out = kernel({"tokens": tokens, "hidden": hidden, "inter": inter, "p_permille": permille}, dtype,
                  [flat(x), w1, w3, w2, flat(r)])
     return out if len(xs) == 2 else relax.op.reshape(out, xs)
 
@@ -277,15 +326,11 @@ def onnx_graph(shape, dtype):
                       [("y", (tokens, hidden))], dtype, {"keep_scale": scale})
 
 
-PATTERN = Pattern(
-    name="swiglu_ffn", family="ffn",
+PATTERN = Pattern.from_module(
+    globals(),
     description="r + dropout((silu(x W1) * (x W3)) W2): SwiGLU FFN with hashed dropout and residual fused",
-    shape_params=[ShapeParam("tokens", 128, 8, "tokens (rows of x)"),
-                  ShapeParam("hidden", 256, 16, "model width (x, y and the residual)"),
-                  ShapeParam("inter", 704, 24, "intermediate width (~2.75x hidden, Llama-style)"),
-                  ShapeParam("p_permille", 100, 100, "dropout probability in 1/1000 (0: inference)", minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
-    templates=[two_gemms, cuda_two_gemms],
+    # inter ~2.75x hidden, as in Llama.
+    shape_params=[*ffn_shape((128, 8), (256, 16), (704, 24)), DROPOUT_PERMILLE],
+    templates=[two_gemms, cuda_wgmma_two_gemms, cuda_two_gemms],
     relax_rules=[RelaxRule("swiglu_residual", _relax_pattern, _relax_rewrite)],
 )

@@ -8,18 +8,24 @@ structural hash keys the tuning records) stays as it was.
 CUDA templates (``search_spaces.lib.cuda_gemm``): ``cuda_tiled_epilogue``, SIMT register tiles over
 x and W k-tiles staged through padded shared memory and software-pipelined; ``cuda_wmma``, float16
 tensor cores through TVM's WMMA intrinsics (other dtypes, and sizes not multiples of 16, fall back
-to the former). Neither drops the function's global ``acc`` (see ``cuda_drop_acc``).
+to the former). Neither drops the function's global ``acc`` (see ``cuda_drop_acc``). On sm_90 in
+float16/bfloat16, at multiples of its tile, the kernel template ``cuda_wgmma`` comes first: Hopper
+TMA + wgmma in the tirx script (``search_spaces.lib.cuda_wgmma``), which schedule primitives cannot
+reach.
 """
 
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, onnx_model, static_shape, template
+from autofuse.pattern import FLOAT_DTYPES, KernelTemplate, Pattern, RelaxRule, dtype_of, onnx_model, static_shape, template
+from search_spaces.lib import cuda_wgmma
 from search_spaces.lib.cpu_gemm import schedule_packed_gemm
 from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_outputs_per_thread, cuda_pipeline,
                                          cuda_split_k, cuda_tile_output, cuda_unroll, cuda_vector_lanes,
                                          cuda_wmma_fetch, cuda_wmma_group, cuda_wmma_stage_out, cuda_wmma_tensorize,
                                          cuda_wmma_tile)
+from search_spaces.lib.gemm import gemm_shape
+from search_spaces.lib.stages import matmul_stage
 from search_spaces.lib.tiling import epilogue_on_tile, parallel_register_tile, unroll
 
 
@@ -35,12 +41,7 @@ def build(shape, dtype):
                          b: T.Buffer((n,), dtype), y: T.Buffer((m, n), dtype)):
         T.func_attr({"global_symbol": "linear_bias_relu", "tirx.noalias": True})
         acc = T.alloc_buffer((m, n), "float32")
-        for i, j, kk in T.grid(m, n, k):
-            with T.sblock("matmul"):
-                vi, vj, vk = T.axis.remap("SSR", [i, j, kk])
-                with T.init():
-                    acc[vi, vj] = T.float32(0)
-                acc[vi, vj] = acc[vi, vj] + to_f32(x[vi, vk]) * to_f32(w[vj, vk])
+        matmul_stage("matmul", acc, (m, n, k), lambda i, j, kk: to_f32(x[i, kk]) * to_f32(w[j, kk]))
         for i, j in T.grid(m, n):
             with T.sblock("bias_relu"):
                 vi, vj = T.axis.remap("SS", [i, j])
@@ -165,6 +166,16 @@ def cuda_wmma(sch, target, knobs):
     cuda_unroll(sch, knobs, bx)
 
 
+def _wgmma_gemm_bias_relu(shape, dtype, knobs):
+    """Hopper TMA + mbarrier ring + wgmma GEMM (``search_spaces.lib.cuda_wgmma``), bias + ReLU on
+    the accumulator registers; float16/bfloat16 at multiples of its tile."""
+    return cuda_wgmma.gemm_bias_act(shape, dtype, knobs, "relu")
+
+
+cuda_wgmma_relu = KernelTemplate("cuda_wgmma", _wgmma_gemm_bias_relu, cuda_wgmma.KNOBS, cuda_wgmma.DEFAULT_KNOBS,
+                                 cuda_wgmma.check, **cuda_wgmma.HOPPER)
+
+
 def _relax_pattern():
     from tvm.relax.dpl import is_op, wildcard
     x, w, b = wildcard(), wildcard(), wildcard()
@@ -179,11 +190,12 @@ def _relax_rewrite(matched, kernel):
     xs, ws, bs = static_shape(x), static_shape(w), static_shape(b)
     if None in (xs, ws, bs) or len(xs) < 2 or len(ws) != 2 or bs != (ws[1],) or xs[-1] != ws[0]:
         return None
-    if not dtype_of(x) == dtype_of(w) == dtype_of(b) == "float32":
+    dtype = dtype_of(x)
+    if not dtype == dtype_of(w) == dtype_of(b) or dtype not in FLOAT_DTYPES:
         return None
     m = int(np.prod(xs[:-1]))
     rows = x if len(xs) == 2 else relax.op.reshape(x, (m, xs[-1]))
-    out = kernel({"m": m, "n": ws[1], "k": ws[0]}, "float32",
+    out = kernel({"m": m, "n": ws[1], "k": ws[0]}, dtype,
                  [rows, relax.op.permute_dims(w, [1, 0]), b])
     return out if len(xs) == 2 else relax.op.reshape(out, (*xs[:-1], ws[1]))
 
@@ -196,14 +208,10 @@ def onnx_graph(shape, dtype):
                                            helper.make_node("Relu", ["t"], ["y"])],
                       [("x", (m, k)), ("w", (n, k)), ("b", (n,))], [("y", (m, n))], dtype)
 
-PATTERN = Pattern(
-    name="linear_bias_relu", family="gemm",
+PATTERN = Pattern.from_module(
+    globals(),
     description="relu(x @ W^T + b): GEMM with bias and ReLU fused in its epilogue",
-    shape_params=[ShapeParam("m", 256, 16, "rows of x (tokens)"),
-                  ShapeParam("n", 256, 32, "output features"),
-                  ShapeParam("k", 256, 16, "input features")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
-    templates=[packed_tile, tiled_epilogue, cuda_tiled_epilogue, cuda_wmma],
+    shape_params=gemm_shape((256, 16), (256, 32), (256, 16)),
+    templates=[packed_tile, tiled_epilogue, cuda_wgmma_relu, cuda_tiled_epilogue, cuda_wmma],
     relax_rules=[RelaxRule("matmul_add_relu", _relax_pattern, _relax_rewrite)],
 )

@@ -2,9 +2,12 @@
 
 TensorIR building blocks and schedule steps with public names, shared by the patterns under
 ``search_spaces/``: ``tir_math`` (polynomial exp and erf, the dropout hash), ``tiling`` (the unroll
-knob, CPU register tiles), ``cpu_rows`` and ``cuda_rows`` (row reductions), ``cpu_gemm``,
-``cuda_gemm`` and ``cuda_wgmma`` (GEMM), ``attention`` and ``cuda_attention`` (softmax stages and
-attention kernels), ``layernorm``, ``onnx_graphs`` (graphs with inputs of several dtypes). A
-pattern imports this library and ``autofuse.pattern``, never another pattern; the library imports
-no pattern, and of autofuse only its error type.
+knob, CPU register tiles), ``stages`` (the GEMM and row-sum blocks several patterns write),
+``cpu_rows`` and ``cuda_rows`` (row reductions), ``gemm`` (the GEMM/FFN shape parameters),
+``cpu_gemm``, ``cuda_gemm`` and ``cuda_wgmma`` (GEMM schedules), ``attention`` and
+``cuda_attention`` (softmax stages, attention kernels, the attention shape parameters),
+``tirx_sequence`` (several tirx kernels as one PrimFunc), ``layernorm``, ``onnx_graphs`` (graphs
+with inputs of several dtypes, attention's nodes). A pattern imports this library and
+``autofuse.pattern``, never another pattern; the library imports no pattern, and of autofuse only
+its error type and ``autofuse.pattern`` (the shape parameters patterns share).
 """

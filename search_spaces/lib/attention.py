@@ -2,15 +2,108 @@
 TensorIR (``softmax_stages``), the lane counts and vector splits of their CUDA kernels, a
 read-region annotation for staged K/V windows, and ``cuda_decode_attention``, the decode kernel (a
 thread block per (batch, K/V head)) that gqa_decode_attention and paged_attention schedule onto
-those stages."""
+those stages; the shape parameters, and for attention over (batch, heads, seq, head_dim) tensors
+with grouped K/V heads and an optional causal mask its reference, inputs, ONNX graph and torch-sdpa
+baseline."""
 
+import math
+
+import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
+from autofuse.pattern import ShapeParam, onnx_model
 from search_spaces.lib.cpu_rows import lanes_innermost
 from search_spaces.lib.cuda_rows import VECTOR_BYTES
+from search_spaces.lib.onnx_graphs import attention_nodes, kv_repeat_constants, repeat_kv_heads
 from search_spaces.lib.tiling import vectorize_inner
 from search_spaces.lib.tir_math import dtype_bytes, exp_f32
+
+# Shape parameters of the attention patterns (``with_sizes`` sizes one for a pattern).
+BATCH = ShapeParam("batch", 1, 1, "batch size")
+HEADS = ShapeParam("heads", 8, 2, "attention heads")
+HEAD_DIM = ShapeParam("head_dim", 64, 8, "per-head feature size")
+MAX_SEQ = ShapeParam("max_seq", 1024, 16, "cache capacity (positions)")
+
+
+def gqa_heads(heads, kv_heads, prefix=""):
+    """Grouped-query head counts ``{prefix}heads`` and ``{prefix}kv_heads``, (default, small) each:
+    query heads, and K/V heads each serving heads / kv_heads of them."""
+    return [ShapeParam(f"{prefix}heads", *heads, "query heads"),
+            ShapeParam(f"{prefix}kv_heads", *kv_heads, f"key/value heads (divides {prefix}heads; 1 is MQA)")]
+
+
+def attention_reference(q, k, v, shape=None):
+    """softmax(q k^T / sqrt(head_dim) [+ causal mask]) v in float64, for q (batch, heads, seq_q,
+    head_dim) and k, v (batch, kv_heads, seq_kv, head_dim); causal when ``shape["causal"]``, the
+    mask aligned at the end (key j visible to query i iff j <= i + seq_kv - seq_q)."""
+    causal = int((shape or {}).get("causal", 0))
+    qf, kf, vf = (x.astype(np.float64) for x in (q, k, v))
+    # Grouped-query: K/V head g serves query heads g * group .. (g + 1) * group - 1.
+    group = q.shape[1] // k.shape[1]
+    kf, vf = (np.repeat(x, group, axis=1) for x in (kf, vf))
+    sq, skv, d = q.shape[2], k.shape[2], q.shape[3]
+    s = qf @ np.swapaxes(kf, -1, -2) / math.sqrt(d)
+    if causal:
+        i = np.arange(sq)[:, None]
+        j = np.arange(skv)[None, :]
+        s = np.where(j <= i + (skv - sq), s, -np.inf)
+    s = s - s.max(axis=-1, keepdims=True)
+    e = np.exp(s)
+    return (e / e.sum(axis=-1, keepdims=True) @ vf).astype(q.dtype)
+
+
+def attention_inputs(shape, dtype, seed):
+    """Seeded q (batch, heads, seq_q, head_dim), k and v (batch, kv_heads, seq_kv, head_dim;
+    kv_heads = heads where the shape has none)."""
+    rng = np.random.default_rng(seed)
+    b, h, sq, skv, d = (shape[k] for k in ("batch", "heads", "seq_q", "seq_kv", "head_dim"))
+    kvh = shape.get("kv_heads", h)
+    # Unit-normal q and k: scores q.k/sqrt(d) are about unit-normal, a softmax neither flat nor one-hot.
+    # Drawn as float32 and cast: a half-precision run gets the float32 run's inputs, rounded.
+    arrays = [rng.standard_normal((b, h, sq, d)), rng.standard_normal((b, kvh, skv, d)),
+              rng.standard_normal((b, kvh, skv, d))]
+    return [a.astype(np.float32).astype(dtype) for a in arrays]
+
+
+def attention_graph(name, shape, dtype, out="o"):
+    """The ONNX model ``name`` of ``attention_reference`` as exporters write it: MatMul(q,
+    Transpose(k)) * scale [+ constant 0/-1e9 causal mask], Softmax, MatMul with v, the score matrix
+    materialised. With kv_heads < heads, K and V are first repeated to every query head of their
+    group (``repeat_kv_heads``)."""
+    b, h, sq, skv, d = (shape[k] for k in ("batch", "heads", "seq_q", "seq_kv", "head_dim"))
+    kvh = shape.get("kv_heads", h)
+    consts = {"scale": np.array(1.0 / math.sqrt(d), dtype=dtype)}
+    nodes = []
+    k_in, v_in = "k", "v"
+    if kvh != h:
+        consts.update(kv_repeat_constants(b, kvh, h, skv, d))
+        nodes += repeat_kv_heads("k", "k") + repeat_kv_heads("v", "v")
+        k_in, v_in = "k_heads", "v_heads"
+    mask = None
+    if int(shape.get("causal", 0)):
+        i = np.arange(sq)[:, None]
+        j = np.arange(skv)[None, :]
+        # -1e9 rather than -inf: exp underflows to exactly 0 either way, and a finite mask is what
+        # exporters emit.
+        consts["mask"] = np.where(j <= i + (skv - sq), 0.0, -1e9).astype(dtype)
+        mask = "mask"
+    nodes += attention_nodes("q", k_in, v_in, out, mask)
+    return onnx_model(name, nodes, [("q", (b, h, sq, d)), ("k", (b, kvh, skv, d)), ("v", (b, kvh, skv, d))],
+                      [(out, (b, h, sq, d))], dtype, consts)
+
+
+def sdpa(torch, shape, q, k, v):
+    """The torch-sdpa baseline of softmax(q k^T / sqrt(head_dim) [+ causal mask]) v: torch's
+    scaled_dot_product_attention on the same tensors, causal when ``shape["causal"]`` (the mask
+    aligned at the end, as the patterns align it), grouped-query when kv_heads < heads."""
+    mask, causal = None, bool(shape.get("causal", 0))
+    if causal and shape["seq_q"] != shape["seq_kv"]:  # ours aligns the mask at the end, is_causal at the start
+        from torch.nn.attention.bias import causal_lower_right
+        mask, causal = causal_lower_right(shape["seq_q"], shape["seq_kv"]), False
+    return [torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=shape.get("kv_heads", shape["heads"]) != shape["heads"])]
+
 
 CUDA_LOAD_LANES = 4     # elements per thread and instruction in the K/V tile loads
 

@@ -55,6 +55,9 @@ Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new
     groups of the CTA merge through shared memory and the CTA writes one partial per query head.
     Lengths are unbounded: no buffer is sized by the cache length.
 
+    ``append_kv`` is a decode step's cache append as a kernel of its own (the caches copied with the
+    new token's rows at cache_len, 16-byte vectors), for patterns whose caches are outputs.
+
     Only a split's last step checks row bounds. Knobs (``DECODE_KNOBS``): ``warps`` per CTA (4, 8);
     ``keys`` rows per lane group and step (1, 2, 4, 8); ``splits`` (None: about one full wave of CTAs
     on 132 SMs, see ``default_splits``). Defaults: 8 warps, 4 keys (the best or within 3 % of it in
@@ -657,6 +660,65 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         O[b, h, d] = T.Cast(dtype, total[2] / total[1])
 
     return _mark(split, "attention_decode_split"), _mark(combine, "attention_decode_combine")
+
+
+APPEND_THREADS = 256
+
+
+def append_kv(shape: dict, dtype: str = "float16"):
+    """The tirx PrimFunc ``(k_new, v_new, k_cache, v_cache, k_out, v_out)`` of a decode step's cache
+    append for ``shape`` {batch, num_kv_heads, head_dim, max_seq, cache_len}: k_out and v_out are
+    copies of the caches (batch, kv_heads, max_seq, head_dim) with row ``cache_len`` replaced by the
+    new token's rows k_new, v_new (batch, kv_heads, head_dim). One thread per 16-byte vector of a
+    row, both caches in the same thread (a copy at memory speed); global symbol
+    ``attention_append_kv``."""
+    nb, hkv, hd, smax = _ints(shape, ("batch", "num_kv_heads", "head_dim", "max_seq"))
+    try:
+        length = int(shape.get("cache_len", 0))
+    except (TypeError, ValueError):
+        raise AttentionShapeError(f"cache_len must be an integer; got {shape.get('cache_len')!r}") from None
+    if dtype not in DTYPES:
+        raise AttentionShapeError(f"attention kernels take {' or '.join(DTYPES)}, not {dtype}")
+    if hd % _LOAD_ELEMS or not 0 <= length < smax:
+        raise AttentionShapeError(f"head_dim={hd} must be a multiple of {_LOAD_ELEMS} and cache_len={length} "
+                                  f"in [0, max_seq={smax})")
+    row_vecs = hd // _LOAD_ELEMS
+    total = nb * hkv * smax * row_vecs
+    if total >= 1 << 31:
+        raise AttentionShapeError("the K/V cache has 2^31 16-byte vectors or more (int32 indices)")
+    blocks = -(-total // APPEND_THREADS)
+
+    @T.prim_func
+    def append(k_new: T.handle, v_new: T.handle, k_cache: T.handle, v_cache: T.handle, k_out: T.handle,
+               v_out: T.handle):
+        KN = T.match_buffer(k_new, (nb, hkv, hd), dtype, align=16)
+        VN = T.match_buffer(v_new, (nb, hkv, hd), dtype, align=16)
+        KC = T.match_buffer(k_cache, (nb, hkv, smax, hd), dtype, align=16)
+        VC = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
+        KO = T.match_buffer(k_out, (nb, hkv, smax, hd), dtype, align=16)
+        VO = T.match_buffer(v_out, (nb, hkv, smax, hd), dtype, align=16)
+        T.device_entry()
+        bx = T.cta_id([blocks])
+        tx = T.thread_id([APPEND_THREADS])
+        # 16-byte views: one element = 8 consecutive values of a row
+        KN16 = T.decl_buffer((nb * hkv * row_vecs,), "uint32x4", data=KN.data)
+        VN16 = T.decl_buffer((nb * hkv * row_vecs,), "uint32x4", data=VN.data)
+        KC16 = T.decl_buffer((total,), "uint32x4", data=KC.data)
+        VC16 = T.decl_buffer((total,), "uint32x4", data=VC.data)
+        KO16 = T.decl_buffer((total,), "uint32x4", data=KO.data)
+        VO16 = T.decl_buffer((total,), "uint32x4", data=VO.data)
+        i = T.meta_var(bx * APPEND_THREADS + tx)
+        row = T.meta_var(i // row_vecs)                      # (batch x kv head) x max_seq + position
+        new = T.meta_var(row // smax * row_vecs + i % row_vecs)
+        if i < total:
+            if row % smax == length:
+                KO16[i] = KN16[new]
+                VO16[i] = VN16[new]
+            else:
+                KO16[i] = KC16[i]
+                VO16[i] = VC16[i]
+
+    return _mark(append, "attention_append_kv")
 
 
 def decode_kv_bytes(shape: dict, length: int, dtype: str = "float16") -> int:

@@ -1,4 +1,5 @@
-"""Hopper (sm_90a) tensor-core GEMM kernels: C = act(A @ B^T + bias), and the SwiGLU pair.
+"""Hopper (sm_90a) tensor-core GEMM kernels: C = act(A @ B^T + bias), the SwiGLU pair, and a GEMM
+with an elementwise epilogue on a residual.
 
 TVM 0.27's schedule primitives reach the H200's tensor cores only through WMMA / mma.sync, far from
 cuBLAS; the H200 needs TMA bulk copies into swizzled shared memory, mbarrier rings and asynchronous
@@ -7,7 +8,9 @@ warpgroup MMAs (wgmma), which the tirx script can express. So these are kernel t
 ``tvm.compile(IRModule, target=TARGET, tir_pipeline="tirx")`` (``build``).
 
 Operands: A (M, K), B (N, K) (both K-major, as a linear layer's x and W), bias (N,), C (M, N); float16
-or bfloat16 in and out, float32 accumulation, the epilogue in float32 and C rounded once.
+or bfloat16 in and out, float32 accumulation, the epilogue in float32 and C rounded once. B may also
+be stored (K, N) (``b_layout="kn"``, the weight of ``x @ W``): it is then loaded in BN/64 boxes of BK
+rows x 64 columns and read by wgmma N-major (its transpose flag), so no transposed copy is made.
 
 The kernel (not warp-specialized). Each CTA computes one BM x BN tile of C with ``warpgroups``
 warpgroups of 128 threads, BM = 64 per warpgroup. Thread 0 issues TMA copies (128-byte swizzle) of
@@ -20,14 +23,18 @@ slice (retired by then in every warpgroup); 0 retires each group before its own 
 The epilogue (bias, activation, cast) runs on the accumulator registers and stores C directly.
 
 Knobs (``KNOBS``; ``DEFAULT_KNOBS`` is the configuration measured best at 4096^3 on the H200):
-``block_n`` BN (128 or 256: the wgmma N), ``warpgroups`` (1 or 2: BM 64 or 128), ``stages`` (ring
+``block_n`` BN (64, 128 or 256: the wgmma N), ``warpgroups`` (1 or 2: BM 64 or 128), ``stages`` (ring
 depth, 2-5), ``block_k`` BK (64 only: one 128-byte swizzle row of 2-byte elements per TMA box),
 ``wait_depth`` (0 or 1). A configuration needs M % BM == N % BN == K % BK == 0 and at most
 ``SHARED_MEMORY_LIMIT`` bytes of shared memory; anything else raises ValueError (callers fall back).
 
 ``swiglu`` computes out = silu(A @ Wg^T) * (A @ Wu^T): both weight tiles of a slice share the A tile
-and its barrier, and each warpgroup issues two wgmmas per k step into two accumulators; BN 128 so
-that both (64 float32 registers each) fit where one BN 256 accumulator does.
+and its barrier, and each warpgroup issues two wgmmas per k step into two accumulators; BN at most
+128 so that both (64 float32 registers each) fit where one BN 256 accumulator does.
+
+``gemm_residual`` computes C = epilogue(A @ B^T, R) elementwise with R (M, N): a residual add by
+default, or any float32 expression of the accumulator, R's element and its (row, column) (a down
+projection's dropout mask and residual, say).
 
 Functions carry ``autofuse.tirx`` = True (a mixed Relax pipeline sends them through the tirx
 lowering) and ``tirx.is_scheduled`` = True (dlight leaves them alone).
@@ -41,15 +48,21 @@ import math
 from tvm.script import tirx as T
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
+# Where the Hopper kernels apply, as ``autofuse.pattern.KernelTemplate`` takes it: an sm_90 GPU; they
+# are compiled for sm_90a (wgmma and TMA are its arch-specific instructions).
+HOPPER = {"target_kinds": ("cuda",), "archs": ("sm_90", "sm_90a"), "build_arch": "sm_90a"}
 SHARED_MEMORY_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum of dynamic shared memory
 
-KNOBS = {"block_n": (128, 256), "warpgroups": (1, 2), "stages": (2, 3, 4, 5), "block_k": (64,), "wait_depth": (0, 1)}
+KNOBS = {"block_n": (64, 128, 256), "warpgroups": (1, 2), "stages": (2, 3, 4, 5), "block_k": (64,),
+         "wait_depth": (0, 1)}
 DEFAULT_KNOBS = {"block_n": 256, "warpgroups": 2, "stages": 4, "block_k": 64, "wait_depth": 1}
-SWIGLU_KNOBS = {**KNOBS, "block_n": (128,)}
+SWIGLU_KNOBS = {**KNOBS, "block_n": (64, 128)}
 SWIGLU_DEFAULT_KNOBS = {**DEFAULT_KNOBS, "block_n": 128}
 
 # wgmma operand type per storage dtype
 DTYPES = {"float16": "f16", "bfloat16": "bf16"}
+# How B is stored: "nk" (N, K), K-major, a linear layer's W; "kn" (K, N), N-major, W as x @ W takes it.
+B_LAYOUTS = ("nk", "kn")
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 _SQRT_HALF = math.sqrt(0.5)
@@ -138,13 +151,27 @@ def configs(shape: dict, dtype: str, space: dict = KNOBS, default: dict = DEFAUL
     return out
 
 
-def _tensor_map_args(rows: int, k: int, box_rows: int, box_k: int) -> list[int]:
+def _tensor_map_args(rows: int, cols: int, box_rows: int, box_cols: int) -> list[int]:
     """cuTensorMapEncodeTiled's arguments after (map, dtype, rank, pointer) for a row-major
-    (rows, k) 2-byte matrix read in (box_rows, box_k) boxes: dims and box innermost first."""
-    return [k, rows, k * 2, box_k, box_rows, 1, 1, 0, _SWIZZLE_128B, 0, 0]
+    (rows, cols) 2-byte matrix read in (box_rows, box_cols) boxes: dims and box innermost first."""
+    return [cols, rows, cols * 2, box_cols, box_rows, 1, 1, 0, _SWIZZLE_128B, 0, 0]
 
 
-# The pipelined main loop shared by both kernels. Not hygienic: it reads the names of the kernel
+def _b_operand(n: int, k: int, knobs: dict, weights: int, b_layout: str):
+    """(shape of the B ring in shared memory, tensor-map arguments of one weight, the wgmma
+    descriptor's leading byte offset in 16-byte units, transpose flag) for B stored as
+    ``b_layout``. "nk": one BN x BK box per weight and slot, K-major (offset unused: 1). "kn": BN/64
+    boxes of BK rows x 64 columns per weight and slot, N-major (trans-b), the leading offset one box;
+    a k step of 16 is 16 rows further."""
+    if b_layout not in B_LAYOUTS:
+        raise ValueError(f"b_layout {b_layout!r} is not one of {', '.join(B_LAYOUTS)}")
+    _, bn, bk = tile_shape(knobs)
+    if b_layout == "nk":
+        return (knobs["stages"], weights * bn, bk), _tensor_map_args(n, k, bn, bk), 1, 0
+    return (knobs["stages"], weights * bn // 64, bk, 64), _tensor_map_args(k, n, bk, 64), bk * 64 * 2 // 16, 1
+
+
+# The pipelined main loop shared by the kernels. Not hygienic: it reads the names of the kernel
 # body it is expanded in (tensor maps, shared buffers, accumulators, block and thread indices) and
 # the configuration constants that each kernel binds with T.meta_var before expanding it.
 @T.macro(hygienic=False)
@@ -165,13 +192,13 @@ def _main_loop():
         T.cuda.mbarrier_wait(T.address_of(bars[kt % STAGES]), kt // STAGES % 2)
         T.ptx.wgmma.fence.sync.aligned()
         for kk in T.unroll(BK // 16):
-            # K-major operands with 128-byte swizzle: leading offset 1, stride 64 (8 rows of 128 B), in 16 B units
+            # 128-byte swizzle: stride 64 (8 rows of 128 B), in 16 B units; A K-major (leading offset 1)
             T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), As.ptr_to([kt % STAGES, wg * 64, kk * 16]), 1, 64, SWIZZLE)
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), Bs.ptr_to([kt % STAGES, 0, kk * 16]), 1, 64, SWIZZLE)
-            T.ptx[MMA](*[acc[i] for i in range(NACC)], desc_a, desc_b, True, 1, 1, 0, 0)
+            _b_descriptor(kt % STAGES, 0, kk)
+            T.ptx[MMA](*[acc[i] for i in range(NACC)], desc_a, desc_b, True, 1, 1, 0, TRANS_B)
             if TWO_WEIGHTS:
-                T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), Bs.ptr_to([kt % STAGES, BN, kk * 16]), 1, 64, SWIZZLE)
-                T.ptx[MMA](*[acc_up[i] for i in range(NACC)], desc_a, desc_b, True, 1, 1, 0, 0)
+                _b_descriptor(kt % STAGES, 1, kk)
+                T.ptx[MMA](*[acc_up[i] for i in range(NACC)], desc_a, desc_b, True, 1, 1, 0, TRANS_B)
         T.ptx.wgmma.commit_group.sync.aligned()
         if WAIT_DEPTH == 1:
             # slice kt's group stays in flight; slice kt-1's has retired in every warpgroup once
@@ -191,14 +218,40 @@ def _main_loop():
 
 
 @T.macro(hygienic=False)
+def _b_descriptor(slot, weight, kk):
+    # k step kk of weight `weight` (0: B, 1: Wu) in ring slot `slot`
+    if B_KN:
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), Bs.ptr_to([slot, weight * BN // 64, kk * 16, 0]), B_LEADING, 64, SWIZZLE)
+    else:
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), Bs.ptr_to([slot, weight * BN, kk * 16]), 1, 64, SWIZZLE)
+
+
+@T.macro(hygienic=False)
 def _load_slice(slot, kslice):
-    # TMA copies of K slice `kslice` of the CTA's A rows and B (and Wu) rows into ring slot `slot`;
+    # TMA copies of K slice `kslice` of the CTA's A rows and B (and Wu) tiles into ring slot `slot`;
     # the slot's barrier completes when all STAGE_BYTES have arrived
     T.ptx[TMA](As.ptr_to([slot, 0, 0]), T.address_of(A_map), kslice * BK, by * BM, T.address_of(bars[slot]))
-    T.ptx[TMA](Bs.ptr_to([slot, 0, 0]), T.address_of(B_map), kslice * BK, bx * BN, T.address_of(bars[slot]))
-    if TWO_WEIGHTS:
-        T.ptx[TMA](Bs.ptr_to([slot, BN, 0]), T.address_of(U_map), kslice * BK, bx * BN, T.address_of(bars[slot]))
+    if B_KN:
+        for box in T.unroll(BN // 64):
+            T.ptx[TMA](Bs.ptr_to([slot, box, 0, 0]), T.address_of(B_map), bx * BN + box * 64, kslice * BK, T.address_of(bars[slot]))
+            if TWO_WEIGHTS:
+                T.ptx[TMA](Bs.ptr_to([slot, BN // 64 + box, 0, 0]), T.address_of(U_map), bx * BN + box * 64, kslice * BK, T.address_of(bars[slot]))
+    else:
+        T.ptx[TMA](Bs.ptr_to([slot, 0, 0]), T.address_of(B_map), kslice * BK, bx * BN, T.address_of(bars[slot]))
+        if TWO_WEIGHTS:
+            T.ptx[TMA](Bs.ptr_to([slot, BN, 0]), T.address_of(U_map), kslice * BK, bx * BN, T.address_of(bars[slot]))
     T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[slot]), T.uint32(STAGE_BYTES))
+
+
+# Where accumulator element i of thread tx lands in C. m64nN: warp w of the warpgroup holds rows
+# 16w + lane/4 (and +8), columns 8j + 2(lane%4) (and +1) in acc[4j .. 4j+3]: (r, c), (r, c+1),
+# (r+8, c), (r+8, c+1).
+def _row(by, bm, wg, tx, half):
+    return by * bm + wg * 64 + tx % 128 // 32 * 16 + tx % 32 // 4 + half * 8
+
+
+def _col(bx, bn, j, tx, pair):
+    return bx * bn + j * 8 + tx % 4 * 2 + pair
 
 
 def _mark(func, name: str):
@@ -206,115 +259,114 @@ def _mark(func, name: str):
             .with_attr("tirx.is_scheduled", True))
 
 
-def gemm_bias_act(shape: dict, dtype: str = "float16", knobs: dict | None = None, act: str = "relu"):
+def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout: str) -> dict:
+    """The constants a kernel binds before expanding ``_main_loop``, checked (``check``)."""
+    space, default = (KNOBS, DEFAULT_KNOBS) if weights == 1 else (SWIGLU_KNOBS, SWIGLU_DEFAULT_KNOBS)
+    m, n, k, knobs = check(shape, dtype, knobs, space=space, default=default, weights=weights)
+    bm, bn, bk = tile_shape(knobs)
+    b_smem, b_box, b_leading, trans_b = _b_operand(n, k, knobs, weights, b_layout)
+    return {"m": m, "n": n, "k": k, "bm": bm, "bn": bn, "bk": bk, "stages": knobs["stages"],
+            "threads": 128 * knobs["warpgroups"], "wait_depth": knobs["wait_depth"],
+            "mma": f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{DTYPES[dtype]}.{DTYPES[dtype]}",
+            "a_box": _tensor_map_args(m, k, bm, bk), "b_box": b_box, "b_smem": b_smem, "b_leading": b_leading,
+            "trans_b": trans_b, "b_kn": b_layout == "kn", "b_shape": (n, k) if b_layout == "nk" else (k, n),
+            "stage_bytes": (bm + weights * bn) * bk * 2}
+
+
+def _gemm(cfg: dict, dtype: str, name: str, operand_shape: tuple, epilogue, two_weights: bool):
+    """The tirx PrimFunc ``(A, B, X, C)``: the pipelined main loop (``_main_loop``) over A and B, and
+    with ``two_weights`` over A and X (a second weight stored as B is, its product in ``acc_up``),
+    then C[row, col] = epilogue(acc, acc_up, X, row, col) rounded once; X has ``operand_shape``."""
+    m, n, k, bm, bn, bk, stages = (cfg[key] for key in ("m", "n", "k", "bm", "bn", "bk", "stages"))
+
+    @T.prim_func
+    def gemm(a: T.handle, b: T.handle, x: T.handle, c: T.handle):
+        A = T.match_buffer(a, (m, k), dtype, align=16)
+        B = T.match_buffer(b, cfg["b_shape"], dtype, align=16)
+        X = T.match_buffer(x, operand_shape, dtype, align=16)
+        C = T.match_buffer(c, (m, n), dtype, align=16)
+        A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, dtype, 2, A.data, *cfg["a_box"])
+        B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, dtype, 2, B.data, *cfg["b_box"])
+        if two_weights:
+            U_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            T.call_packed("runtime.cuTensorMapEncodeTiled", U_map, dtype, 2, X.data, *cfg["b_box"])
+        T.device_entry()
+        bx, by = T.cta_id([n // bn, m // bm])
+        tx = T.thread_id([cfg["threads"]])
+        pool = T.SMEMPool()
+        As = pool.alloc((stages, bm, bk), dtype, align=1024)
+        # each slot: the B tile (then, with two weights, the X tile)
+        Bs = pool.alloc(cfg["b_smem"], dtype, align=1024)
+        bars = pool.alloc((stages,), "uint64", align=8)
+        pool.commit()
+        desc_a: T.uint64
+        desc_b: T.uint64
+        acc = T.alloc_buffer((bn // 2,), "float32", scope="local")
+        if two_weights:
+            acc_up = T.alloc_buffer((bn // 2,), "float32", scope="local")
+        wg = T.meta_var(tx // 128)
+        BM, BN, BK, KT, STAGES, NACC = T.meta_var((bm, bn, bk, k // bk, stages, bn // 2))
+        PROLOGUE = T.meta_var(min(stages, k // bk))
+        STAGE_BYTES, WAIT_DEPTH = T.meta_var((cfg["stage_bytes"], cfg["wait_depth"]))
+        MMA, TMA, SWIZZLE = T.meta_var((cfg["mma"], _TMA_LOAD, _SWIZZLE_128B))
+        B_KN, B_LEADING, TRANS_B = T.meta_var((cfg["b_kn"], cfg["b_leading"], cfg["trans_b"]))
+        TWO_WEIGHTS = T.meta_var(two_weights)
+        _main_loop()
+        for j in T.unroll(bn // 8):
+            for half in T.unroll(2):
+                for pair in T.unroll(2):
+                    row = T.meta_var(_row(by, bm, wg, tx, half))
+                    col = T.meta_var(_col(bx, bn, j, tx, pair))
+                    i = T.meta_var(j * 4 + half * 2 + pair)
+                    C[row, col] = T.Cast(dtype, epilogue(acc[i], acc_up[i] if two_weights else None, X, row, col))
+
+    return _mark(gemm, name)
+
+
+def gemm_bias_act(shape: dict, dtype: str = "float16", knobs: dict | None = None, act: str = "relu",
+                  b_layout: str = "nk"):
     """The tirx PrimFunc ``(A, B, bias, C)`` computing C = act(A @ B^T + bias) for ``shape``
-    {"m", "n", "k"}; its global symbol is ``gemm_bias_<act>``. ValueError when the shape, dtype,
-    knobs or ``act`` (one of ``ACTIVATIONS``) do not fit."""
+    {"m", "n", "k"}, B stored as ``b_layout`` (``B_LAYOUTS``); its global symbol is
+    ``gemm_bias_<act>``. ValueError when the shape, dtype, knobs or ``act`` (one of
+    ``ACTIVATIONS``) do not fit."""
     if act not in ACTIVATIONS:
         raise ValueError(f"activation {act!r} is not one of {', '.join(ACTIVATIONS)}")
     activation = ACTIVATIONS[act]
-    m, n, k, knobs = check(shape, dtype, knobs)
-    bm, bn, bk = tile_shape(knobs)
-    stages = knobs["stages"]
-    threads = 128 * knobs["warpgroups"]
-    mma_name = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{DTYPES[dtype]}.{DTYPES[dtype]}"
-    a_box = _tensor_map_args(m, k, bm, bk)
-    b_box = _tensor_map_args(n, k, bn, bk)
+    cfg = _config(shape, dtype, knobs, 1, b_layout)
 
-    @T.prim_func
-    def gemm(a: T.handle, b: T.handle, bias: T.handle, c: T.handle):
-        A = T.match_buffer(a, (m, k), dtype, align=16)
-        B = T.match_buffer(b, (n, k), dtype, align=16)
-        Bias = T.match_buffer(bias, (n,), dtype, align=16)
-        C = T.match_buffer(c, (m, n), dtype, align=16)
-        A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, dtype, 2, A.data, *a_box)
-        B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, dtype, 2, B.data, *b_box)
-        T.device_entry()
-        bx, by = T.cta_id([n // bn, m // bm])
-        tx = T.thread_id([threads])
-        pool = T.SMEMPool()
-        As = pool.alloc((stages, bm, bk), dtype, align=1024)
-        Bs = pool.alloc((stages, bn, bk), dtype, align=1024)
-        bars = pool.alloc((stages,), "uint64", align=8)
-        pool.commit()
-        desc_a: T.uint64
-        desc_b: T.uint64
-        acc = T.alloc_buffer((bn // 2,), "float32", scope="local")
-        wg = T.meta_var(tx // 128)
-        BM, BN, BK, KT, STAGES, NACC = T.meta_var((bm, bn, bk, k // bk, stages, bn // 2))
-        PROLOGUE = T.meta_var(min(stages, k // bk))
-        STAGE_BYTES = T.meta_var((bm + bn) * bk * 2)
-        MMA, TMA, SWIZZLE = T.meta_var((mma_name, _TMA_LOAD, _SWIZZLE_128B))
-        TWO_WEIGHTS = T.meta_var(False)
-        WAIT_DEPTH = T.meta_var(knobs["wait_depth"])
-        _main_loop()
-        # accumulator of m64nN: warp w of the warpgroup holds rows 16w + lane/4 (and +8), columns
-        # 8j + 2(lane%4) (and +1) in acc[4j .. 4j+3]: (r, c), (r, c+1), (r+8, c), (r+8, c+1)
-        for j in T.unroll(bn // 8):
-            for half in T.unroll(2):
-                for pair in T.unroll(2):
-                    row = T.meta_var(by * bm + wg * 64 + tx % 128 // 32 * 16 + tx % 32 // 4 + half * 8)
-                    col = T.meta_var(bx * bn + j * 8 + tx % 4 * 2 + pair)
-                    C[row, col] = T.Cast(dtype, activation(acc[j * 4 + half * 2 + pair] + T.Cast("float32", Bias[col])))
+    def bias_act(acc, _up, bias, _row, col):
+        return activation(acc + T.Cast("float32", bias[col]))
 
-    return _mark(gemm, f"gemm_bias_{act}")
+    return _gemm(cfg, dtype, f"gemm_bias_{act}", (cfg["n"],), bias_act, False)
 
 
-def swiglu(shape: dict, dtype: str = "float16", knobs: dict | None = None):
+def swiglu(shape: dict, dtype: str = "float16", knobs: dict | None = None, b_layout: str = "nk"):
     """The tirx PrimFunc ``(A, Wg, Wu, C)`` computing C = silu(A @ Wg^T) * (A @ Wu^T), Wg and Wu
-    (N, K), for ``shape`` {"m", "n", "k"}; global symbol ``gemm_swiglu``. Knobs from
-    ``SWIGLU_KNOBS`` (BN 128). ValueError when the shape, dtype or knobs do not fit."""
-    m, n, k, knobs = check(shape, dtype, knobs, space=SWIGLU_KNOBS, default=SWIGLU_DEFAULT_KNOBS, weights=2)
-    bm, bn, bk = tile_shape(knobs)
-    stages = knobs["stages"]
-    threads = 128 * knobs["warpgroups"]
-    mma_name = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{DTYPES[dtype]}.{DTYPES[dtype]}"
-    a_box = _tensor_map_args(m, k, bm, bk)
-    w_box = _tensor_map_args(n, k, bn, bk)
+    stored as ``b_layout`` ((N, K) for "nk"), for ``shape`` {"m", "n", "k"}; global symbol
+    ``gemm_swiglu``. Knobs from ``SWIGLU_KNOBS`` (BN at most 128). ValueError when the shape, dtype
+    or knobs do not fit."""
+    cfg = _config(shape, dtype, knobs, 2, b_layout)
+    return _gemm(cfg, dtype, "gemm_swiglu", cfg["b_shape"], lambda acc, up, _wu, _row, _col: _silu(acc) * up, True)
 
-    @T.prim_func
-    def gemm(a: T.handle, wg_: T.handle, wu_: T.handle, c: T.handle):
-        A = T.match_buffer(a, (m, k), dtype, align=16)
-        Wg = T.match_buffer(wg_, (n, k), dtype, align=16)
-        Wu = T.match_buffer(wu_, (n, k), dtype, align=16)
-        C = T.match_buffer(c, (m, n), dtype, align=16)
-        A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, dtype, 2, A.data, *a_box)
-        B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, dtype, 2, Wg.data, *w_box)
-        U_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", U_map, dtype, 2, Wu.data, *w_box)
-        T.device_entry()
-        bx, by = T.cta_id([n // bn, m // bm])
-        tx = T.thread_id([threads])
-        pool = T.SMEMPool()
-        As = pool.alloc((stages, bm, bk), dtype, align=1024)
-        # rows 0..BN-1 of a slot: the Wg tile; BN..2BN-1: the Wu tile
-        Bs = pool.alloc((stages, 2 * bn, bk), dtype, align=1024)
-        bars = pool.alloc((stages,), "uint64", align=8)
-        pool.commit()
-        desc_a: T.uint64
-        desc_b: T.uint64
-        acc = T.alloc_buffer((bn // 2,), "float32", scope="local")
-        acc_up = T.alloc_buffer((bn // 2,), "float32", scope="local")
-        wg = T.meta_var(tx // 128)
-        BM, BN, BK, KT, STAGES, NACC = T.meta_var((bm, bn, bk, k // bk, stages, bn // 2))
-        PROLOGUE = T.meta_var(min(stages, k // bk))
-        STAGE_BYTES = T.meta_var((bm + 2 * bn) * bk * 2)
-        MMA, TMA, SWIZZLE = T.meta_var((mma_name, _TMA_LOAD, _SWIZZLE_128B))
-        TWO_WEIGHTS = T.meta_var(True)
-        WAIT_DEPTH = T.meta_var(knobs["wait_depth"])
-        _main_loop()
-        for j in T.unroll(bn // 8):
-            for half in T.unroll(2):
-                for pair in T.unroll(2):
-                    row = T.meta_var(by * bm + wg * 64 + tx % 128 // 32 * 16 + tx % 32 // 4 + half * 8)
-                    col = T.meta_var(bx * bn + j * 8 + tx % 4 * 2 + pair)
-                    C[row, col] = T.Cast(dtype, _silu(acc[j * 4 + half * 2 + pair]) * acc_up[j * 4 + half * 2 + pair])
 
-    return _mark(gemm, "gemm_swiglu")
+def add_residual(acc, residual, row, col):
+    return acc + residual
+
+
+def gemm_residual(shape: dict, dtype: str = "float16", knobs: dict | None = None, epilogue=add_residual,
+                  b_layout: str = "nk", name: str = "gemm_residual"):
+    """The tirx PrimFunc ``(A, B, R, C)`` computing C[i, j] = epilogue(acc[i, j], R[i, j], i, j) with
+    acc = A @ B^T in float32, R (M, N) read as float32, B stored as ``b_layout``; the default
+    epilogue adds R (a residual). ``epilogue`` builds a float32 TIR expression (a down projection's
+    dropout mask, say); its result is rounded once into C. Global symbol ``name``."""
+    cfg = _config(shape, dtype, knobs, 1, b_layout)
+
+    def residual(acc, _up, r, row, col):
+        return epilogue(acc, T.Cast("float32", r[row, col]), row, col)
+
+    return _gemm(cfg, dtype, name, (cfg["m"], cfg["n"]), residual, False)
 
 
 def build(func):

@@ -1,11 +1,18 @@
 """LayerNorm over the last axis as the normalization patterns define it: eps, its three TensorIR
-stages (``layernorm_stages``), the float64 numpy reference, and the seeded (x, r, gamma, beta)
-inputs of a residual-then-LayerNorm kernel."""
+stages (``layernorm_stages``), the float64 numpy reference, the (rows, hidden) shape parameters,
+and the seeded (x, r, gamma, beta) inputs of a residual-then-LayerNorm kernel."""
 
 import numpy as np
 from tvm.script import tirx as T
 
+from autofuse.pattern import ShapeParam
+from search_spaces.lib.stages import row_sum_stage
+
 EPS = 1e-5
+
+# The shape parameters of a LayerNorm pattern, what ``residual_inputs`` reads.
+ROWS_HIDDEN = (ShapeParam("rows", 512, 8, "rows (tokens); LayerNorm is over each row"),
+               ShapeParam("hidden", 768, 64, "hidden size (the normalised axis)"))
 
 
 def layernorm(h, gamma, beta, eps=EPS):
@@ -37,18 +44,8 @@ def layernorm_stages():
     def stages(h_at, gamma, beta, y, rows, hidden):
         row_sum = T.sblock_alloc_buffer((rows,), "float32")
         row_sq = T.sblock_alloc_buffer((rows,), "float32")
-        for i, k in T.grid(rows, hidden):
-            with T.sblock("mean"):
-                vi, vk = T.axis.remap("SR", [i, k])
-                with T.init():
-                    row_sum[vi] = T.float32(0)
-                row_sum[vi] = row_sum[vi] + h_at(vi, vk)
-        for i, k in T.grid(rows, hidden):
-            with T.sblock("sumsq"):
-                vi, vk = T.axis.remap("SR", [i, k])
-                with T.init():
-                    row_sq[vi] = T.float32(0)
-                row_sq[vi] = row_sq[vi] + h_at(vi, vk) * h_at(vi, vk)
+        row_sum_stage("mean", row_sum, (rows, hidden), h_at)
+        row_sum_stage("sumsq", row_sq, (rows, hidden), lambda i, k: h_at(i, k) * h_at(i, k))
         for i, j in T.grid(rows, hidden):
             with T.sblock("norm"):
                 vi, vj = T.axis.remap("SS", [i, j])

@@ -7,6 +7,8 @@ import numpy as np
 import tvm_ffi
 from tvm import DataType, ir, tirx
 
+from autofuse.pattern import ShapeParam
+
 DROPOUT_P = 0.1               # the patterns' default dropout probability
 DROPOUT_SEED = 42             # and the mask seed of their kernels
 _GOLDEN = 0x9E3779B9          # seed spreading constant (2**32 / golden ratio)
@@ -142,9 +144,14 @@ def dropout_mask(rows, cols, p=DROPOUT_P, seed=DROPOUT_SEED):
     return (h >> np.uint32(8)) >= np.uint32(dropout_threshold(p))
 
 
+# The dropout patterns' shape parameter: p in 1/1000, an integer as every shape value is.
+DROPOUT_PERMILLE = ShapeParam("p_permille", round(DROPOUT_P * 1000), round(DROPOUT_P * 1000),
+                              "dropout probability in 1/1000 (0: inference)", minimum=0)
+
+
 def dropout_p(shape):
-    """The dropout probability of the shape parameter ``p_permille`` (100, p = 0.1, when absent)."""
-    return shape.get("p_permille", 100) / 1000.0
+    """The dropout probability of the shape parameter ``p_permille`` (DROPOUT_P when absent)."""
+    return shape.get(DROPOUT_PERMILLE.name, DROPOUT_PERMILLE.default) / 1000.0
 
 
 def dropout_constants(p, seed, rows, cols):

@@ -18,6 +18,8 @@ from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, fit_tiles, onnx_model, template
 from search_spaces.lib.cuda_gemm import cuda_vector_lanes
+from search_spaces.lib.gemm import ffn_shape
+from search_spaces.lib.stages import matmul_stage, row_sum_stage
 from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tir_math import exp_f32
 
@@ -58,12 +60,8 @@ def build(shape, dtype):
         out = T.sblock_alloc_buffer((E, TP, H), "float32")
         if half:
             ysum = T.sblock_alloc_buffer((NT, H), "float32")
-        for t, e, c in T.grid(NT, E, H):
-            with T.sblock("router"):
-                vt, ve, vc = T.axis.remap("SSR", [t, e, c])
-                with T.init():
-                    logits[vt, ve] = T.float32(0)
-                logits[vt, ve] = logits[vt, ve] + T.Cast("float32", x[vt, vc]) * T.Cast("float32", wg[vc, ve])
+        matmul_stage("router", logits, (NT, E, H),
+                     lambda t, e, c: T.Cast("float32", x[t, c]) * T.Cast("float32", wg[c, e]))
         for t, e, c in T.grid(NT, E, E):
             with T.sblock("rank"):
                 vt, ve, vc = T.axis.remap("SSR", [t, e, c])
@@ -83,12 +81,7 @@ def build(shape, dtype):
             with T.sblock("gate_exp"):
                 vt, vj = T.axis.remap("SS", [t, j])
                 ex[vt, vj] = exp_f32(logits[vt, sel[vt, vj]] - logits[vt, sel[vt, 0]])
-        for t, j in T.grid(NT, K):
-            with T.sblock("gate_sum"):
-                vt, vj = T.axis.remap("SR", [t, j])
-                with T.init():
-                    esum[vt] = T.float32(0)
-                esum[vt] = esum[vt] + ex[vt, vj]
+        row_sum_stage("gate_sum", esum, (NT, K), lambda t, j: ex[t, j])
         for t, j in T.grid(NT, K):
             with T.sblock("gate"):
                 vt, vj = T.axis.remap("SS", [t, j])
@@ -489,16 +482,12 @@ def onnx_graph(shape, dtype):
                        "choices_shape": np.array([NT, K], i64)})
 
 
-PATTERN = Pattern(
-    name="moe_gate_topk", family="moe",
+PATTERN = Pattern.from_module(
+    globals(),
     description="MoE layer: router softmax, renormalised top-k gate, ReLU expert FFNs on routed tokens only, combine",
-    shape_params=[ShapeParam("tokens", 64, 8, "tokens (rows of x)"),
-                  ShapeParam("hidden", 256, 16, "model width"),
-                  ShapeParam("inter", 512, 32, "expert FFN intermediate width"),
+    shape_params=[*ffn_shape((64, 8), (256, 16), (512, 32)),
                   ShapeParam("experts", 8, 4, "number of experts"),
                   ShapeParam("k", 2, 2, "experts per token (top-k), at most experts")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
     templates=[expert_tiles, cuda_routed],
     more_work={"onnx_graph": "ONNX has no grouped GEMM: the graph runs the routed rows in 8-row expert "
                              "tiles as the kernel does, but Gathers a copy of its expert's W1 and W2 for "

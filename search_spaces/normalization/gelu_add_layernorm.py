@@ -14,10 +14,10 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
+from autofuse.pattern import Pattern, onnx_model, template
 from search_spaces.lib.cpu_rows import parallel_rows, rfactor_lanes, vectorize_rf
 from search_spaces.lib.cuda_rows import output_rows, unroll_chunks, vector_load
-from search_spaces.lib.layernorm import EPS, layernorm, layernorm_stages
+from search_spaces.lib.layernorm import EPS, ROWS_HIDDEN, layernorm, layernorm_stages
 from search_spaces.lib.layernorm import residual_inputs as make_inputs
 from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tir_math import dtype_bytes, erf_f32
@@ -178,13 +178,10 @@ def onnx_graph(shape, dtype):
                       [("x", (rows, hidden)), ("r", (rows, hidden)), ("gamma", (hidden,)), ("beta", (hidden,))],
                       [("y", (rows, hidden))], dtype, consts)
 
-PATTERN = Pattern(
-    name="gelu_add_layernorm", family="normalization",
+PATTERN = Pattern.from_module(
+    globals(),
     description="LayerNorm(GELU(x) + r) * gamma + beta over the last axis, exact (erf) GELU, eps=1e-5",
-    shape_params=[ShapeParam("rows", 512, 8, "rows (tokens); LayerNorm is over each row"),
-                  ShapeParam("hidden", 768, 64, "hidden size (the normalised axis)")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
+    shape_params=list(ROWS_HIDDEN),
     # The first CUDA template is the default of builds without records: the fastest on the H200
     # (benchmarks/results/h200/check-rows-*.json, check-large-*.json).
     templates=[row_fused, row_recompute, cuda_rows_recompute, cuda_rows, cuda_rows_smem],

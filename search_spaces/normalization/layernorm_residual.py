@@ -12,10 +12,10 @@ import math
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, onnx_model, static_shape, template
+from autofuse.pattern import FLOAT_DTYPES, Pattern, RelaxRule, dtype_of, onnx_model, static_shape, template
 from search_spaces.lib.cpu_rows import parallel_rows, rfactor_lanes, vectorize_rf
 from search_spaces.lib.cuda_rows import CudaRows, row_keeping, unroll_chunks, vector_load, vector_store
-from search_spaces.lib.layernorm import EPS, layernorm, layernorm_stages
+from search_spaces.lib.layernorm import EPS, ROWS_HIDDEN, layernorm, layernorm_stages
 from search_spaces.lib.layernorm import residual_inputs as make_inputs
 from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tir_math import dtype_bytes
@@ -142,8 +142,8 @@ def _relax_pattern():
 
 
 def _relax_rewrite(matched, kernel):
-    """layer_norm(a + b, gamma, beta) over the last axis, float32, eps = EPS -> the kernel's y,
-    a and b (same shape, no broadcasting) flattened to (rows, hidden).
+    """layer_norm(a + b, gamma, beta) over the last axis, all of one of the pattern's dtypes,
+    eps = EPS -> the kernel's y, a and b (same shape, no broadcasting) flattened to (rows, hidden).
 
     Known limitation: only the root (the layer_norm) is replaced. The kernel also writes h = a + b,
     but that output is unused here: the original add stays for its other users (in a pre-norm
@@ -158,7 +158,8 @@ def _relax_rewrite(matched, kernel):
     hidden = shape[-1]
     if static_shape(gamma) != (hidden,) or static_shape(beta) != (hidden,):
         return None
-    if any(dtype_of(t) != "float32" for t in (a, b, gamma, beta)):
+    dtype = dtype_of(a)
+    if dtype not in FLOAT_DTYPES or any(dtype_of(t) != dtype for t in (b, gamma, beta)):
         return None
     attrs = call.attrs
     if [int(v) for v in attrs.axes] not in ([-1], [len(shape) - 1]) or not attrs.center or not attrs.scale:
@@ -168,7 +169,7 @@ def _relax_rewrite(matched, kernel):
         return None
     rows = int(np.prod(shape[:-1]))
     flat = (lambda t: t) if len(shape) == 2 else (lambda t: relax.op.reshape(t, (rows, hidden)))
-    out = kernel({"rows": rows, "hidden": hidden}, "float32", [flat(a), flat(b), gamma, beta])
+    out = kernel({"rows": rows, "hidden": hidden}, dtype, [flat(a), flat(b), gamma, beta])
     y = relax.TupleGetItem(out, 1)
     return y if len(shape) == 2 else relax.op.reshape(y, shape)
 
@@ -182,13 +183,10 @@ def onnx_graph(shape, dtype):
                       [("x", (rows, hidden)), ("r", (rows, hidden)), ("gamma", (hidden,)), ("beta", (hidden,))],
                       [("h", (rows, hidden)), ("y", (rows, hidden))], dtype)
 
-PATTERN = Pattern(
-    name="layernorm_residual", family="normalization",
+PATTERN = Pattern.from_module(
+    globals(),
     description="h = x + r; y = LayerNorm(h) * gamma + beta over the last axis (eps=1e-5); outputs h and y",
-    shape_params=[ShapeParam("rows", 512, 8, "rows (tokens); LayerNorm is over each row"),
-                  ShapeParam("hidden", 768, 64, "hidden size (the normalised axis)")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
+    shape_params=list(ROWS_HIDDEN),
     # The first CUDA template is the default of builds without records: the fastest on the H200
     # (benchmarks/results/h200/check-rows-*.json, check-large-*.json).
     templates=[row_fused, cuda_rows_smem, cuda_rows_reread, cuda_rows],

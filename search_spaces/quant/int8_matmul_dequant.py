@@ -18,7 +18,9 @@ from autofuse.errors import AutofuseError
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, static_shape, template
 from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_pipeline, cuda_split_k,
                                          cuda_tile_output, cuda_unroll, cuda_vector_lanes, dp4a_intrin)
+from search_spaces.lib.gemm import gemm_shape
 from search_spaces.lib.onnx_graphs import typed_model
+from search_spaces.lib.stages import matmul_stage
 from search_spaces.lib.tiling import epilogue_on_tile, parallel_register_tile, unroll
 
 
@@ -42,12 +44,8 @@ def build(shape, dtype):
                             b: T.Buffer((n,), dtype), y: T.Buffer((m, n), dtype)):
         T.func_attr({"global_symbol": "int8_matmul_dequant", "tirx.noalias": True})
         acc = T.alloc_buffer((m, n), "int32")
-        for i, j, kk in T.grid(m, n, k):
-            with T.sblock("matmul"):
-                vi, vj, vk = T.axis.remap("SSR", [i, j, kk])
-                with T.init():
-                    acc[vi, vj] = 0
-                acc[vi, vj] = acc[vi, vj] + T.cast(x_q[vi, vk], "int32") * T.cast(w_q[vj, vk], "int32")
+        matmul_stage("matmul", acc, (m, n, k),
+                     lambda i, j, kk: T.cast(x_q[i, kk], "int32") * T.cast(w_q[j, kk], "int32"))
         for i, j in T.grid(m, n):
             with T.sblock("dequant"):
                 vi, vj = T.axis.remap("SS", [i, j])
@@ -216,14 +214,12 @@ def onnx_graph(shape, dtype):
                        [("y", (m, n), dtype)])
 
 
-PATTERN = Pattern(
-    name="int8_matmul_dequant", family="quant",
+PATTERN = Pattern.from_module(
+    globals(),
     description="int8 x int8 GEMM accumulated in int32, dequantised (per-tensor x, per-channel w scale), bias, ReLU",
-    shape_params=[ShapeParam("m", 128, 16, "rows of x_q (tokens)"),
-                  ShapeParam("n", 512, 32, "output features (rows of w_q)"),
-                  ShapeParam("k", 512, 32, "input features"),
+    shape_params=[*gemm_shape((128, 16), (512, 32), (512, 32)),
                   ShapeParam("relu", 1, 1, "1: ReLU after the bias, 0: none", minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
+    dtypes=("float32",),
     templates=[int8_dot, int8_tiled, cuda_tiled_dp4a],
     # The ReLU rule first: the plain one would otherwise take the Add out from under it.
     relax_rules=[RelaxRule("matmulinteger_dequant_bias_relu", _relax_pattern(1), _relax_rewrite(1), priority=1),

@@ -18,6 +18,7 @@ from tvm.script import tirx as T
 from autofuse.errors import AutofuseError
 from autofuse.pattern import Pattern, ShapeParam, template
 from search_spaces.lib.cuda_gemm import cuda_vector_lanes
+from search_spaces.lib.gemm import gemm_shape
 from search_spaces.lib.onnx_graphs import typed_model
 from search_spaces.lib.tiling import unroll
 
@@ -286,14 +287,12 @@ def onnx_graph(shape, dtype):
                        [("y", (m, n), dtype)], consts)
 
 
-PATTERN = Pattern(
-    name="woq_matmul", family="quant",
+PATTERN = Pattern.from_module(
+    globals(),
     description="x @ dequant(W)^T + b, W int4/int8 per output row with group-wise scales (LLM decode)",
-    shape_params=[ShapeParam("m", 4, 2, "rows of x (tokens being decoded)"),
-                  ShapeParam("n", 1024, 32, "output features (rows of W)"),
-                  ShapeParam("k", 1024, 64, "input features (the reduction)"),
+    shape_params=[*gemm_shape((4, 2), (1024, 32), (1024, 64)),
                   ShapeParam("group", 64, 32, "values sharing one scale along k (divides k)"),
                   ShapeParam("bits", 4, 4, "weight bits: 4 (two per byte) or 8")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
+    dtypes=("float32",),
     templates=[dequant_on_load, cuda_warp_per_row],
 )

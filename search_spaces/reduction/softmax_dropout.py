@@ -16,10 +16,20 @@ from tvm.script import tirx as T
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, onnx_model, static_shape, template
 from search_spaces.lib.cpu_rows import lanes_innermost, parallel_rows, rfactor_lanes
 from search_spaces.lib.cuda_rows import output_rows, unroll_chunks, vector_load
+from search_spaces.lib.stages import row_sum_stage
 from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import DROPOUT_P as P  # noqa: F401 (the default p)
 from search_spaces.lib.tir_math import DROPOUT_SEED as SEED
-from search_spaces.lib.tir_math import dropout_constants, dropout_mask, dropout_p, dtype_bytes, exp_f32, hash_keep
+from search_spaces.lib.tir_math import (DROPOUT_PERMILLE, dropout_constants, dropout_mask, dropout_p, dtype_bytes,
+                                       exp_f32, hash_keep)
+
+
+def _exp_masked(v, row_max):
+    """exp(v - row_max), exactly 0 where v is -inf (exp_f32 alone clamps to exp(-87)): a row of
+    -inf only (a fully masked attention row) then sums to 0 and comes out NaN (0 * inf), as in
+    numpy and onnxruntime; exporters' graphs test for that NaN (IsNaN -> Where)."""
+    return T.Select(v == T.float32("-inf"), T.float32(0), exp_f32(v - row_max))
+
 
 def build(shape, dtype):
     return build_with(shape, dtype, dropout_p(shape), SEED)
@@ -41,18 +51,14 @@ def build_with(shape, dtype, p, seed):
                 with T.init():
                     row_max[vi] = T.min_value("float32")
                 row_max[vi] = T.max(row_max[vi], T.Cast("float32", x[vi, vk]))
-        for i, k in T.grid(rows, cols):
-            with T.sblock("exp_sum"):
-                vi, vk = T.axis.remap("SR", [i, k])
-                with T.init():
-                    row_sum[vi] = T.float32(0)
-                row_sum[vi] = row_sum[vi] + exp_f32(T.Cast("float32", x[vi, vk]) - row_max[vi])
+        row_sum_stage("exp_sum", row_sum, (rows, cols),
+                      lambda i, k: _exp_masked(T.Cast("float32", x[i, k]), row_max[i]))
         for i, j in T.grid(rows, cols):
             with T.sblock("norm_dropout"):
                 vi, vj = T.axis.remap("SS", [i, j])
                 y[vi, vj] = T.Cast(dtype, T.Select(
                     hash_keep(vi * cols + vj, mix, thresh),
-                    exp_f32(T.Cast("float32", x[vi, vj]) - row_max[vi])
+                    _exp_masked(T.Cast("float32", x[vi, vj]), row_max[vi])
                     * (T.float32(scale) / row_sum[vi]),
                     T.float32(0)))
 
@@ -186,14 +192,12 @@ def onnx_graph(shape, dtype):
     return onnx_model("softmax_dropout", nodes, [("x", (rows, cols))], [("y", (rows, cols))], dtype,
                       {"keep_scale": scale})
 
-PATTERN = Pattern(
-    name="softmax_dropout", family="reduction",
+PATTERN = Pattern.from_module(
+    globals(),
     description="dropout(softmax(x, axis=-1)) with a hashed (seed, index) keep mask, p=0.1",
     shape_params=[ShapeParam("rows", 512, 8, "rows (softmax is over each row)"),
                   ShapeParam("cols", 1024, 64, "columns (the softmax axis)"),
-                  ShapeParam("p_permille", 100, 100, "dropout probability in 1/1000 (0: inference)", minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
-    dtypes=("float32", "float16", "bfloat16"),
+                  DROPOUT_PERMILLE],
     # The first CUDA template is the default of builds without records: the fastest on the H200
     # (benchmarks/results/h200/check-rows-*.json, check-large-*.json).
     templates=[row_parallel, cuda_rows_reread, cuda_rows, cuda_rows_smem],

@@ -68,8 +68,12 @@ def build(shape, dtype):
     R, M, N, K, bias = _dims(shape)
     G = K // 4
 
+    # Everything but the signature, which has b only with a bias: the gathered x^T, the
+    # compressed matmul and ``epilogue(acc, column)`` rounded into y.
     @T.macro
-    def gather_matmul(x, idx, values, meta, xg, acc):
+    def gather_matmul(x, idx, values, meta, y, epilogue):
+        xg = T.sblock_alloc_buffer((K, M), dtype)
+        acc = T.sblock_alloc_buffer((N, M), "float32")
         for c, i in T.grid(K, M):
             with T.sblock("gather"):
                 vc, vi = T.axis.remap("SS", [c, i])
@@ -89,6 +93,10 @@ def build(shape, dtype):
                 acc[vj, vi] = acc[vj, vi] + T.Cast("float32", values[vj, vg * 2 + vs]) * T.Cast(
                     "float32", xg[vg * 4 + T.bitwise_and(T.shift_right(T.Cast("int32", meta[vj, vg]), vs * 2), 3),
                                   vi])
+        for i, j in T.grid(M, N):
+            with T.sblock("epilogue"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                y[vi, vj] = T.Cast(dtype, epilogue(acc[vj, vi], vj))
 
     if bias:
         @T.prim_func(s_tir=True)
@@ -96,26 +104,14 @@ def build(shape, dtype):
                                    values: T.Buffer((N, K // 2), dtype), meta: T.Buffer((N, G), "uint8"),
                                    b: T.Buffer((N,), dtype), y: T.Buffer((M, N), dtype)):
             T.func_attr({"global_symbol": "sparse24_matmul_gather", "tirx.noalias": True})
-            xg = T.sblock_alloc_buffer((K, M), dtype)
-            acc = T.sblock_alloc_buffer((N, M), "float32")
-            gather_matmul(x, idx, values, meta, xg, acc)
-            for i, j in T.grid(M, N):
-                with T.sblock("epilogue"):
-                    vi, vj = T.axis.remap("SS", [i, j])
-                    y[vi, vj] = T.Cast(dtype, acc[vj, vi] + T.Cast("float32", b[vj]))
+            gather_matmul(x, idx, values, meta, y, lambda a, j: a + T.Cast("float32", b[j]))
     else:
         @T.prim_func(s_tir=True)
         def sparse24_matmul_gather(x: T.Buffer((R, K), dtype), idx: T.Buffer((M,), "int32"),
                                    values: T.Buffer((N, K // 2), dtype), meta: T.Buffer((N, G), "uint8"),
                                    y: T.Buffer((M, N), dtype)):
             T.func_attr({"global_symbol": "sparse24_matmul_gather", "tirx.noalias": True})
-            xg = T.sblock_alloc_buffer((K, M), dtype)
-            acc = T.sblock_alloc_buffer((N, M), "float32")
-            gather_matmul(x, idx, values, meta, xg, acc)
-            for i, j in T.grid(M, N):
-                with T.sblock("epilogue"):
-                    vi, vj = T.axis.remap("SS", [i, j])
-                    y[vi, vj] = T.Cast(dtype, acc[vj, vi])
+            gather_matmul(x, idx, values, meta, y, lambda a, j: a)
 
     return sparse24_matmul_gather
 
@@ -269,8 +265,8 @@ def onnx_graph(shape, dtype):
                        consts, opset=18)
 
 
-PATTERN = Pattern(
-    name="sparse24_matmul_gather", family="sparse",
+PATTERN = Pattern.from_module(
+    globals(),
     description="x[idx] @ W^T + b with W 2:4 sparse, compressed (values + 2-bit positions), rows "
                 "gathered through idx inside the kernel",
     shape_params=[ShapeParam("rows", 1024, 8, "rows of the activation table x"),
@@ -278,6 +274,6 @@ PATTERN = Pattern(
                   ShapeParam("n", 512, 16, "output features (rows of W)"),
                   ShapeParam("k", 512, 16, "input features (multiple of 4)", minimum=4),
                   ShapeParam("bias", 1, 1, "1: add b (n,), 0: no bias", minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
+    dtypes=("float32",),
     templates=[row_tiles, cuda_gather_tiles],
 )

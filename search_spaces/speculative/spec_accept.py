@@ -21,6 +21,7 @@ from autofuse.pattern import Pattern, ShapeParam, template
 from search_spaces.lib.cpu_rows import lanes_innermost, rfactor_lanes
 from search_spaces.lib.cuda_rows import CudaRows, unroll_chunks, vector_load
 from search_spaces.lib.onnx_graphs import typed_model
+from search_spaces.lib.stages import row_sum_stage
 from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import exp_f32
 
@@ -50,8 +51,136 @@ def _chunk(vocab):
 
 
 def build(shape, dtype):
-    B, K, V, greedy = _dims(shape)
-    return _build_greedy(B, K, V) if greedy else _build_sampling(B, K, V)
+    B, K, V, rule = _dims(shape)
+    greedy = rule == 1     # a Python bool: the parser keeps only the branch it selects
+    L = _chunk(V)
+    C = V // L
+    imax = 2 ** 31 - 1
+
+    # One kernel per rule (greedy is a build-time constant): both take the row max of the logits
+    # and find the first rejected draft; greedy matches argmaxes, sampling draws from the residual.
+    @T.prim_func(s_tir=True)
+    def spec_accept(d: T.Buffer((B, K), "int32"), logits: T.Buffer((B, K + 1, V), "float32"),
+                    q: T.Buffer((B, K, V), "float32"), u: T.Buffer((B, K + 1), "float32"),
+                    accepted: T.Buffer((B,), "int32"), next_token: T.Buffer((B,), "int32")):
+        T.func_attr({"global_symbol": "spec_accept", "tirx.noalias": True})
+        mx = T.sblock_alloc_buffer((B, K + 1), "float32")
+        if greedy:
+            amax = T.sblock_alloc_buffer((B, K + 1), "int32")
+        else:
+            ssum = T.sblock_alloc_buffer((B, K + 1), "float32")
+            csum = T.sblock_alloc_buffer((B, C), "float32")
+            total = T.sblock_alloc_buffer((B,), "float32")
+        for b, i, j in T.grid(B, K + 1, V):
+            with T.sblock("row_max"):
+                vb, vi, vj = T.axis.remap("SSR", [b, i, j])
+                with T.init():
+                    mx[vb, vi] = T.min_value("float32")
+                mx[vb, vi] = T.max(mx[vb, vi], logits[vb, vi, vj])
+        if greedy:
+            # Starts at INT32_MAX (min's identity, which rfactor requires), clamped in ``pick``.
+            for b, i, j in T.grid(B, K + 1, V):
+                with T.sblock("row_argmax"):
+                    vb, vi, vj = T.axis.remap("SSR", [b, i, j])
+                    with T.init():
+                        amax[vb, vi] = T.int32(imax)
+                    amax[vb, vi] = T.min(amax[vb, vi], T.Select(logits[vb, vi, vj] == mx[vb, vi], vj, T.int32(imax)))
+            for b, i in T.grid(B, K):
+                with T.sblock("first_reject"):
+                    vb, vi = T.axis.remap("SR", [b, i])
+                    with T.init():
+                        accepted[vb] = K
+                    accepted[vb] = T.min(accepted[vb], T.Select(d[vb, vi] == amax[vb, vi], K, vi))
+            for b in range(B):
+                with T.sblock("pick"):
+                    vb = T.axis.spatial(B, b)
+                    T.reads(accepted[vb], amax[vb, 0:K + 1])
+                    T.writes(next_token[vb])
+                    next_token[vb] = T.min(amax[vb, accepted[vb]], V - 1)
+        else:
+            for b, i, j in T.grid(B, K + 1, V):
+                with T.sblock("exp_sum"):
+                    vb, vi, vj = T.axis.remap("SSR", [b, i, j])
+                    with T.init():
+                        ssum[vb, vi] = T.float32(0)
+                    ssum[vb, vi] = ssum[vb, vi] + exp_f32(logits[vb, vi, vj] - mx[vb, vi])
+            for b, i in T.grid(B, K):
+                with T.sblock("first_reject"):
+                    vb, vi = T.axis.remap("SR", [b, i])
+                    T.reads(d[vb, vi], u[vb, vi], q[vb, vi, 0:V], logits[vb, vi, 0:V], mx[vb, vi], ssum[vb, vi])
+                    T.writes(accepted[vb])
+                    with T.init():
+                        accepted[vb] = K
+                    accepted[vb] = T.min(accepted[vb], T.Select(
+                        u[vb, vi] * q[vb, vi, T.max(T.min(d[vb, vi], V - 1), 0)]
+                        < _prob(logits[vb, vi, T.max(T.min(d[vb, vi], V - 1), 0)], mx[vb, vi], ssum[vb, vi]),
+                        K, vi))
+            # q_k = 0: at n = k the residual is p_k, the bonus distribution (the q index is clamped
+            # only to stay in bounds; Select reads both arms).
+            for b, c, j in T.grid(B, C, L):
+                with T.sblock("chunk_res"):
+                    vb, vc, vj = T.axis.remap("SSR", [b, c, j])
+                    T.reads(accepted[vb], logits[vb, 0:K + 1, 0:V], q[vb, 0:K, 0:V], mx[vb, 0:K + 1],
+                            ssum[vb, 0:K + 1])
+                    T.writes(csum[vb, vc])
+                    with T.init():
+                        csum[vb, vc] = T.float32(0)
+                    csum[vb, vc] = csum[vb, vc] + T.max(
+                        _prob(logits[vb, accepted[vb], vc * L + vj], mx[vb, accepted[vb]], ssum[vb, accepted[vb]])
+                        - T.Select(accepted[vb] < K, q[vb, T.min(accepted[vb], K - 1), vc * L + vj], T.float32(0)),
+                        T.float32(0))
+            # Its own block, not a loop in sample, so that chunk_res has two consumers: with sample its
+            # only one, MetaSchedule's multi-level tiling tried to reverse_compute_at sample under it.
+            row_sum_stage("res_total", total, (B, C), lambda b, c: csum[b, c])
+            for b in range(B):
+                with T.sblock("sample"):
+                    vb = T.axis.spatial(B, b)
+                    T.reads(accepted[vb], csum[vb, 0:C], total[vb], u[vb, K], logits[vb, 0:K + 1, 0:V],
+                            q[vb, 0:K, 0:V], mx[vb, 0:K + 1], ssum[vb, 0:K + 1])
+                    T.writes(next_token[vb])
+                    # Per-row scalars (this block runs in parallel over rows).
+                    acc = T.sblock_alloc_buffer((4,), "float32", scope="local")   # total, threshold, running, prefix
+                    pos = T.sblock_alloc_buffer((2,), "int32", scope="local")     # chunk, count
+                    acc[0] = total[vb]
+                    if acc[0] > T.float32(0):
+                        acc[1] = u[vb, K] * acc[0]
+                        acc[2] = T.float32(0)
+                        acc[3] = T.float32(0)
+                        pos[0] = 0
+                        # The running sum is monotone, so the chunks passing the test are a prefix;
+                        # the last chunk is where a threshold at the very end lands.
+                        for c in range(C - 1):
+                            acc[2] = acc[2] + csum[vb, c]
+                            if acc[2] <= acc[1]:
+                                acc[3] = acc[2]
+                                pos[0] = c + 1
+                        acc[2] = acc[3]
+                        pos[1] = 0
+                        for j in range(L):
+                            acc[2] = acc[2] + T.max(
+                                _prob(logits[vb, accepted[vb], pos[0] * L + j], mx[vb, accepted[vb]],
+                                      ssum[vb, accepted[vb]])
+                                - T.Select(accepted[vb] < K, q[vb, T.min(accepted[vb], K - 1), pos[0] * L + j],
+                                           T.float32(0)),
+                                T.float32(0))
+                            pos[1] = pos[1] + T.Select(acc[2] <= acc[1], 1, 0)
+                        next_token[vb] = T.min(pos[0] * L + pos[1], V - 1)
+                    else:
+                        # Degenerate residual (q_n >= p_n everywhere): draw from p_n, serially.
+                        acc[0] = T.float32(0)
+                        for j in range(V):
+                            acc[0] = acc[0] + _prob(logits[vb, accepted[vb], j], mx[vb, accepted[vb]],
+                                                    ssum[vb, accepted[vb]])
+                        acc[1] = u[vb, K] * acc[0]
+                        acc[2] = T.float32(0)
+                        pos[1] = 0
+                        for j in range(V):
+                            acc[2] = acc[2] + _prob(logits[vb, accepted[vb], j], mx[vb, accepted[vb]],
+                                                    ssum[vb, accepted[vb]])
+                            pos[1] = pos[1] + T.Select(acc[2] <= acc[1], 1, 0)
+                        next_token[vb] = T.min(pos[1], V - 1)
+
+    return spec_accept
 
 
 def _prob(x, m, s):
@@ -59,152 +188,6 @@ def _prob(x, m, s):
     return exp_f32(x - m) * (T.float32(1) / s)
 
 
-def _build_sampling(B, K, V):
-    L = _chunk(V)
-    C = V // L
-
-    @T.prim_func(s_tir=True)
-    def spec_accept(d: T.Buffer((B, K), "int32"), logits: T.Buffer((B, K + 1, V), "float32"),
-                    q: T.Buffer((B, K, V), "float32"), u: T.Buffer((B, K + 1), "float32"),
-                    accepted: T.Buffer((B,), "int32"), next_token: T.Buffer((B,), "int32")):
-        T.func_attr({"global_symbol": "spec_accept", "tirx.noalias": True})
-        mx = T.sblock_alloc_buffer((B, K + 1), "float32")
-        ssum = T.sblock_alloc_buffer((B, K + 1), "float32")
-        csum = T.sblock_alloc_buffer((B, C), "float32")
-        total = T.sblock_alloc_buffer((B,), "float32")
-        for b, i, j in T.grid(B, K + 1, V):
-            with T.sblock("row_max"):
-                vb, vi, vj = T.axis.remap("SSR", [b, i, j])
-                with T.init():
-                    mx[vb, vi] = T.min_value("float32")
-                mx[vb, vi] = T.max(mx[vb, vi], logits[vb, vi, vj])
-        for b, i, j in T.grid(B, K + 1, V):
-            with T.sblock("exp_sum"):
-                vb, vi, vj = T.axis.remap("SSR", [b, i, j])
-                with T.init():
-                    ssum[vb, vi] = T.float32(0)
-                ssum[vb, vi] = ssum[vb, vi] + exp_f32(logits[vb, vi, vj] - mx[vb, vi])
-        for b, i in T.grid(B, K):
-            with T.sblock("first_reject"):
-                vb, vi = T.axis.remap("SR", [b, i])
-                T.reads(d[vb, vi], u[vb, vi], q[vb, vi, 0:V], logits[vb, vi, 0:V], mx[vb, vi], ssum[vb, vi])
-                T.writes(accepted[vb])
-                with T.init():
-                    accepted[vb] = K
-                accepted[vb] = T.min(accepted[vb], T.Select(
-                    u[vb, vi] * q[vb, vi, T.max(T.min(d[vb, vi], V - 1), 0)]
-                    < _prob(logits[vb, vi, T.max(T.min(d[vb, vi], V - 1), 0)], mx[vb, vi], ssum[vb, vi]),
-                    K, vi))
-        # q_k = 0: at n = k the residual is p_k, the bonus distribution (the q index is clamped
-        # only to stay in bounds; Select reads both arms).
-        for b, c, j in T.grid(B, C, L):
-            with T.sblock("chunk_res"):
-                vb, vc, vj = T.axis.remap("SSR", [b, c, j])
-                T.reads(accepted[vb], logits[vb, 0:K + 1, 0:V], q[vb, 0:K, 0:V], mx[vb, 0:K + 1],
-                        ssum[vb, 0:K + 1])
-                T.writes(csum[vb, vc])
-                with T.init():
-                    csum[vb, vc] = T.float32(0)
-                csum[vb, vc] = csum[vb, vc] + T.max(
-                    _prob(logits[vb, accepted[vb], vc * L + vj], mx[vb, accepted[vb]], ssum[vb, accepted[vb]])
-                    - T.Select(accepted[vb] < K, q[vb, T.min(accepted[vb], K - 1), vc * L + vj], T.float32(0)),
-                    T.float32(0))
-        # Its own block, not a loop in sample, so that chunk_res has two consumers: with sample its
-        # only one, MetaSchedule's multi-level tiling tried to reverse_compute_at sample under it.
-        for b, c in T.grid(B, C):
-            with T.sblock("res_total"):
-                vb, vc = T.axis.remap("SR", [b, c])
-                with T.init():
-                    total[vb] = T.float32(0)
-                total[vb] = total[vb] + csum[vb, vc]
-        for b in range(B):
-            with T.sblock("sample"):
-                vb = T.axis.spatial(B, b)
-                T.reads(accepted[vb], csum[vb, 0:C], total[vb], u[vb, K], logits[vb, 0:K + 1, 0:V],
-                        q[vb, 0:K, 0:V], mx[vb, 0:K + 1], ssum[vb, 0:K + 1])
-                T.writes(next_token[vb])
-                # Per-row scalars (this block runs in parallel over rows).
-                acc = T.sblock_alloc_buffer((4,), "float32", scope="local")   # total, threshold, running, prefix
-                pos = T.sblock_alloc_buffer((2,), "int32", scope="local")     # chunk, count
-                acc[0] = total[vb]
-                if acc[0] > T.float32(0):
-                    acc[1] = u[vb, K] * acc[0]
-                    acc[2] = T.float32(0)
-                    acc[3] = T.float32(0)
-                    pos[0] = 0
-                    # The running sum is monotone, so the chunks passing the test are a prefix;
-                    # the last chunk is where a threshold at the very end lands.
-                    for c in range(C - 1):
-                        acc[2] = acc[2] + csum[vb, c]
-                        if acc[2] <= acc[1]:
-                            acc[3] = acc[2]
-                            pos[0] = c + 1
-                    acc[2] = acc[3]
-                    pos[1] = 0
-                    for j in range(L):
-                        acc[2] = acc[2] + T.max(
-                            _prob(logits[vb, accepted[vb], pos[0] * L + j], mx[vb, accepted[vb]],
-                                  ssum[vb, accepted[vb]])
-                            - T.Select(accepted[vb] < K, q[vb, T.min(accepted[vb], K - 1), pos[0] * L + j],
-                                       T.float32(0)),
-                            T.float32(0))
-                        pos[1] = pos[1] + T.Select(acc[2] <= acc[1], 1, 0)
-                    next_token[vb] = T.min(pos[0] * L + pos[1], V - 1)
-                else:
-                    # Degenerate residual (q_n >= p_n everywhere): draw from p_n, serially.
-                    acc[0] = T.float32(0)
-                    for j in range(V):
-                        acc[0] = acc[0] + _prob(logits[vb, accepted[vb], j], mx[vb, accepted[vb]],
-                                                ssum[vb, accepted[vb]])
-                    acc[1] = u[vb, K] * acc[0]
-                    acc[2] = T.float32(0)
-                    pos[1] = 0
-                    for j in range(V):
-                        acc[2] = acc[2] + _prob(logits[vb, accepted[vb], j], mx[vb, accepted[vb]],
-                                                ssum[vb, accepted[vb]])
-                        pos[1] = pos[1] + T.Select(acc[2] <= acc[1], 1, 0)
-                    next_token[vb] = T.min(pos[1], V - 1)
-
-    return spec_accept
-
-
-def _build_greedy(B, K, V):
-    imax = 2 ** 31 - 1
-
-    @T.prim_func(s_tir=True)
-    def spec_accept(d: T.Buffer((B, K), "int32"), logits: T.Buffer((B, K + 1, V), "float32"),
-                    q: T.Buffer((B, K, V), "float32"), u: T.Buffer((B, K + 1), "float32"),
-                    accepted: T.Buffer((B,), "int32"), next_token: T.Buffer((B,), "int32")):
-        T.func_attr({"global_symbol": "spec_accept", "tirx.noalias": True})
-        mx = T.sblock_alloc_buffer((B, K + 1), "float32")
-        amax = T.sblock_alloc_buffer((B, K + 1), "int32")
-        for b, i, j in T.grid(B, K + 1, V):
-            with T.sblock("row_max"):
-                vb, vi, vj = T.axis.remap("SSR", [b, i, j])
-                with T.init():
-                    mx[vb, vi] = T.min_value("float32")
-                mx[vb, vi] = T.max(mx[vb, vi], logits[vb, vi, vj])
-        # Starts at INT32_MAX (min's identity, which rfactor requires), clamped in ``pick``.
-        for b, i, j in T.grid(B, K + 1, V):
-            with T.sblock("row_argmax"):
-                vb, vi, vj = T.axis.remap("SSR", [b, i, j])
-                with T.init():
-                    amax[vb, vi] = T.int32(imax)
-                amax[vb, vi] = T.min(amax[vb, vi], T.Select(logits[vb, vi, vj] == mx[vb, vi], vj, T.int32(imax)))
-        for b, i in T.grid(B, K):
-            with T.sblock("first_reject"):
-                vb, vi = T.axis.remap("SR", [b, i])
-                with T.init():
-                    accepted[vb] = K
-                accepted[vb] = T.min(accepted[vb], T.Select(d[vb, vi] == amax[vb, vi], K, vi))
-        for b in range(B):
-            with T.sblock("pick"):
-                vb = T.axis.spatial(B, b)
-                T.reads(accepted[vb], amax[vb, 0:K + 1])
-                T.writes(next_token[vb])
-                next_token[vb] = T.min(amax[vb, accepted[vb]], V - 1)
-
-    return spec_accept
 
 
 def softmax64(logits):
@@ -516,8 +499,8 @@ def onnx_graph(shape, dtype):
                        [("accepted", (B,), "int32"), ("next_token", (B,), "int32")], consts, opset=18)
 
 
-PATTERN = Pattern(
-    name="spec_accept", family="speculative",
+PATTERN = Pattern.from_module(
+    globals(),
     description="speculative decoding acceptance: softmax ratios, first rejection, residual/bonus "
                 "inverse-CDF sample (or greedy argmax match), one kernel",
     shape_params=[ShapeParam("batch", 4, 2, "sequences"),
@@ -525,7 +508,7 @@ PATTERN = Pattern(
                   ShapeParam("vocab", 32000, 64, "vocabulary size"),
                   ShapeParam("greedy", 0, 0, "1: greedy acceptance (argmax match), 0: rejection sampling",
                              minimum=0)],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
+    dtypes=("float32",),
     templates=[row_parallel, cuda_rows_then_batch],
     num_outputs=2,
 )

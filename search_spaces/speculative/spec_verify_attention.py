@@ -23,8 +23,9 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, param_buffers, template
-from search_spaces.lib.attention import annotate_read, load_lanes, row_lanes, vector_split
-from search_spaces.lib.onnx_graphs import typed_model
+from search_spaces.lib.attention import (HEAD_DIM, MAX_SEQ, annotate_read, gqa_heads, load_lanes, row_lanes,
+                                         vector_split)
+from search_spaces.lib.onnx_graphs import attention_nodes, kv_repeat_constants, repeat_kv_heads, typed_model
 from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import dtype_bytes, exp_f32
 
@@ -563,9 +564,7 @@ def onnx_graph(shape, dtype):
     consts = {
         "zero_i64": np.array([0], np.int64),
         "len_i64": np.array([length], np.int64),
-        "axis2": np.array([2], np.int64),
-        "group_shape": np.array([nb, hkv, grp, n, hd], np.int64),
-        "heads_shape": np.array([nb, hq, n, hd], np.int64),
+        **kv_repeat_constants(nb, hkv, hq, n, hd),
         "scale": np.array(1.0 / math.sqrt(hd), dtype),
         "one_i32": np.array(1, np.int32),
         "visible": np.array(0.0, dtype),
@@ -578,20 +577,13 @@ def onnx_graph(shape, dtype):
         nodes += [helper.make_node("Slice", [f"{x}_cache", "zero_i64", "len_i64", "axis2"], [f"{x}_prefix"]),
                   helper.make_node("Concat", [f"{x}_prefix", f"{x}_new"], [f"{x}_all"], axis=2)]
         if grp > 1:
-            nodes += [helper.make_node("Unsqueeze", [f"{x}_all", "axis2"], [f"{x}_1"]),
-                      helper.make_node("Expand", [f"{x}_1", "group_shape"], [f"{x}_group"]),
-                      helper.make_node("Reshape", [f"{x}_group", "heads_shape"], [f"{x}_heads"])]
+            nodes += repeat_kv_heads(f"{x}_all", x)
         else:
             nodes.append(helper.make_node("Identity", [f"{x}_all"], [f"{x}_heads"]))
     nodes += [helper.make_node("Equal", ["tree", "one_i32"], ["in_tree"]),
               helper.make_node("Where", ["in_tree", "visible", "hidden"], ["tree_bias"]),
               helper.make_node("Concat", ["cache_bias", "tree_bias"], ["mask"], axis=1),
-              helper.make_node("Transpose", ["k_heads"], ["kt"], perm=[0, 1, 3, 2]),
-              helper.make_node("MatMul", ["q", "kt"], ["qk"]),
-              helper.make_node("Mul", ["qk", "scale"], ["scores"]),
-              helper.make_node("Add", ["scores", "mask"], ["masked"]),
-              helper.make_node("Softmax", ["masked"], ["probs"], axis=-1),
-              helper.make_node("MatMul", ["probs", "v_heads"], ["o"])]
+              *attention_nodes("q", "k_heads", "v_heads", "o", mask="mask")]
     cache, new = (nb, hkv, smax, hd), (nb, hkv, kd, hd)
     return typed_model("spec_verify_attention", nodes,
                        [("q", (nb, hq, kd, hd), dtype), ("k_cache", cache, dtype), ("v_cache", cache, dtype),
@@ -599,18 +591,15 @@ def onnx_graph(shape, dtype):
                        [("o", (nb, hq, kd, hd), dtype)], consts)
 
 
-PATTERN = Pattern(
-    name="spec_verify_attention", family="speculative",
+PATTERN = Pattern.from_module(
+    globals(),
     description="speculative-decoding verification: k draft queries over the KV cache and the drafts "
                 "(tree mask), online softmax, GQA",
     shape_params=[ShapeParam("batch", 2, 1, "sequences being verified"),
-                  ShapeParam("heads", 8, 4, "query heads"),
-                  ShapeParam("kv_heads", 2, 2, "K/V heads (divides heads; 1 is MQA)"),
-                  ShapeParam("head_dim", 64, 16, "per-head feature size"),
-                  ShapeParam("max_seq", 512, 32, "cache capacity (positions)"),
+                  *gqa_heads((8, 4), (2, 2)), HEAD_DIM.with_sizes(64, 16), MAX_SEQ.with_sizes(512, 32),
                   ShapeParam("cache_len", 200, 13, "valid cache positions, the same for every sequence",
                              minimum=0),
                   ShapeParam("k_draft", 8, 5, "draft tokens (tree nodes) verified in this pass")],
-    build=build, reference=reference, make_inputs=make_inputs, onnx_graph=onnx_graph, flops=flops, bytes=nbytes,
+    dtypes=("float32",),
     templates=[kv_head_tiles, cuda_verify_rows],
 )

@@ -12,6 +12,8 @@ from autofuse.errors import AutofuseError
 from autofuse.registry import all_patterns
 from conftest import REPO
 
+import onnx_cases
+
 torch = pytest.importorskip("torch")
 
 PATTERNS = [p for p in all_patterns().values() if p.onnx_graph is not None]
@@ -132,9 +134,10 @@ def test_an_op_without_translation_is_named():
     from autofuse.baselines.onnx_to_torch import torch_function, unsupported_ops
     from autofuse.pattern import onnx_model
 
-    model = onnx_model("m", [helper.make_node("HardSwish", ["x"], ["y"])], [("x", (4,))], [("y", (4,))], "float32")
-    assert unsupported_ops(model) == ["HardSwish"]
-    with pytest.raises(AutofuseError, match="torch baseline .*HardSwish"):
+    model = onnx_model("m", [helper.make_node("LpNormalization", ["x"], ["y"])], [("x", (4,))], [("y", (4,))],
+                       "float32")
+    assert unsupported_ops(model) == ["LpNormalization"]
+    with pytest.raises(AutofuseError, match="torch baseline .*LpNormalization"):
         torch_function(model)
 
 
@@ -150,3 +153,14 @@ def test_torch_compile_traces_each_graph_whole(pattern):
         torch._dynamo.reset()
         explained = torch._dynamo.explain(fn)(*[to_torch(x) for x in pattern.make_inputs(shape, dtype, 0)])
         assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+@pytest.mark.parametrize("case", onnx_cases.CASES, ids=lambda c: c.__name__)
+def test_ops_of_exported_models_match_onnxruntime(case):
+    """The ops HF and torchvision exports add, as in the XLA baseline's table."""
+    model, feeds = case()
+    got = _run(model, list(feeds.values()))
+    expected = onnx_cases.onnxruntime_outputs(model, feeds)
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)

@@ -6,7 +6,7 @@ import argparse
 import pytest
 
 from autofuse.cli import _build_parser
-from autofuse.commands.common import shape_overrides
+from autofuse.commands.common import input_shapes, shape_overrides
 from autofuse.errors import AutofuseError
 
 
@@ -19,7 +19,7 @@ def _subparsers(parser, prefix=()):
 
 
 SHARED_DEFAULTS = {"db": "logs", "target": "llvm", "fusion": "patterns", "pattern": None, "shape": None,
-                   "small": False, "dtype": None}
+                   "small": False, "dtype": None, "input_shape": None}
 REQUIRED = {("build",): ["m.onnx"], ("run",): ["m.so"], ("rpc", "server"): ["--tracker", "h:1", "--key", "k"]}
 
 
@@ -35,6 +35,7 @@ def test_every_command_that_takes_a_shared_flag_parses_it_alike():
                 assert getattr(args, dest) == default, (path, dest)
                 seen.setdefault(dest, []).append(path)
     assert len(seen["db"]) == 6 and len(seen["target"]) == 4 and len(seen["fusion"]) == 2
+    assert sorted(seen["input_shape"]) == [("build",), ("compare",), ("run",), ("tune",)]
     assert commands[("tune",)].parse_args(["--shape", "m=8", "--shape", "n=4"]).shape == ["m=8", "n=4"]
 
 
@@ -44,3 +45,20 @@ def test_shape_overrides_are_repeatable_and_comma_separated():
     for bad in ("m", "m=", "=8"):
         with pytest.raises(AutofuseError, match="key=value"):
             shape_overrides([bad])
+
+
+def test_input_shapes_are_repeatable_and_comma_separated():
+    assert input_shapes(["input_ids=1x128,attention_mask=1x128", "input.1=2x3x224x224"]) == {
+        "input_ids": (1, 128), "attention_mask": (1, 128), "input.1": (2, 3, 224, 224)}
+    assert input_shapes(["x=7"]) == {"x": (7,)}
+    assert input_shapes(None) is None
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("input_ids", "NAME=DIMS"), ("=1x2", "NAME=DIMS"), ("input_ids=", "NAME=DIMS"),
+    ("input_ids=1x0", "'0' is not a positive size"), ("input_ids=1xN", "'N' is not a positive size"),
+    ("input_ids=1,128", "NAME=DIMS"), ("input_ids=-1x8", "'-1' is not"), ("input_ids=1x\u00b2", "is not"),
+    ("x=1,x=2", "gives 'x' twice")])
+def test_bad_input_shapes_are_one_error_each(bad, message):
+    with pytest.raises(AutofuseError, match=message):
+        input_shapes([bad.encode().decode("unicode_escape")])

@@ -89,3 +89,23 @@ def test_onnxruntime_runs(name):
     assert y.shape == EXPECTED_OUT[name]
     assert y.dtype == np.float32
     assert np.isfinite(y).all()
+
+
+def test_a_float16_decoder_block_computes_what_the_float32_one_does(tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    result = subprocess.run([sys.executable, SCRIPT, "--out", str(tmp_path), "--only", "decoder_block",
+                             "--dtype", "float16"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0 and "Warning" not in result.stderr, result.stderr
+    path = tmp_path / "decoder_block-float16.onnx"
+    half = onnx.load(str(path))
+    onnx.checker.check_model(half, full_check=True)
+    floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16}
+    assert {t.data_type for t in half.graph.initializer} & floats == {onnx.TensorProto.FLOAT16}
+    mask = next(t for t in half.graph.initializer if t.name.startswith("causal_mask"))
+    assert onnx.numpy_helper.to_array(mask).min() == np.finfo(np.float16).min  # -1e9: the lowest finite
+    x = np.random.default_rng(0).standard_normal((1, 128, 256)).astype(np.float32)
+    (want,) = ort.InferenceSession(mm.build_decoder_block().SerializeToString(),
+                                   providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    (got,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.astype(np.float16)})
+    assert got.dtype == np.float16
+    assert np.abs(got.astype(np.float32) - want).max() < 1e-2 * np.abs(want).max()

@@ -266,6 +266,9 @@ def build(program: Program, workdir: Path) -> Path:
     stubs = workdir / "include"
     stubs.mkdir(exist_ok=True)
     (stubs / "cuda.h").write_text("// TVM's prelude includes <cuda.h>; the emulator needs nothing from it\n")
+    # TVM includes it where a kernel uses an inf or NaN constant.
+    (stubs / "math_constants.h").write_text("#define CUDART_INF_F __builtin_huge_valf()\n"
+                                            "#define CUDART_NAN_F __builtin_nanf(\"\")\n")
     exe = workdir / "emulated"
     cmd = ["g++", *CXX_FLAGS, f"-I{HEADER.parent}", f"-I{stubs}", str(workdir / "main.cpp"), "-o", str(exe)]
     done = subprocess.run(cmd, capture_output=True, text=True)

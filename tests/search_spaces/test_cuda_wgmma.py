@@ -10,6 +10,8 @@ import subprocess
 
 import pytest
 
+from tvm.script import tirx as T
+
 from search_spaces.lib import cuda_wgmma as W
 
 SHAPE = {"m": 256, "n": 512, "k": 512}  # 8 K slices: more than any ring, so every config refills
@@ -38,7 +40,7 @@ def test_every_config_builds_with_its_pipeline(knobs):
     assert _expect_tx_bytes(body) == [(bm + bn) * bk * 2] * (knobs["stages"] + 1)
     assert body.count("cp_async_bulk_tensor_g2s") == 2 * (knobs["stages"] + 1)
     assert ("wait_group_sync_aligned_1()" in body) == (knobs["wait_depth"] == 1)
-    assert "max((acc_ptr[0] + ((float)Bias_ptr[" in body  # bias + ReLU on the accumulator
+    assert "max((acc_ptr[0] + ((float)X_ptr[" in body  # bias (the operand X) + ReLU on the accumulator
 
 
 def test_the_config_space():
@@ -47,8 +49,9 @@ def test_the_config_space():
     assert all(W.shared_memory_bytes(k) <= W.SHARED_MEMORY_LIMIT for k in configs)
     too_big = {**W.DEFAULT_KNOBS, "stages": 5}  # 5 x 48 KiB slots of a 128x256 tile
     assert too_big not in configs and W.shared_memory_bytes(too_big) > W.SHARED_MEMORY_LIMIT
-    # n = 128 drops every BN 256 config
-    assert {k["block_n"] for k in W.configs({**SHAPE, "n": 128}, "float16")} == {128}
+    # n = 128 drops every BN 256 config, n = 192 every BN but 64
+    assert {k["block_n"] for k in W.configs({**SHAPE, "n": 128}, "float16")} == {64, 128}
+    assert {k["block_n"] for k in W.configs({**SHAPE, "n": 192}, "float16")} == {64}
 
 
 MARKERS = {"relu": "max(", "gelu_tanh": "tanhf(", "gelu_erf": "erff(", "silu": "expf("}
@@ -81,6 +84,41 @@ def test_swiglu_shares_the_a_tile():
     assert "expf(" in body and "* acc_up_ptr[0]" in body
     with pytest.raises(ValueError, match="block_n=256"):
         W.swiglu(SHAPE, "float16", {"block_n": 256})
+
+
+@pytest.mark.parametrize("block_n", [64, 256])
+def test_weights_stored_k_by_n_load_in_64_column_boxes(block_n):
+    """B stored (K, N) (x @ W's W): BN/64 TMA boxes per slot, N-major descriptors (trans-b)."""
+    knobs = {"block_n": block_n, "stages": 2}
+    bm, bn, bk = W.tile_shape({**W.DEFAULT_KNOBS, **knobs})
+    func = W.gemm_bias_act(SHAPE, "float16", knobs, "none", b_layout="kn")
+    assert [int(x) for x in func.params[1].shape] == [SHAPE["k"], SHAPE["n"]]
+    body = _kernel_body(_source(func))
+    assert _expect_tx_bytes(body) == [(bm + bn) * bk * 2] * 3
+    assert body.count("cp_async_bulk_tensor_g2s") == (1 + bn // 64) * 3
+    # the leading offset is one 64-column box of BK rows (512 x 16 bytes); the last mma flag transposes B
+    assert re.search(r"encode_matrix_descriptor\(.*, 512, 64, 3\)", body)
+    assert f"m64n{bn}k16_f32_f16_f16_1_1_0_1(" in body and "_1_1_0_0(" not in body
+
+
+def test_swiglu_with_weights_stored_k_by_n():
+    body = _kernel_body(_source(W.swiglu(SHAPE, "bfloat16", {"block_n": 128}, b_layout="kn")))
+    bm, bn, bk = W.tile_shape(W.SWIGLU_DEFAULT_KNOBS)
+    assert _expect_tx_bytes(body)[0] == (bm + 2 * bn) * bk * 2
+    assert body.count("cp_async_bulk_tensor_g2s") == (1 + 2 * bn // 64) * (W.SWIGLU_DEFAULT_KNOBS["stages"] + 1)
+
+
+def test_gemm_residual_epilogue():
+    def scaled(acc, residual, row, col):
+        return residual + acc * T.float32(0.5)
+
+    func = W.gemm_residual(SHAPE, "float16", {"block_n": 128}, scaled, name="down")
+    assert func.attrs["global_symbol"] == "down"
+    stores = [line for line in _kernel_body(_source(func)).splitlines() if "C_ptr[" in line]
+    assert len(stores) == 4 * 128 // 8
+    assert all("X_ptr[" in line and "0x1p-1f" in line for line in stores), stores[0]
+    with pytest.raises(ValueError, match="b_layout 'mn'"):
+        W.gemm_residual(SHAPE, "float16", b_layout="mn")
 
 
 def test_marked_for_the_mixed_pipeline():

@@ -1,7 +1,7 @@
-"""search_spaces.lib: its TensorIR macros keep their block names however often a pattern is built (a
-macro renames its blocks from its second call on, so each build takes a fresh one, and templates
-find stages by name); typed ONNX graphs give each tensor its own dtype; the dropout constants refuse
-an output whose flat index overflows int32."""
+"""search_spaces.lib: its TensorIR macros keep their block names however often a pattern is built or
+calls them (a macro renames its blocks from its second call on, so each build or call takes a fresh
+one, and templates find stages by name); typed ONNX graphs give each tensor its own dtype; the
+dropout constants refuse an output whose flat index overflows int32."""
 
 import onnx
 import pytest
@@ -29,6 +29,15 @@ def test_macro_stages_keep_their_names_across_builds(name):
     sch = s_tir.Schedule(pattern.build(pattern.small_shape(), "float32"))
     for stage in ("mean", "sumsq", "norm") if "layernorm" in name else ("row_max", "pv"):
         sch.get_sblock(stage)
+
+
+@pytest.mark.parametrize("name,stages", [("swiglu_ffn", ("gate", "up", "down")), ("linear_bias_relu", ("matmul",))])
+def test_matmul_stage_keeps_its_block_name_in_every_call(name, stages):
+    # swiglu_ffn calls matmul_stage three times per build: a reused macro would name them gate, up_1, down_2.
+    pattern = get_pattern(name)
+    builds = [_block_names(pattern.build(pattern.small_shape(), "float32")) for _ in range(3)]
+    assert builds[0] == builds[1] == builds[2]
+    assert set(stages) <= set(builds[0])
 
 
 def test_typed_model_gives_each_tensor_its_dtype():

@@ -86,3 +86,18 @@ def test_p_permille_zero_is_a_shape_and_means_softmax():
     x = pattern.make_inputs(shape, "float32", 3)[0]
     (y,) = pattern.run_reference([x], shape)
     np.testing.assert_allclose(y, _softmax(x), rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", [False, True], ids=["unscheduled", "row_parallel"])
+def test_fully_masked_row_is_nan_as_in_numpy(schedule):
+    # A causal row whose only key is padded holds -inf only: numpy and onnxruntime give NaN, which
+    # HF's exported graphs replace (IsNaN -> Where); a uniform row here was a wrong model output.
+    shape = {"rows": 8, "cols": 64}
+    x = sd.make_inputs(shape, "float32", 6)[0]
+    x[2] = -np.inf
+    x[5, ::2] = -np.inf
+    y = _run(sd.build_with(shape, "float32", 0.0, sd.SEED), x, schedule)
+    with np.errstate(invalid="ignore"):
+        want = _softmax(x)
+    assert np.isnan(y[2]).all() and np.isnan(want[2]).all()
+    np.testing.assert_allclose(np.delete(y, 2, 0), np.delete(want, 2, 0), rtol=1e-5, atol=1e-6)

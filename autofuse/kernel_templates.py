@@ -1,0 +1,534 @@
+"""Kernel templates (``pattern.KernelTemplate``), the second kind of template: their records in the
+target's database folder, their search, what ``verify.choose`` gets from them, and building their
+tirx kernels alone or inside a Relax model.
+
+Records: ``kernel_records.json`` beside MetaSchedule's files, written through
+``store.JSONLinesFile`` (locked, one fsync'ed line per record, damage skipped), one JSON object a
+line per measured configuration::
+
+    {"pattern", "shape", "dtype", "template", "knobs", "run_secs", "checked": {"ok", "message"},
+     "func_hash", "commit", "dirty", "time"}
+
+``run_secs`` is empty when the kernel failed to build, run or pass its check (kept as history, never
+chosen). A record replays from its knob values: the template builds the kernel again, and its
+structural hash must equal ``func_hash`` (the PrimFunc that was checked and timed), or the record is
+stale, skipped as a MetaSchedule trace that no longer applies is.
+
+Search (``tune_kernels``): the space is small, so it is walked in ``KernelTemplate.configs``'s order
+(the default first, then by how few knobs differ from it) up to the trial budget, skipping
+configurations already recorded. Every candidate is built, checked against the pattern's reference
+(``verify.check_module``, the one check) and, when it passes, timed with compare's timer
+(``measure.timer_for``).
+
+Selection (``best_record``, ``default_choices``): ``verify.choose`` takes the fastest checked record
+that still replays beside the best MetaSchedule record, and a kernel template's default knobs as
+the first default where it applies; it times them against each other, never worse.
+
+Building: a kernel template's PrimFunc carries ``autofuse.tirx`` and is lowered by TVM's tirx pipeline
+for its ``autofuse.tirx_arch`` (sm_90a: wgmma and TMA are arch-specific features an sm_90 target
+does not enable); a Relax model holding one is built with the ``autofuse_mixed`` pipeline, which
+sends those functions through tirx and the others through s_tir.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Sequence
+
+import tvm
+from tvm import tirx
+from tvm.target import Target
+
+from .pattern import TIRX_ARCH_ATTR, TIRX_ATTR, KernelTemplate, Pattern
+from .store import JSONLinesFile, Problem, workload_key
+
+KERNEL_RECORDS = "kernel_records.json"
+# A kernel record's source, as a MetaSchedule record's is "template:<name>" or "generic".
+SOURCE_PREFIX = "kernel:"
+MIXED_PIPELINE = "autofuse_mixed"
+
+log = logging.getLogger("autofuse")
+
+
+# --- records ------------------------------------------------------------------------------------
+
+_FIELDS = {"pattern": str, "shape": dict, "dtype": str, "template": str, "knobs": dict, "run_secs": list,
+           "checked": dict, "func_hash": str}
+
+
+@dataclasses.dataclass
+class KernelRecord:
+    pattern: str
+    shape: dict
+    dtype: str
+    template: str
+    knobs: dict
+    run_secs: list          # seconds of each timed call; empty: failed to build, run or check
+    checked: dict           # {"ok": bool, "message": str}
+    func_hash: str          # structural hash of the PrimFunc that was checked and timed
+    commit: str = "unknown"
+    dirty: bool | None = None
+    time: str = ""
+
+    @property
+    def secs(self) -> float:
+        return sum(self.run_secs) / len(self.run_secs) if self.run_secs else math.inf
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.checked.get("ok")) and bool(self.run_secs)
+
+    @property
+    def source(self) -> str:
+        return f"{SOURCE_PREFIX}{self.template}"
+
+    @property
+    def workload(self) -> tuple:
+        return workload_of(self.pattern, self.shape, self.dtype)
+
+    def label(self) -> str:
+        knobs = ",".join(f"{k}={v}" for k, v in self.knobs.items())
+        return f"{self.template}[{knobs}]"
+
+    def as_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, value: dict) -> "KernelRecord":
+        """ValueError when a field is missing or of the wrong type."""
+        for name, kind in _FIELDS.items():
+            if not isinstance(value.get(name), kind):
+                raise ValueError(f"field {name!r} missing or not a {kind.__name__}")
+        if not all(isinstance(s, (int, float)) for s in value["run_secs"]):
+            raise ValueError("run_secs holds a non-number")
+        if not isinstance(value["checked"].get("ok"), bool):
+            raise ValueError("checked.ok is not a boolean")
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in value.items() if k in known})
+
+
+def workload_of(pattern: str, shape: dict, dtype: str) -> tuple:
+    """What kernel records are filed under: the pattern workload (a pattern at a shape in a dtype)."""
+    return pattern, tuple(sorted((str(k), int(v)) for k, v in shape.items())), dtype
+
+
+class KernelRecords:
+    """The kernel records of one database folder (``KERNEL_RECORDS``)."""
+
+    def __init__(self, folder: str):
+        self.path = os.path.join(folder, KERNEL_RECORDS)
+        self.file = JSONLinesFile(self.path)
+        self._invalid: dict[int, Problem] = {}
+
+    @property
+    def problems(self) -> list[Problem]:
+        """Lines skipped: not JSON objects, or objects that are not kernel records."""
+        return [*self.file.problems, *self._invalid.values()]
+
+    def numbered(self) -> list[tuple[int, KernelRecord]]:
+        """(line, record) of every readable record, in the order measured."""
+        found = []
+        for number, value in self.file.entries():
+            try:
+                found.append((number, KernelRecord.from_json(value)))
+            except (ValueError, TypeError) as err:
+                if number not in self._invalid:
+                    self._invalid[number] = Problem(self.path, number, f"not a kernel record ({err})")
+                    log.warning("%s; skipped", self._invalid[number])
+        return found
+
+    def all(self) -> list[KernelRecord]:
+        return [record for _, record in self.numbered()]
+
+    def of(self, pattern: str, shape: dict, dtype: str) -> list[KernelRecord]:
+        key = workload_of(pattern, shape, dtype)
+        return [r for r in self.all() if r.workload == key]
+
+    def count(self, pattern: str, shape: dict, dtype: str) -> tuple[int, int]:
+        """(records that passed their check, all) of a pattern workload."""
+        records = self.of(pattern, shape, dtype)
+        return sum(r.ok for r in records), len(records)
+
+    def append(self, record: KernelRecord) -> None:
+        self.file.append(record.as_json())
+
+    def location(self, record: KernelRecord) -> str:
+        for number, stored in self.numbered():
+            if stored == record:
+                return f"{self.path}:{number}"
+        return self.path
+
+
+# --- replay -------------------------------------------------------------------------------------
+
+class StaleRecord(ValueError):
+    """A record whose kernel cannot be built again as it was measured."""
+
+
+def func_hash(func: tirx.PrimFunc) -> str:
+    return workload_key(tvm.IRModule({"main": func}))
+
+
+def kernel_template(pattern: Pattern, name: str) -> KernelTemplate | None:
+    return next((t for t in pattern.templates if isinstance(t, KernelTemplate) and t.name == name), None)
+
+
+def replay(record: KernelRecord, pattern: Pattern | None = None) -> tirx.PrimFunc:
+    """The record's kernel, built again from its knob values; ``StaleRecord`` when its pattern or
+    template is gone, its knobs are refused, or the kernel differs from the one measured."""
+    if pattern is None:
+        from .errors import AutofuseError
+        from .registry import get_pattern
+        try:
+            pattern = get_pattern(record.pattern)
+        except AutofuseError as err:
+            raise StaleRecord(str(err)) from None
+    template = kernel_template(pattern, record.template)
+    if template is None:
+        raise StaleRecord(f"pattern {record.pattern!r} has no kernel template {record.template!r}")
+    try:
+        func = build_cached(pattern, template, record.shape, record.dtype, record.knobs)
+    except (ValueError, TypeError, KeyError) as err:
+        raise StaleRecord(f"its knobs no longer build: {err}") from None
+    if func_hash(func) != record.func_hash:
+        raise StaleRecord("its kernel changed since it was measured (the template was edited)")
+    return func
+
+
+_BUILT: dict[str, tirx.PrimFunc] = {}
+
+
+def build_cached(pattern: Pattern, template: KernelTemplate, shape: dict, dtype: str, knobs: dict) -> tirx.PrimFunc:
+    """``template.build``, once per process for each configuration (parsing a tirx kernel takes
+    about a second, and checking a database replays every record)."""
+    key = json.dumps([pattern.name, template.name, shape, dtype, knobs], sort_keys=True)
+    if key not in _BUILT:
+        _BUILT[key] = template.build(shape, dtype, knobs)
+    return _BUILT[key]
+
+
+def kernel_module(func: tirx.PrimFunc) -> tvm.IRModule:
+    """A kernel as the module a ``verify.Choice`` holds (the function keeps its global symbol)."""
+    return tvm.IRModule({"main": func})
+
+
+# --- selection (for verify.choose) --------------------------------------------------------------
+
+def best_record(kernel, db, target: Target, limit: int = 8) -> tuple[KernelRecord | None, tvm.IRModule | None,
+                                                                      list[str]]:
+    """The fastest record of ``kernel``'s pattern workload (a ``verify.Kernel``) that passed its
+    check, of a kernel template that applies on ``target``, and that still replays: (record, its
+    module, lines about the records passed over); (None, None, lines) when none."""
+    if kernel.pattern is None or db is None:
+        return None, None, []
+    names = {t.name for t in kernel.pattern.kernel_templates_for(kernel.shape, kernel.dtype, target)}
+    records = [r for r in db.kernels.of(kernel.pattern.name, kernel.shape, kernel.dtype) if r.template in names]
+    rejected = []
+    failed = [r for r in records if not r.checked.get("ok") and r.checked.get("message") != BUILD_FAILED]
+    if failed:
+        rejected.append(f"{len(failed)} kernel record(s) failed the numerical check (kept, never chosen), e.g. "
+                        f"{failed[0].label()}: {failed[0].checked.get('message')}")
+    for record in sorted((r for r in records if r.ok), key=lambda r: r.secs)[:limit]:
+        try:
+            func = replay(record, kernel.pattern)
+        except StaleRecord as err:
+            message = f"{db.kernels.location(record)}: kernel record {record.label()} skipped: {err}"
+            log.warning(message)
+            rejected.append(message)
+            continue
+        return record, kernel_module(func), rejected
+    return None, None, rejected
+
+
+def count(kernel, db) -> tuple[int, int]:
+    """(checked, all) kernel records of ``kernel``'s pattern workload; (0, 0) for other kernels."""
+    if kernel.pattern is None or db is None:
+        return 0, 0
+    return db.kernels.count(kernel.pattern.name, kernel.shape, kernel.dtype)
+
+
+def default_choices(kernel, target: Target):
+    """(template, knobs, module) of each kernel template that applies to ``kernel`` on ``target``,
+    at its default knobs for the shape, in the pattern's order."""
+    if kernel.pattern is None:
+        return
+    for template in kernel.pattern.kernel_templates_for(kernel.shape, kernel.dtype, target):
+        knobs = template.default_for(kernel.shape, kernel.dtype)
+        yield template, knobs, kernel_module(build_cached(kernel.pattern, template, kernel.shape, kernel.dtype, knobs))
+
+
+# --- building -----------------------------------------------------------------------------------
+
+def is_tirx(func) -> bool:
+    return isinstance(func, tirx.PrimFunc) and bool(func.attrs) and TIRX_ATTR in func.attrs
+
+
+def has_tirx(mod) -> bool:
+    if isinstance(mod, tirx.PrimFunc):
+        return is_tirx(mod)
+    return any(is_tirx(f) for _, f in mod.functions_items())
+
+
+def tirx_target(mod, target: Target) -> Target:
+    """``target`` with the arch the module's tirx kernels are compiled for (sm_90 -> sm_90a)."""
+    funcs = [mod] if isinstance(mod, tirx.PrimFunc) else [f for _, f in mod.functions_items()]
+    archs = {str(f.attrs[TIRX_ARCH_ATTR]) for f in funcs if is_tirx(f) and TIRX_ARCH_ATTR in f.attrs}
+    if not archs:
+        return target
+    if len(archs) > 1:
+        raise ValueError(f"tirx kernels for several archs in one module: {', '.join(sorted(archs))}")
+    config = dict(target.export())
+    config["arch"] = archs.pop()
+    return Target(config)
+
+
+def build_tirx(mod, target: Target):
+    """A module of tirx kernels (a kernel template's, alone) through TVM's tirx pipeline; the runtime
+    module calls it by its global symbol, and by ``main`` when it is the only one."""
+    if isinstance(mod, tirx.PrimFunc):
+        mod = kernel_module(mod)
+    return tvm.tirx.build(mod, target=tirx_target(mod, target), pipeline="tirx")
+
+
+def register_mixed_pipeline() -> str:
+    """Register (once) the TIR pipeline that lowers tirx kernels (attr ``autofuse.tirx``) through
+    tirx and every other PrimFunc through s_tir, for ``relax.build(..., tir_pipeline=...)``; its name."""
+    from tvm.tirx import compilation_pipeline as cp
+
+    if MIXED_PIPELINE in cp.PIPELINE_MAP:
+        return MIXED_PIPELINE
+
+    def factory():
+        s_tir_pass, finalize_host, finalize_device = cp.PIPELINE_MAP["s_tir"]()
+        tirx_pass, _, _ = cp.PIPELINE_MAP["tirx"]()
+
+        @tvm.transform.module_pass(opt_level=0, name="AutofuseMixedPipeline")
+        def mixed(mod, _ctx):
+            kernels = {gv: f for gv, f in mod.functions_items() if is_tirx(f)}
+            rest = {gv: f for gv, f in mod.functions_items() if gv not in kernels}
+            lowered = {}
+            for part, lower in ((kernels, tirx_pass), (rest, s_tir_pass)):
+                if part:
+                    lowered.update(lower(tvm.IRModule(part, attrs=mod.attrs)).functions_items())
+            return tvm.IRModule(lowered, attrs=mod.attrs)
+
+        return mixed, finalize_host, finalize_device
+
+    cp.register_tir_pipeline(MIXED_PIPELINE, factory)
+    return MIXED_PIPELINE
+
+
+def relax_build_options(mod: tvm.IRModule, target: Target) -> dict:
+    """``relax.build`` keyword arguments for ``mod``: with tirx kernels in it, their arch and the
+    mixed pipeline; otherwise just the target."""
+    if not has_tirx(mod):
+        return {"target": target}
+    return {"target": tirx_target(mod, target), "tir_pipeline": register_mixed_pipeline()}
+
+
+# --- search -------------------------------------------------------------------------------------
+
+BUILD_FAILED = "build failed"
+
+# measure(job, runtime module, device) -> (check passed, message, seconds of each timed call)
+Measure = Callable[[object, object, object], tuple[bool, str, list]]
+
+
+def measure_on_device(job, rt, dev, timer=None, repeat: int = 20) -> tuple[bool, str, list]:
+    """Check ``rt`` (a kernel of ``job``'s pattern) against the reference; when it passes, time it
+    on the pattern's seeded inputs with compare's timer (``measure.timer_for``: CUDA events after an
+    L2 flush on a GPU, TVM's launches on torch's stream)."""
+    from .measure import empty_outputs, timer_for, to_device
+    from .verify import check_module
+
+    result = check_module(job.pattern, rt, job.func, job.shape, job.dtype, dev)
+    message = result.message or f"max abs error {result.max_abs_err:.2g}"
+    if not result.ok:
+        return False, message, []
+    args = to_device(job.pattern.make_inputs(job.shape, job.dtype, 0), dev) + \
+        empty_outputs(job.pattern.output_specs(job.func), dev)
+    timer = timer if timer is not None else timer_for(dev)
+    with _torch_stream(dev):
+        timing = timer.time(lambda: rt(*args), dev.sync, repeat=repeat)
+    return True, message, [float(s) for s in timing.samples_secs]
+
+
+@contextlib.contextmanager
+def _torch_stream(dev):
+    if dev.dlpack_device_type() != 2:  # kDLCUDA
+        yield
+        return
+    import tvm_ffi
+    with tvm_ffi.use_torch_stream():
+        yield
+
+
+@dataclasses.dataclass
+class KernelTuneStats:
+    trials: int = 0
+    failed: int = 0
+    best_secs: float | None = None
+    secs: float = 0.0       # wall time of the search
+
+
+class _Crashed(Exception):
+    """A kernel raised while it ran: the device may be left unusable (a CUDA fault poisons the
+    context), so the search stops rather than record every later configuration as failed."""
+
+
+def tune_kernels(jobs: Sequence, target: Target, db, *, trials: int, dev=None, measure: Measure | None = None,
+                 on_phase: Callable[[str], None] | None = None) -> dict[int, KernelTuneStats]:
+    """Measure up to ``trials`` not yet recorded configurations of each job's kernel templates
+    (``tune_patterns.Job``s), in ``configs`` order, each stored as a record as soon as it is
+    measured. Returns what was done per job index."""
+    from .target import device_for
+
+    dev = dev if dev is not None else device_for(target)
+    if measure is None:
+        from .measure import timer_for
+        timer = timer_for(dev)  # before any trial: a missing torch is the user's to fix, not a failed record
+        measure = lambda job, rt, dev_: measure_on_device(job, rt, dev_, timer)  # noqa: E731
+    phase = on_phase or (lambda _msg: None)
+    commit, dirty = _commit()
+    stats: dict[int, KernelTuneStats] = {}
+    for index, job in enumerate(jobs):
+        todo = []
+        for template in job.pattern.kernel_templates_for(job.shape, job.dtype, target):
+            done = _recorded(db, job, template)
+            todo += [(template, knobs) for knobs in template.configs(job.shape, job.dtype)
+                     if _knobs_key(knobs) not in done]
+        if not todo:
+            continue
+        job_stats = stats[index] = KernelTuneStats()
+        start = time.perf_counter()
+        try:
+            for number, (template, knobs) in enumerate(todo[:trials], 1):
+                phase(f"{job.label}: {template.name} {number}/{min(len(todo), trials)}")
+                record = _trial(job, template, knobs, target, dev, measure, commit, dirty, db)
+                job_stats.trials += 1
+                if not record.ok:
+                    job_stats.failed += 1
+                elif job_stats.best_secs is None or record.secs < job_stats.best_secs:
+                    job_stats.best_secs = record.secs
+        except _Crashed as crash:
+            job_stats.trials += 1
+            job_stats.failed += 1
+            log.warning("%s; kernel-template search stopped (the device may need a fresh process)", crash)
+            job_stats.secs = time.perf_counter() - start
+            break
+        job_stats.secs = time.perf_counter() - start
+    return stats
+
+
+def _trial(job, template: KernelTemplate, knobs: dict, target: Target, dev, measure: Measure, commit: str,
+           dirty: bool | None, db) -> KernelRecord:
+    """Build, check and time one configuration and append its record; ``_Crashed`` (after
+    appending it) when its run raised."""
+    func = build_cached(job.pattern, template, job.shape, job.dtype, knobs)
+    crashed = None
+    try:
+        rt = build_tirx(func, target)
+    except Exception as err:  # TVM raises its own types; a config that does not build is a failed trial
+        ok, message, run_secs = False, BUILD_FAILED, []
+        log.warning("%s: %s %s does not build: %s", job.label, template.name, knobs, _first_line(err))
+    else:
+        try:
+            ok, message, run_secs = measure(job, rt, dev)
+        except Exception as err:  # the kernel crashed (a wrong answer is a failed check, not this)
+            ok, message, run_secs = False, f"run failed: {_first_line(err)}", []
+            crashed = f"{job.label}: {template.name} {knobs} crashed: {_first_line(err)}"
+    record = KernelRecord(job.pattern.name, dict(job.shape), job.dtype, template.name, dict(knobs),
+                          list(run_secs) if ok else [], {"ok": bool(ok), "message": message},
+                          func_hash(func), commit, dirty, time.strftime("%Y-%m-%d %H:%M:%S"))
+    db.kernels.append(record)
+    if crashed:
+        raise _Crashed(crashed)
+    return record
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0]
+
+
+def _commit() -> tuple[str, bool | None]:
+    try:
+        from .compare import code_commit
+        found = code_commit()
+        return found["commit"], found["dirty"]
+    except Exception:  # provenance only; never a reason to lose a measurement
+        return "unknown", None
+
+
+def _knobs_key(knobs: dict) -> str:
+    return json.dumps(knobs, sort_keys=True)
+
+
+def _recorded(db, job, template: KernelTemplate) -> set[str]:
+    """Knob sets of ``template`` already measured for ``job`` on the kernel as it is now (a stale
+    record's configuration is measured again)."""
+    done = set()
+    for record in db.kernels.of(job.pattern.name, job.shape, job.dtype):
+        if record.template != template.name:
+            continue
+        try:
+            replay(record, job.pattern)
+        except StaleRecord:
+            continue
+        done.add(_knobs_key(record.knobs))
+    return done
+
+
+# --- database maintenance (``autofuse db``) -----------------------------------------------------
+
+def check_records(folder: str) -> dict:
+    """Kernel records of one folder: how many, how many passed their check, how many failed it, and
+    the problems (skipped lines, records that no longer replay)."""
+    records = KernelRecords(folder)
+    numbered = records.numbered()
+    problems = [str(p) for p in records.problems]
+    for number, record in numbered:
+        if not record.ok:
+            continue
+        try:
+            replay(record)
+        except StaleRecord as err:
+            problems.append(f"{records.path}:{number}: kernel record {record.label()}: {err}")
+    failed = sum(not r.checked.get("ok") and r.checked.get("message") != BUILD_FAILED for _, r in numbered)
+    return {"records": len(numbered), "valid": sum(r.ok for _, r in numbered), "failed_numerical_check": failed,
+            "workloads": len({r.workload for _, r in numbered}), "problems": problems}
+
+
+def compact_records(folder: str, keep: int) -> tuple[int, int]:
+    """Rewrite one folder's kernel records keeping the ``keep`` fastest per pattern workload that
+    passed their check and still replay (failed ones, stale ones and damaged lines go); (before,
+    after). Nothing is written when the folder has no kernel records."""
+    records = KernelRecords(folder)
+    if not os.path.exists(records.path):
+        return 0, 0
+    numbered = records.numbered()
+    before = len(numbered) + len(records.problems)
+    by_workload: dict[tuple, list[tuple[int, KernelRecord]]] = {}
+    for number, record in numbered:
+        if record.ok:
+            by_workload.setdefault(record.workload, []).append((number, record))
+    kept = []
+    for ranked in by_workload.values():
+        usable = []
+        for number, record in sorted(ranked, key=lambda nr: nr[1].secs):
+            if len(usable) == keep:
+                break
+            try:
+                replay(record)
+            except StaleRecord:
+                continue
+            usable.append((number, record))
+        kept += usable
+    kept.sort(key=lambda nr: nr[0])  # in the order measured
+    records.file.rewrite([record.as_json() for _, record in kept])
+    return before, len(kept)

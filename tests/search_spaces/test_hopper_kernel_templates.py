@@ -1,0 +1,155 @@
+"""The patterns' Hopper kernel templates (tirx, sm_90a), without a GPU: where each applies and where
+it falls back to the S-TIR templates (shape, dtype, target), its knob configurations default first,
+its kernel taking the pattern's parameters in the pattern's order, and each default compiling with
+nvcc for sm_90a at an LLM-sized shape, with the kernels it should have. Running and checking them
+is tests/test_kernel_templates_gpu.py's, on the H200."""
+
+import re
+import shutil
+import subprocess
+
+import pytest
+
+from autofuse import kernel_templates as K
+from autofuse.measure import param_buffers
+from autofuse.pattern import KernelTemplate
+from autofuse.registry import get_pattern
+from autofuse.target import parse_target
+
+H200 = parse_target("h200")
+A100 = parse_target('{"kind": "cuda", "arch": "sm_80"}')
+LLVM = parse_target("llvm")
+
+# pattern -> (a shape its kernel template takes, the kernels its PrimFunc launches, a wgmma marker)
+CASES = {
+    "linear_bias_relu": ({"m": 256, "n": 512, "k": 256}, 1, "m64n256k16"),
+    "swiglu_ffn": ({"tokens": 128, "hidden": 256, "inter": 384, "p_permille": 100}, 2, "m64n128k16"),
+    "flash_attention": ({"batch": 1, "heads": 4, "kv_heads": 2, "seq_q": 128, "seq_kv": 256, "head_dim": 64,
+                         "causal": 1}, 1, "m64n128k16"),
+    "gqa_decode_attention": ({"batch": 2, "num_heads": 8, "num_kv_heads": 2, "head_dim": 128, "max_seq": 512,
+                              "cache_len": 300}, 3, None),
+}
+# What each cannot take: (shape overrides, dtype)
+REFUSED = {
+    "linear_bias_relu": [({"m": 100}, "float16"), ({}, "float32")],
+    "swiglu_ffn": [({"inter": 200}, "float16"), ({"tokens": 100}, "bfloat16"), ({}, "float32")],
+    "flash_attention": [({"seq_q": 100}, "float16"), ({"head_dim": 96}, "float16"), ({}, "float32")],
+    "gqa_decode_attention": [({"num_heads": 32, "num_kv_heads": 2}, "float16"), ({"head_dim": 80}, "float16"),
+                             ({}, "float32")],
+}
+# The shapes of compare's GPU session (benchmarks/gpu_session.sh kernels), compiled with nvcc
+# (linear_bias_relu's default at 4096^3 is tests/search_spaces/test_cuda_wgmma.py's).
+LARGE = {
+    "swiglu_ffn": {"tokens": 4096, "hidden": 4096, "inter": 11008, "p_permille": 100},
+    "flash_attention": {"batch": 8, "heads": 16, "kv_heads": 16, "seq_q": 2048, "seq_kv": 2048, "head_dim": 128,
+                        "causal": 0},
+    "gqa_decode_attention": {"batch": 16, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "max_seq": 4096,
+                             "cache_len": 4000},
+}
+
+
+def _template(name):
+    (template,) = [t for t in get_pattern(name).templates if isinstance(t, KernelTemplate)]
+    return template
+
+
+def _default(name, dtype="float16", shape=None):
+    """The kernel template's default kernel, built once per session (parsing takes about a second)."""
+    shape, template = shape or CASES[name][0], _template(name)
+    return K.build_cached(get_pattern(name), template, shape, dtype, template.default_for(shape, dtype))
+
+
+def _source(func) -> str:
+    return K.build_tirx(func, H200).imports[0].inspect_source()
+
+
+def _signature(func):
+    return [(tuple(int(d) for d in b.shape), str(b.dtype)) for b in param_buffers(func)]
+
+
+def _kernels(source: str) -> list[str]:
+    return re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(.*\{', source)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_where_it_applies_and_where_the_schedule_rules_take_over(name):
+    pattern, template = get_pattern(name), _template(name)
+    shape = CASES[name][0]
+    for dtype in ("float16", "bfloat16"):
+        assert pattern.kernel_templates_for(shape, dtype, H200) == [template]
+    for target in (A100, LLVM):
+        assert pattern.kernel_templates_for(shape, "float16", target) == []
+    for overrides, dtype in REFUSED[name]:
+        assert pattern.kernel_templates_for({**shape, **overrides}, dtype, H200) == [], (overrides, dtype)
+    assert pattern.templates_for(H200), "a CUDA schedule rule stays for the shapes it refuses"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_configs_default_first_and_the_default_replays(name):
+    template, shape = _template(name), CASES[name][0]
+    configs = template.configs(shape, "float16")
+    assert configs[0] == template.default_for(shape, "float16")
+    assert len({K._knobs_key(c) for c in configs}) == len(configs) > 1
+    assert set(configs[0]) == set(template.space)
+    # built anew from its knobs, the default is the kernel that was built before (a record replays)
+    assert K.func_hash(_default(name)) == K.func_hash(template.build(shape, "float16", configs[0]))
+    assert K.func_hash(_default(name)) != K.func_hash(template.build(shape, "float16", configs[1]))
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_the_kernel_takes_the_patterns_parameters(name):
+    pattern = get_pattern(name)
+    shape, launches, marker = CASES[name]
+    for dtype in ("float16", "bfloat16"):
+        func = _default(name, dtype)
+        assert K.is_tirx(func) and str(func.attrs[K.TIRX_ARCH_ATTR]) == "sm_90a"
+        assert _signature(func) == _signature(pattern.build(shape, dtype))
+    source = _source(_default(name))
+    assert len(_kernels(source)) == launches
+    if marker:
+        assert f"wgmma_f16_ss_mma_async_sync_aligned_{marker}" in source
+
+
+def test_swiglu_down_projection_applies_dropout_and_the_residual():
+    shape = CASES["swiglu_ffn"][0]
+    source = _source(_default("swiglu_ffn"))
+    gate, down = source.split('extern "C" __global__')[-2:]
+    assert "expf(" in gate and "acc_up_ptr" in gate  # silu(g) * u on the accumulators
+    # weights as stored (in, out): N-major wgmma (its transpose flag) in both kernels
+    assert "_1_1_0_1(" in gate and "_1_1_0_1(" in down and "_1_1_0_0(" not in source
+    store = next(line for line in down.splitlines() if "C_ptr[" in line)
+    assert "X_ptr[" in store and "(uint)" in store  # residual (the operand X) + the hashed dropout mask
+    without = _source(_default("swiglu_ffn", shape={**shape, "p_permille": 0}))
+    assert "(uint)" not in next(line for line in without.split('extern "C" __global__')[-1].splitlines()
+                                if "C_ptr[" in line)
+
+
+def test_decode_appends_then_attends_over_cache_len_plus_one():
+    shape = CASES["gqa_decode_attention"][0]
+    text = _default("gqa_decode_attention").script()
+    assert text.count('T.attr({"tirx.device_entry"') == 3
+    # the split kernel's run-time length is bound to the cache_len + 1 positions attended
+    assert re.search(rf"length: T.let\[T.int32\] = {shape['cache_len'] + 1}\b", text) or \
+        f"length = {shape['cache_len'] + 1}" in text, text[:3000]
+
+
+# --- nvcc, once per kernel ---------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def large_sources():
+    return {name: _source(_default(name, shape=LARGE[name])) for name in LARGE}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("name", sorted(LARGE))
+def test_nvcc_compiles_the_default_at_llm_shapes(name, large_sources, tmp_path):
+    assert _template(name).default_for(LARGE[name], "float16") is not None
+    src = tmp_path / "kernel.cu"
+    src.write_text(large_sources[name])
+    result = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-Xptxas", "-v",
+                             "-o", str(tmp_path / "kernel.cubin"), str(src)],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ptxas = result.stdout + result.stderr
+    assert ptxas.count("0 bytes spill stores") == len(_kernels(large_sources[name])), ptxas[-2000:]
+    assert "serialized" not in ptxas and "injected" not in ptxas  # wgmmas overlap as written

@@ -1,0 +1,76 @@
+"""The Hopper kernel templates on the GPU (skipped without one; benchmarks/gpu_session.sh kernels
+runs this file on the H200): each pattern's kernel template default passes the numerical check
+(``verify.choose`` takes it before the S-TIR templates), a short search stores checked and timed
+records that ``choose`` weighs never-worse, and the float16 decoder_block builds with the
+flash_attention and swiglu_ffn kernel templates and matches onnxruntime."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from autofuse import kernel_templates as K
+from autofuse import verify
+from autofuse.database import TuningDatabase
+from autofuse.registry import get_pattern
+from autofuse.target import device_for, parse_target
+from autofuse.tune_patterns import Job
+from conftest import REPO
+
+H200 = parse_target("h200")
+DEV = device_for(H200)
+pytestmark = pytest.mark.skipif(not DEV.exist, reason="no CUDA GPU here")
+
+# Shapes that take every piece of each kernel (several k slices and CTAs, GQA, the causal
+# diagonal, a cache length no multiple of a step) and check in seconds.
+CASES = [
+    ("linear_bias_relu", {"m": 512, "n": 768, "k": 1024}, "float16"),
+    ("linear_bias_relu", {"m": 256, "n": 384, "k": 512}, "bfloat16"),       # BN 128
+    ("swiglu_ffn", {"tokens": 256, "hidden": 512, "inter": 1408, "p_permille": 100}, "float16"),
+    ("swiglu_ffn", {"tokens": 128, "hidden": 256, "inter": 704, "p_permille": 0}, "bfloat16"),  # BN 64
+    ("flash_attention", {"batch": 2, "heads": 8, "kv_heads": 2, "seq_q": 256, "seq_kv": 512, "head_dim": 128,
+                         "causal": 1}, "float16"),
+    ("flash_attention", {"batch": 1, "heads": 4, "kv_heads": 4, "seq_q": 384, "seq_kv": 384, "head_dim": 64,
+                         "causal": 0}, "bfloat16"),
+    ("gqa_decode_attention", {"batch": 4, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "max_seq": 2048,
+                              "cache_len": 1500}, "float16"),
+    ("gqa_decode_attention", {"batch": 2, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "max_seq": 512,
+                              "cache_len": 0}, "bfloat16"),
+]
+IDS = [f"{name}-{dtype}-{'-'.join(str(v) for v in shape.values())}" for name, shape, dtype in CASES]
+
+
+@pytest.mark.parametrize("name, shape, dtype", CASES, ids=IDS)
+def test_the_kernel_template_default_passes_its_check(name, shape, dtype):
+    job = Job(get_pattern(name), shape, dtype)
+    (template,) = job.pattern.kernel_templates_for(shape, dtype, H200)
+    choice, rejected = verify.choose(job, None, H200, DEV)
+    assert choice.source == verify.TEMPLATE_DEFAULT, rejected
+    assert choice.knobs == template.default_for(shape, dtype), rejected  # not an S-TIR template's
+    assert K.is_tirx(choice.mod["main"])
+
+
+@pytest.mark.parametrize("name, shape, dtype", CASES[::2], ids=IDS[::2])
+def test_a_short_search_records_checked_configs_and_choose_is_never_worse(name, shape, dtype, tmp_path):
+    db = TuningDatabase(str(tmp_path), H200)
+    job = Job(get_pattern(name), shape, dtype)
+    stats = K.tune_kernels([job], H200, db, trials=3)
+    records = db.kernels.of(name, shape, dtype)
+    assert stats[0].trials == len(records) == 3
+    assert all(r.ok for r in records), [(r.label(), r.checked) for r in records if not r.ok]
+    choice, _ = verify.choose(job, db, H200, DEV)
+    assert choice.record_source.startswith(K.SOURCE_PREFIX)
+    assert choice.secs == min(choice.record_secs, choice.default_secs)
+
+
+def test_the_float16_decoder_block_builds_with_kernel_templates_and_matches_onnxruntime(tmp_path):
+    from autofuse.model.jobs import build_model, prepare
+
+    subprocess.run([sys.executable, os.path.join(REPO, "models", "make_models.py"), "--out", str(tmp_path),
+                    "--only", "decoder_block", "--dtype", "float16"], check=True, capture_output=True, timeout=300)
+    prepared = prepare(str(tmp_path / "decoder_block-float16.onnx"), "patterns")
+    result = build_model(prepared, H200, None, str(tmp_path / "decoder.so"))
+    assert result.verified, result.message
+    tirx = {d.pattern for d in result.decisions if "tirx kernel" in d.note}
+    assert tirx == {"flash_attention", "swiglu_ffn"}, [(d.name, d.note) for d in result.decisions]
