@@ -13,12 +13,10 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import FLOAT_DTYPES, Pattern, RelaxRule, dtype_of, onnx_model, static_shape, template
-from search_spaces.lib.cpu_rows import parallel_rows, rfactor_lanes, vectorize_rf
-from search_spaces.lib.cuda_rows import CudaRows, row_keeping, unroll_chunks, vector_load, vector_store
+from search_spaces.lib import cpu_rows
+from search_spaces.lib import cuda_rows as cuda_rows_lib
 from search_spaces.lib.layernorm import EPS, ROWS_HIDDEN, layernorm, layernorm_stages
 from search_spaces.lib.layernorm import residual_inputs as make_inputs
-from search_spaces.lib.tiling import unroll, vectorize_inner
-from search_spaces.lib.tir_math import dtype_bytes
 
 
 def build(shape, dtype):
@@ -60,56 +58,12 @@ def row_fused(sch, target, knobs):
     """Rows split and run in parallel; per row the residual add writes h, the mean and
     sum-of-squares passes re-read it from L1 (vectorised through an rfactor over a lane tile,
     float32) and the vectorised normalise pass writes y."""
-    # h is an output, and compute_at refuses output blocks ("is an output block"): loop over the
-    # producer instead and reverse_compute_at every consumer to its row loop, in dataflow order.
-    add = sch.get_sblock("add")
-    norm = sch.get_sblock("norm")
-    mean_rf, mean = rfactor_lanes(sch, knobs, "mean", 16)
-    sq_rf, sq = rfactor_lanes(sch, knobs, "sumsq", 16)
-
-    i0, i1 = parallel_rows(sch, knobs, add, 16)
-    for blk in (mean_rf, mean, sq_rf, sq, norm):
-        sch.reverse_compute_at(blk, i1, preserve_unit_loops=True)
-    vectorize_inner(sch, knobs, sch.get_loops(norm)[-1])
-    for rf in (mean_rf, sq_rf):
-        vectorize_rf(sch, rf)
-    unroll(sch, knobs, i0)
+    cpu_rows.residual_norm_rows(sch, knobs, ("mean", "sumsq"))
 
 
 def _layernorm_residual_cuda(sch, target, knobs, keep):
-    """``keep``: where the row of h lives for the three passes after the add: "local"
-    (registers), "shared", or None (the passes read back the h just stored, each thread its own
-    elements, through L1). In the first two, the add writes the row there and a copy of it stores
-    h with vector stores."""
-    add = sch.get_sblock("add")
-    mean, sq, norm = (sch.get_sblock(n) for n in ("mean", "sumsq", "norm"))
-    itemsize = dtype_bytes(sch.get(add).writes[0].source.dtype)
-    keep, max_rows = row_keeping(sch, target, keep, add, itemsize)
-    if keep is not None:
-        store_h = sch.cache_write(add, 0, keep, consumer_blocks=[mean, sq, norm])
-    # Laid out on the add: h is an output, and compute_at refuses output blocks.
-    rows = CudaRows(sch, knobs, add, itemsize, keep == "local", max_rows)
-    loops = {add: rows.loops}
-    for name in ("x", "r"):
-        vector_load(sch, add, name, rows.loops[2])
-    if keep == "local":
-        sch.reverse_compute_at(store_h, rows.loops[2], preserve_unit_loops=True)
-        sch.vectorize(sch.get_loops(store_h)[-1])
-    elif keep == "shared":
-        # Once the whole row is in shared memory (one barrier), not per chunk.
-        _, _, kc, kv = rows.attach(sch, store_h, reverse=True)
-        sch.unroll(kc)
-        sch.vectorize(kv)
-    for blk in (mean, sq):
-        loops[blk] = rows.reduction(sch, blk, reverse=True)
-    loops[norm] = rows.attach(sch, norm, reverse=True)
-    vector_store(sch, norm, loops[norm][2])
-    for name in ("gamma", "beta"):
-        vector_load(sch, norm, name, loops[norm][2])
-    if keep is None:
-        for blk in (mean, sq, norm):
-            vector_load(sch, blk, "h", loops[blk][2])
-    unroll_chunks(sch, loops.values())
+    """``lib.cuda_rows.residual_norm_rows`` over the mean and sum-of-squares passes."""
+    cuda_rows_lib.residual_norm_rows(sch, target, knobs, keep, ("mean", "sumsq"), ("gamma", "beta"))
 
 
 @template("cuda_rows", target_kinds=("cuda",))

@@ -1,0 +1,33 @@
+"""The Relax rules on graphs in the shapes torch.onnx writes (tests/model/exported_graphs.py):
+each is found, the model still matches onnxruntime, and what a rule does not cover is left to the
+auto-fused kernels on their CPU defaults."""
+
+import pytest
+
+from autofuse.model.jobs import build_model, prepare
+from autofuse.target import parse_target
+from exported_graphs import rms_norm
+
+TARGET = parse_target("llvm")
+
+
+@pytest.mark.parametrize("exporter", ["torchscript", "dynamo"])
+def test_a_residual_rms_norm_becomes_the_pattern_kernel(exporter, tmp_path):
+    prepared = prepare(rms_norm(tmp_path / "m.onnx", exporter), "patterns")
+    assert prepared.matches == {"rms_norm": 1}
+    result = build_model(prepared, TARGET, None, str(tmp_path / "m.so"), repeat=1)
+    assert result.verified, result.message
+    kernel = next(d for d in result.decisions if d.pattern == "rms_norm")
+    assert kernel.applied == "template-default"
+
+
+def test_an_rms_norm_without_a_residual_add_stays_auto_fused(tmp_path):
+    prepared = prepare(rms_norm(tmp_path / "m.onnx", residual=False), "patterns")
+    assert prepared.matches == {}
+    result = build_model(prepared, TARGET, None, str(tmp_path / "m.so"), repeat=1)
+    assert result.verified, result.message
+    assert "cpu_rows" in {d.default for d in result.decisions}
+
+
+def test_an_eps_that_is_no_power_of_ten_is_left_alone(tmp_path):
+    assert prepare(rms_norm(tmp_path / "m.onnx", eps=3e-6), "patterns").matches == {}
