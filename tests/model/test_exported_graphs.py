@@ -31,3 +31,19 @@ def test_an_rms_norm_without_a_residual_add_stays_auto_fused(tmp_path):
 
 def test_an_eps_that_is_no_power_of_ten_is_left_alone(tmp_path):
     assert prepare(rms_norm(tmp_path / "m.onnx", eps=3e-6), "patterns").matches == {}
+
+
+def test_build_reports_the_pattern_kernels_share_of_the_work(tmp_path):
+    """Counted per call site: mlp is all linear_bias_relu; an RMSNorm graph's pattern kernel does
+    its norm, the residual adds do the rest; without a match, none."""
+    import os
+
+    from autofuse.model.kernels import pattern_share
+    from conftest import REPO
+
+    mlp = pattern_share(prepare(os.path.join(REPO, "models", "mlp.onnx"), "patterns").mod)
+    # 128 x 256 -> 512 -> 256, bias and ReLU: 2mnk + 2mn per layer
+    assert mlp["flop_fraction"] == 1.0 and mlp["pattern_flops"] == 2 * (2 * 128 * 512 * 256) + 2 * 128 * (512 + 256)
+    matched = pattern_share(prepare(rms_norm(tmp_path / "a.onnx"), "patterns").mod)
+    assert 0.0 < matched["flop_fraction"] < 1.0 and 0.0 < matched["byte_fraction"] < 1.0
+    assert pattern_share(prepare(rms_norm(tmp_path / "b.onnx", residual=False), "patterns").mod)["flop_fraction"] == 0.0
