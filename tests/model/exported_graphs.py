@@ -52,3 +52,18 @@ def rms_norm(path, exporter="torchscript", residual=True, shape=(1, 8, 32), eps=
     nodes.append(helper.make_node("Add", ["h", "x"], ["next"]))
     inputs = [("x", list(shape))] + ([("r", list(shape))] if residual else [])
     return save(nodes, inputs, [("y", list(shape)), ("next", list(shape))], inits, path, opset)
+
+
+def conv_relu(path, stride=1, seed=0):
+    """A torchvision Conv + BatchNorm + ReLU in eval mode as torch.onnx exports it: the batch norm
+    folded into the Conv's weight and bias, then Relu; a second, 1x1 conv after it."""
+    rng = np.random.default_rng(seed)
+    inits = [_const("w", 0.3 * rng.standard_normal((8, 4, 3, 3))), _const("b", rng.standard_normal(8)),
+             _const("w2", 0.3 * rng.standard_normal((8, 8, 1, 1))), _const("b2", rng.standard_normal(8))]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], strides=[stride, stride],
+                              kernel_shape=[3, 3]),
+             helper.make_node("Relu", ["c"], ["r"]),
+             helper.make_node("Conv", ["r", "w2", "b2"], ["c2"], kernel_shape=[1, 1]),
+             helper.make_node("Relu", ["c2"], ["y"])]
+    out = 8 // stride
+    return save(nodes, [("x", [1, 4, 8, 8])], [("y", [1, 8, out, out])], inits, path)

@@ -47,3 +47,13 @@ def test_build_reports_the_pattern_kernels_share_of_the_work(tmp_path):
     matched = pattern_share(prepare(rms_norm(tmp_path / "a.onnx"), "patterns").mod)
     assert 0.0 < matched["flop_fraction"] < 1.0 and 0.0 < matched["byte_fraction"] < 1.0
     assert pattern_share(prepare(rms_norm(tmp_path / "b.onnx", residual=False), "patterns").mod)["flop_fraction"] == 0.0
+
+
+def test_a_conv_with_its_batch_norm_folded_becomes_conv2d_bn_relu(tmp_path):
+    from exported_graphs import conv_relu
+    prepared = prepare(conv_relu(tmp_path / "m.onnx"), "patterns")
+    assert prepared.matches == {"conv2d_bn_relu": 2}
+    result = build_model(prepared, TARGET, None, str(tmp_path / "m.so"), repeat=1)
+    assert result.verified, result.message
+    # stride 2 is not the pattern's: the first conv stays auto-fused, the 1x1 after it matches
+    assert prepare(conv_relu(tmp_path / "s.onnx", stride=2), "patterns").matches == {"conv2d_bn_relu": 1}
