@@ -16,8 +16,12 @@ kernel's default (``autofuse.verify`` checks it against the unscheduled kernel).
 - ``injective``: elementwise, broadcast, transpose, reshape, slice, concatenate: inlined into the
   outputs, each output's outer loops fused and parallel, its innermost loop vectorised where its
   reads are contiguous.
-- ``parallel``: anything else (a convolution no pattern took): every block's leading spatial loops
-  fused and parallel, nothing else changed.
+- ``conv``: an NCHW convolution with unit stride along its rows (depthwise too) and elementwise
+  stages around it: output rows of a block of channels in parallel, a channels x row-vector
+  accumulator tile in registers, the epilogue on the tile.
+- ``parallel``: anything else with enough work (a strided convolution, pooling): each block's
+  leading spatial loops, as few as give PARALLEL_TASKS tasks, fused and parallel, nothing else
+  changed.
 
 Rules are ``fn(sch, target, knobs)`` like a pattern's templates (``autofuse.pattern.Knobs``): knob
 values feed only schedule primitives, so a rule's trace replays with sampled knobs; every Python
@@ -30,13 +34,16 @@ import functools
 import operator
 
 from tvm import DataType, tirx
-from tvm.s_tir.dlight.gpu.matmul import IterKind, detect_iter_traits
+from tvm.s_tir.dlight.gpu.matmul import IterKind
 from tvm.tirx.analysis import undefined_vars
 
 from .cpu_gemm import register_tile, schedule_packed_gemm, vector_unit
 
-# Below this many output elements a kernel runs on one thread: the pool's wake-up costs more.
+# Below this many iterations (output elements of an elementwise kernel, multiply-adds of a
+# reduction) a kernel runs on one thread: waking the thread pool costs more.
 PARALLEL_MIN_ELEMENTS = 1 << 18
+# Parallel tasks enough to balance a few cores (the ``parallel`` rule fuses no more loops).
+PARALLEL_TASKS = 64
 
 
 class NotApplicable(ValueError):
@@ -184,6 +191,30 @@ def _plain_access(region) -> bool:
     return indices is not None and all(isinstance(i, (tirx.Var, tirx.IntImm)) for i in indices)
 
 
+def _gemm_kinds(stmt) -> list:
+    """Each block iterator's role in C[S, I, J] += A[S, I, K] * W[S, J, K], as dlight's
+    ``detect_iter_traits`` classifies them (unit ones T), without its demand for a row axis (a
+    GEMV has none); NotApplicable for any other use."""
+    axes = [{v for r in access.region for v in undefined_vars(r.min)} for access in (*stmt.reads, *stmt.writes)]
+    a, w, c = axes
+    kinds = []
+    for iv in stmt.iter_vars:
+        var = iv.var
+        if _extent(iv) == 1:
+            kinds.append(IterKind.kIter_T)
+        elif iv.iter_type == tirx.IterVar.DataPar and var in c:
+            kind = {(True, True): IterKind.kIter_S, (True, False): IterKind.kIter_I,
+                    (False, True): IterKind.kIter_J}.get((var in a, var in w))
+            if kind is None:
+                raise NotApplicable("not GEMM-shaped")
+            kinds.append(kind)
+        elif iv.iter_type == tirx.IterVar.CommReduce and var in a and var in w and var not in c:
+            kinds.append(IterKind.kIter_K)
+        else:
+            raise NotApplicable("not GEMM-shaped")
+    return kinds
+
+
 def _gemm_block(sch):
     """The kernel's one GEMM-shaped reduction, laid out as (batch..., i, j, k) with W (the operand
     indexed by j) read second: C[b.., i, j] += A[b.., i, k] * W[b.., j|k, k|j] (unit iterators
@@ -195,10 +226,9 @@ def _gemm_block(sch):
     stmt = sch.get(matmul)
     if len(stmt.reads) != 2 or not all(_plain_access(r.region) for r in (*stmt.reads, *stmt.writes)):
         raise NotApplicable("not a GEMM with plain operand accesses")
-    traits = detect_iter_traits(stmt)
-    if traits is None:
-        raise NotApplicable("not GEMM-shaped")
-    kinds = [t.kind for t in traits[3]]
+    kinds = _gemm_kinds(stmt)
+    if IterKind.kIter_I not in kinds and IterKind.kIter_T in kinds:
+        kinds[kinds.index(IterKind.kIter_T)] = IterKind.kIter_I  # a GEMV: one row
     if any(kinds.count(k) != 1 for k in (IterKind.kIter_I, IterKind.kIter_J, IterKind.kIter_K)):
         # Fusing several row (or column) axes into one would index C through div/mod, which
         # compute-at cannot see through.
@@ -276,7 +306,9 @@ def batched_gemm(sch, target, knobs) -> None:
         sch.reverse_compute_at(block, j0, preserve_unit_loops=True)
         chain.append(block)
     # Fused after the epilogue moved in: its iterators then bind to the split loops.
-    sch.parallel(sch.fuse(*batches, i0, j0))
+    tiles = sch.fuse(*batches, i0, j0)
+    if _product(_extent(iv) for iv in sch.get(matmul).iter_vars) >= PARALLEL_MIN_ELEMENTS:
+        sch.parallel(tiles)
     for block in chain[:-1]:
         if not is_output(sch, block):
             sch.compute_inline(block)
@@ -289,6 +321,75 @@ def batched_gemm(sch, target, knobs) -> None:
     sch.vectorize(sch.get_loops(init)[-1])
     for block in chain:
         sch.vectorize(sch.get_loops(block)[-1])
+
+
+# --- convolution --------------------------------------------------------------------------------
+
+def conv(sch, target, knobs) -> None:
+    """An NCHW convolution (the one reduction: output [n, f, y, x] over its window's reduction
+    axes, any stride, depthwise too) with elementwise stages around it: output rows of a block of
+    channels in parallel, an accumulator tile of channels x a vector along the row in registers,
+    the epilogue on the tile; the padding copy (and other stages before) parallel and vectorised."""
+    reductions = [b for b in root_blocks(sch) if is_reduction(sch, b)]
+    if len(reductions) != 1:
+        raise NotApplicable("not exactly one reduction")
+    block = reductions[0]
+    stmt = sch.get(block)
+    kinds = _dom_kind(sch, block)
+    out = _point_indices(stmt.writes[0].region)
+    if kinds[:4] != "SSSS" or "S" in kinds[4:] or len(kinds) == 4 or out is None or len(out) != 4:
+        raise NotApplicable("not an NCHW convolution")
+    if not all(isinstance(v, tirx.Var) and v.same_as(iv.var) for v, iv in zip(out, stmt.iter_vars[:4])):
+        raise NotApplicable("the output is not indexed by the spatial iterators in order")
+    if not _window_access(sch, block):
+        raise NotApplicable("no sliding window (a GEMM or a row reduction)")
+    if not _unit_stride(sch, block):
+        # Vector loads along a strided row are gathers, slower than the loops as written.
+        raise NotApplicable("a strided window")
+    for iv in stmt.iter_vars:
+        _extent(iv)
+    upstream, epilogue = _split_around(sch, block)
+    for producer in upstream:
+        parallel_vectorize(sch, knobs, target, producer)
+    n, f, y, x, *reduce = sch.get_loops(block)
+    lanes = lanes_for(target, _write_dtype(sch, block))
+    f0, f1 = sch.split(f, knobs.tile(f, 2, [4], max_innermost_factor=8))
+    x0, x1 = sch.split(x, knobs.tile(x, 2, [lanes], max_innermost_factor=lanes))
+    sch.reorder(n, f0, y, x0, *reduce, f1, x1)
+    accumulate = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(accumulate, x0, preserve_unit_loops=True)
+    chain = [accumulate]
+    for consumer in epilogue:
+        sch.reverse_compute_at(consumer, x0, preserve_unit_loops=True)
+        chain.append(consumer)
+    for stage in chain[:-1]:
+        if not is_output(sch, stage):
+            sch.compute_inline(stage)
+            chain.remove(stage)
+    # Fused after the epilogue moved in: its iterators then bind to the split loops.
+    tasks = sch.fuse(n, f0, y)
+    if _product(_extent(iv) for iv in stmt.iter_vars) >= PARALLEL_MIN_ELEMENTS:
+        sch.parallel(tasks)
+    sch.unroll(f1)
+    sch.vectorize(x1)
+    init = sch.decompose_reduction(block, reduce[0])
+    sch.vectorize(sch.get_loops(init)[-1])
+    for stage in chain:
+        sch.vectorize(sch.get_loops(stage)[-1])
+
+
+def _unit_stride(sch, block) -> bool:
+    """Whether every read of ``block`` walks its last axis one element per step of the output's
+    last iterator (an index x + rx, not 2x + rx)."""
+    x = sch.get(block).iter_vars[3].var
+    for read in sch.get(block).reads:
+        last = read.region[-1].min
+        if not any(v.same_as(x) for v in undefined_vars(last)):
+            continue
+        if not (isinstance(last, tirx.Var) or isinstance(last, tirx.Add) and any(
+                isinstance(side, tirx.Var) and side.same_as(x) for side in (last.a, last.b))):
+            return False
+    return True
 
 
 # --- rows -------------------------------------------------------------------------------------------
@@ -374,7 +475,8 @@ def rows(sch, target, knobs) -> None:
     lead, cols = loops[:row_axes[names[-1]]], loops[row_axes[names[-1]]:]
     fused = sch.fuse(*lead) if len(lead) > 1 else lead[0]
     outer, row = sch.split(fused, knobs.tile(fused, 2, [max(1, min(16, row_count // 16))], max_innermost_factor=16))
-    if row_count >= 2:
+    if row_count >= 2 and sum(_product(_extent(iv) for iv in sch.get(b).iter_vars) for b in blocks) \
+            >= PARALLEL_MIN_ELEMENTS:
         sch.parallel(outer)
     if not is_reduction(sch, last):
         _vectorize_cols(sch, knobs, target, last, cols)
@@ -401,20 +503,26 @@ def rows(sch, target, knobs) -> None:
 # --- anything else ----------------------------------------------------------------------------------
 
 def parallel(sch, target, knobs) -> None:
-    """Every block's leading spatial loops fused and parallel."""
+    """Every block with enough work: its leading spatial loops, as few as give PARALLEL_TASKS
+    tasks, fused and parallel; the loops inside left as written for LLVM."""
     changed = False
     for block in root_blocks(sch):
-        kinds = _dom_kind(sch, block)
-        lead = len(kinds) - len(kinds.lstrip("S"))
-        loops = sch.get_loops(block)[:lead]
-        if not loops or _product(_extent_of(sch, l) for l in loops) < 2:
+        if _product(_extent(iv) for iv in sch.get(block).iter_vars) < PARALLEL_MIN_ELEMENTS:
             continue
-        sch.parallel(sch.fuse(*loops) if len(loops) > 1 else loops[0])
+        kinds = _dom_kind(sch, block)
+        lead = sch.get_loops(block)[:len(kinds) - len(kinds.lstrip("S"))]
+        count, tasks = 0, 1
+        while count < len(lead) and tasks < PARALLEL_TASKS:
+            tasks *= _extent_of(sch, lead[count])
+            count += 1
+        if tasks < 2:
+            continue
+        sch.parallel(sch.fuse(*lead[:count]) if count > 1 else lead[0])
         changed = True
     if not changed:
-        raise NotApplicable("no spatial loop to run in parallel")
+        raise NotApplicable("no block with enough work to run in parallel")
 
 
 # The rules in the order they are tried.
-RULES = (("cpu_gemm", gemm), ("cpu_batched_gemm", batched_gemm), ("cpu_rows", rows), ("cpu_injective", injective),
-         ("cpu_parallel", parallel))
+RULES = (("cpu_gemm", gemm), ("cpu_batched_gemm", batched_gemm), ("cpu_conv", conv), ("cpu_rows", rows),
+         ("cpu_injective", injective), ("cpu_parallel", parallel))

@@ -1,6 +1,6 @@
 """search_spaces.lib.cpu_rules, the untuned CPU default of kernels no pattern made: on the kernels
 FuseOps makes of small ONNX graphs (a GELU FFN, tanh-GELU and SiLU epilogues, attention's batched
-matmuls and softmax, LayerNorm, RMSNorm, a spatial mean, transposes, a convolution), each rule
+matmuls and softmax, LayerNorm, RMSNorm, a spatial mean, transposes, convolutions), each rule
 takes its kind of kernel, the schedule matches the unscheduled kernel, a GEMM-shaped kernel runs
 as the packed GEMM with its epilogue vectorised on the register tile, and a knob sample replays.
 How verify wires them (checked, stock for the TVM baselines): tests/test_verify.py."""
@@ -91,8 +91,15 @@ def _attention():
 
 
 def _conv():
-    nodes = [helper.make_node("Conv", ["x", "w"], ["y"], pads=[1, 1, 1, 1])]
-    return _model(nodes, [("x", [1, 4, 8, 8])], [("y", [1, 8, 8, 8])], [_const("w", 8, 4, 3, 3)])
+    """A 3x3 'same' conv with bias and ReLU, a depthwise one, and a strided one big enough to run
+    in parallel."""
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["y"]),
+             helper.make_node("Conv", ["y", "wd"], ["d"], pads=[1, 1, 1, 1], group=8),
+             helper.make_node("Conv", ["big", "ws"], ["s"], pads=[1, 1, 1, 1], strides=[2, 2])]
+    return _model(nodes, [("x", [1, 4, 8, 8]), ("big", [1, 8, 64, 64])],
+                  [("d", [1, 8, 8, 8]), ("s", [1, 8, 32, 32])],
+                  [_const("w", 8, 4, 3, 3), _const("b", 8), _const("wd", 8, 1, 3, 3), _const("ws", 8, 8, 3, 3)])
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +136,9 @@ EXPECTED = [
     (("attention:", "power"), "cpu_injective"),
     (("attention:", "mean1"), "cpu_rows"),
     (("attention:", "transpose1"), "cpu_injective"),
-    (("conv:", "conv2d"), "cpu_parallel"),
+    (("conv:", "conv2d_add_relu"), "cpu_conv"),
+    (("conv:", "conv2d1"), "cpu_conv"),          # depthwise
+    (("conv:", "conv2d2"), "cpu_parallel"),      # stride 2
 ]
 
 
@@ -170,17 +179,18 @@ def test_a_gemm_kernel_runs_as_the_packed_gemm_with_a_vectorised_polynomial_epil
 
 
 def test_rules_refuse_what_they_do_not_describe(graph_kernels):
-    _, _, conv = _rule_of(graph_kernels, "conv:", "conv2d")
+    _, _, conv = _rule_of(graph_kernels, "conv:", "conv2d_add_relu")
     _, _, softmax = _rule_of(graph_kernels, "attention:", "softmax")
     _, _, gemm = _rule_of(graph_kernels, "ffn:", "erf")
     for fn, kernel in ((cpu_rules.gemm, softmax), (cpu_rules.batched_gemm, gemm), (cpu_rules.rows, conv),
-                       (cpu_rules.injective, softmax)):
+                       (cpu_rules.injective, softmax), (cpu_rules.conv, gemm)):
         sch = s_tir.Schedule(kernel.func)
         with pytest.raises(cpu_rules.NotApplicable):
             fn(sch, TARGET, Knobs(sch, False))
 
 
-@pytest.mark.parametrize("needles", [("ffn:", "erf"), ("attention:", "matmul", "multiply"), ("attention:", "softmax")])
+@pytest.mark.parametrize("needles", [("ffn:", "erf"), ("attention:", "matmul", "multiply"), ("attention:", "softmax"),
+                                     ("conv:", "conv2d_add_relu")])
 def test_a_knob_sample_replays_and_still_matches(graph_kernels, needles):
     """As MetaSchedule replays a rule's trace with new decisions: sampled, replayed on a fresh
     schedule, checked."""
