@@ -16,23 +16,19 @@ x / sqrt(...) and ``rsqrt``. An RMSNorm without a residual add before it (a mode
 left to the auto-fused kernels.
 """
 
-import math
-
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import FLOAT_DTYPES, Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, onnx_model, \
-    static_shape, template
+from autofuse.pattern import FLOAT_DTYPES, Pattern, RelaxRule, constant_value, dtype_of, onnx_model, static_shape, \
+    template
 from search_spaces.lib import cpu_rows
 from search_spaces.lib import cuda_rows as cuda_rows_lib
-from search_spaces.lib.layernorm import ROWS_HIDDEN
+from search_spaces.lib.layernorm import ROWS_HIDDEN, eps_exp_of, eps_param
+from search_spaces.lib.layernorm import eps_of as _eps_of
 from search_spaces.lib.stages import row_sum_stage
 
-EPS_EXP = ShapeParam("eps_exp", 6, 6, "eps = 10^-eps_exp", minimum=1)
-
-
 def eps_of(shape):
-    return 10.0 ** -shape["eps_exp"]
+    return _eps_of(shape, 6)
 
 
 def build(shape, dtype):
@@ -159,11 +155,8 @@ def _relax_rewrite(matched, kernel):
             if value.size != 1:
                 return None
             scalars[name] = float(value.reshape(()))
-    if scalars["two"] != 2.0 or scalars.get("one", 1.0) != 1.0 or scalars["eps"] <= 0:
-        return None
-    eps_exp = round(-math.log10(scalars["eps"]))
-    # The model carries eps as float32 (1e-6 -> 9.99999997e-07): compare with a tolerance.
-    if eps_exp < 1 or not math.isclose(scalars["eps"], 10.0 ** -eps_exp, rel_tol=1e-5):
+    eps_exp = eps_exp_of(scalars["eps"])
+    if scalars["two"] != 2.0 or scalars.get("one", 1.0) != 1.0 or eps_exp is None:
         return None
     rows = int(np.prod(shape[:-1]))
     flat = (lambda t: t) if len(shape) == 2 else (lambda t: relax.op.reshape(t, (rows, hidden)))
@@ -189,7 +182,7 @@ def onnx_graph(shape, dtype):
 PATTERN = Pattern.from_module(
     globals(),
     description="h = x + r; y = h / sqrt(mean(h^2) + eps) * w over the last axis; outputs h and y",
-    shape_params=[*ROWS_HIDDEN, EPS_EXP],
+    shape_params=[*ROWS_HIDDEN, eps_param(6)],
     templates=[row_fused, cuda_rows, cuda_rows_reread],
     num_outputs=2,
     relax_rules=[RelaxRule("residual_rms_norm", _relax_pattern, _relax_rewrite)],

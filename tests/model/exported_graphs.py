@@ -67,3 +67,14 @@ def conv_relu(path, stride=1, seed=0):
              helper.make_node("Relu", ["c2"], ["y"])]
     out = 8 // stride
     return save(nodes, [("x", [1, 4, 8, 8])], [("y", [1, 8, out, out])], inits, path)
+
+
+def layernorm_residual(path, eps=1e-12, shape=(1, 8, 32), seed=0):
+    """BERT's `dense + residual -> LayerNormalization` (HF writes eps 1e-12), only the normalised
+    output used."""
+    rng = np.random.default_rng(seed)
+    hidden = shape[-1]
+    inits = [_const("gamma", 1.0 + 0.1 * rng.standard_normal(hidden)), _const("beta", 0.1 * rng.standard_normal(hidden))]
+    nodes = [helper.make_node("Add", ["x", "r"], ["h"]),
+             helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["y"], axis=-1, epsilon=eps)]
+    return save(nodes, [("x", list(shape)), ("r", list(shape))], [("y", list(shape))], inits, path)

@@ -57,3 +57,13 @@ def test_a_conv_with_its_batch_norm_folded_becomes_conv2d_bn_relu(tmp_path):
     assert result.verified, result.message
     # stride 2 is not the pattern's: the first conv stays auto-fused, the 1x1 after it matches
     assert prepare(conv_relu(tmp_path / "s.onnx", stride=2), "patterns").matches == {"conv2d_bn_relu": 1}
+
+
+@pytest.mark.parametrize("eps", [1e-12, 1e-5])
+def test_a_residual_layer_norm_of_any_power_of_ten_eps_matches(eps, tmp_path):
+    from exported_graphs import layernorm_residual
+    prepared = prepare(layernorm_residual(tmp_path / "m.onnx", eps), "patterns")
+    assert prepared.matches == {"layernorm_residual": 1}
+    result = build_model(prepared, TARGET, None, str(tmp_path / "m.so"), repeat=1)
+    assert result.verified, result.message
+    assert prepare(layernorm_residual(tmp_path / "o.onnx", 2e-5), "patterns").matches == {}
