@@ -281,6 +281,38 @@ def gemm(sch, target, knobs) -> None:
                          weight_layout=layout)
 
 
+def _tile_in_registers(sch, block, epilogue, tile_loop, outer):
+    """``block``'s accumulator tile (everything below ``tile_loop``) in a local buffer, written
+    back and run through the ``epilogue`` blocks right there (intermediates inlined), the
+    ``outer`` loops fused and parallel where the block has the work for it. Returns the blocks
+    after the accumulation, the one writing the output last."""
+    accumulate = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(accumulate, tile_loop, preserve_unit_loops=True)
+    chain = [accumulate]
+    for consumer in epilogue:
+        sch.reverse_compute_at(consumer, tile_loop, preserve_unit_loops=True)
+        chain.append(consumer)
+    for stage in chain[:-1]:
+        if not is_output(sch, stage):
+            sch.compute_inline(stage)
+            chain.remove(stage)
+    # Fused after the epilogue moved in: its iterators then bind to the split loops.
+    tasks = sch.fuse(*outer)
+    if _product(_extent(iv) for iv in sch.get(block).iter_vars) >= PARALLEL_MIN_ELEMENTS:
+        sch.parallel(tasks)
+    return chain
+
+
+def _vectorize_tile(sch, block, reduce_loop, chain):
+    """The accumulator's init split out above ``reduce_loop`` and vectorised, as every stage of the
+    ``chain`` along its innermost loop (vectorize refuses a block once its init is split out,
+    so the accumulation's own loops are set before)."""
+    init = sch.decompose_reduction(block, reduce_loop)
+    sch.vectorize(sch.get_loops(init)[-1])
+    for stage in chain:
+        sch.vectorize(sch.get_loops(stage)[-1])
+
+
 def batched_gemm(sch, target, knobs) -> None:
     """A GEMM batched on both operands (attention's QK^T and PV): batches and MR x NR output tiles
     in parallel, the accumulator tile in registers (rows unrolled, columns in vectors, W read
@@ -299,28 +331,12 @@ def batched_gemm(sch, target, knobs) -> None:
     j0, j1, lanes = sch.split(j, knobs.tile(j, 3, [tile.cols // tile.lanes, tile.lanes], max_innermost_factor=16))
     k0, k1 = sch.split(k, knobs.tile(k, 2, [4], max_innermost_factor=8))
     sch.reorder(*batches, i0, j0, k0, k1, i1, j1, lanes)
-    accumulate = sch.cache_write(matmul, 0, "local")
-    sch.reverse_compute_at(accumulate, j0, preserve_unit_loops=True)
-    chain = [accumulate]
-    for block in epilogue:
-        sch.reverse_compute_at(block, j0, preserve_unit_loops=True)
-        chain.append(block)
-    # Fused after the epilogue moved in: its iterators then bind to the split loops.
-    tiles = sch.fuse(*batches, i0, j0)
-    if _product(_extent(iv) for iv in sch.get(matmul).iter_vars) >= PARALLEL_MIN_ELEMENTS:
-        sch.parallel(tiles)
-    for block in chain[:-1]:
-        if not is_output(sch, block):
-            sch.compute_inline(block)
-            chain.remove(block)
+    chain = _tile_in_registers(sch, matmul, epilogue, j0, [*batches, i0, j0])
     sch.unroll(i1)
     sch.unroll(j1)
     sch.vectorize(lanes)
     sch.unroll(k1)
-    init = sch.decompose_reduction(matmul, k0)
-    sch.vectorize(sch.get_loops(init)[-1])
-    for block in chain:
-        sch.vectorize(sch.get_loops(block)[-1])
+    _vectorize_tile(sch, matmul, k0, chain)
 
 
 # --- convolution --------------------------------------------------------------------------------
@@ -356,26 +372,10 @@ def conv(sch, target, knobs) -> None:
     f0, f1 = sch.split(f, knobs.tile(f, 2, [4], max_innermost_factor=8))
     x0, x1 = sch.split(x, knobs.tile(x, 2, [lanes], max_innermost_factor=lanes))
     sch.reorder(n, f0, y, x0, *reduce, f1, x1)
-    accumulate = sch.cache_write(block, 0, "local")
-    sch.reverse_compute_at(accumulate, x0, preserve_unit_loops=True)
-    chain = [accumulate]
-    for consumer in epilogue:
-        sch.reverse_compute_at(consumer, x0, preserve_unit_loops=True)
-        chain.append(consumer)
-    for stage in chain[:-1]:
-        if not is_output(sch, stage):
-            sch.compute_inline(stage)
-            chain.remove(stage)
-    # Fused after the epilogue moved in: its iterators then bind to the split loops.
-    tasks = sch.fuse(n, f0, y)
-    if _product(_extent(iv) for iv in stmt.iter_vars) >= PARALLEL_MIN_ELEMENTS:
-        sch.parallel(tasks)
+    chain = _tile_in_registers(sch, block, epilogue, x0, [n, f0, y])
     sch.unroll(f1)
     sch.vectorize(x1)
-    init = sch.decompose_reduction(block, reduce[0])
-    sch.vectorize(sch.get_loops(init)[-1])
-    for stage in chain:
-        sch.vectorize(sch.get_loops(stage)[-1])
+    _vectorize_tile(sch, block, reduce[0], chain)
 
 
 def _unit_stride(sch, block) -> bool:
