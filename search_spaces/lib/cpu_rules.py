@@ -16,10 +16,12 @@ kernel's default (``autofuse.verify`` checks it against the unscheduled kernel).
 - ``injective``: elementwise, broadcast, transpose, reshape, slice, concatenate: inlined into the
   outputs, each output's outer loops fused and parallel, its innermost loop vectorised where its
   reads are contiguous.
-- ``conv``: an NCHW convolution with unit stride along its rows (depthwise too) and elementwise
-  stages around it: output rows of a block of channels in parallel, a channels x row-vector
-  accumulator tile in registers, the epilogue on the tile.
-- ``parallel``: anything else with enough work (a strided convolution, pooling): each block's
+- ``conv``: an NCHW convolution (depthwise too) with elementwise stages around it: output rows of
+  a block of channels in parallel, an accumulator tile in registers, the epilogue on the tile;
+  the tile is channels x a vector along the row, or, for a strided dense convolution (whose row
+  vectors would be gathers), a few positions x a vector of channels, W repacked so that one
+  window point's channels load as one vector.
+- ``parallel``: anything else with enough work (a strided depthwise convolution, pooling): each block's
   leading spatial loops, as few as give PARALLEL_TASKS tasks, fused and parallel, nothing else
   changed.
 
@@ -37,7 +39,7 @@ from tvm import DataType, tirx
 from tvm.s_tir.dlight.gpu.matmul import IterKind
 from tvm.tirx.analysis import undefined_vars
 
-from .cpu_gemm import register_tile, schedule_packed_gemm, vector_unit
+from .cpu_gemm import LAYOUT_REWRITE, register_tile, schedule_packed_gemm, vector_unit
 
 # Below this many iterations (output elements of an elementwise kernel, multiply-adds of a
 # reduction) a kernel runs on one thread: waking the thread pool costs more.
@@ -359,23 +361,55 @@ def conv(sch, target, knobs) -> None:
         raise NotApplicable("the output is not indexed by the spatial iterators in order")
     if not _window_access(sch, block):
         raise NotApplicable("no sliding window (a GEMM or a row reduction)")
-    if not _unit_stride(sch, block):
-        # Vector loads along a strided row are gathers, slower than the loops as written.
-        raise NotApplicable("a strided window")
     for iv in stmt.iter_vars:
         _extent(iv)
+    lanes = lanes_for(target, _write_dtype(sch, block))
+    strided = not _unit_stride(sch, block)
+    if strided:
+        weight = _channel_only_read(sch, block)
+        channel_lanes = max(d for d in range(1, lanes + 1) if _extent(stmt.iter_vars[1]) % d == 0)
+        if weight is None or channel_lanes < 4:
+            # Vectors along a strided row would be gathers, and so would the channels of a
+            # depthwise one: slower than the loops as written.
+            raise NotApplicable("a strided window without channel vectors")
     upstream, epilogue = _split_around(sch, block)
     for producer in upstream:
         parallel_vectorize(sch, knobs, target, producer)
     n, f, y, x, *reduce = sch.get_loops(block)
-    lanes = lanes_for(target, _write_dtype(sch, block))
-    f0, f1 = sch.split(f, knobs.tile(f, 2, [4], max_innermost_factor=8))
-    x0, x1 = sch.split(x, knobs.tile(x, 2, [lanes], max_innermost_factor=lanes))
-    sch.reorder(n, f0, y, x0, *reduce, f1, x1)
-    chain = _tile_in_registers(sch, block, epilogue, x0, [n, f0, y])
-    sch.unroll(f1)
-    sch.vectorize(x1)
+    if strided:
+        # Channels in vectors: W repacked as [f / lanes][window][lanes] (one contiguous vector
+        # per window point), the input value broadcast, a few output positions unrolled.
+        packed = sch.cache_read(block, weight, "global")
+        sch.annotate(packed, LAYOUT_REWRITE, 1)
+        sch.transform_layout(block, ("read", weight), index_map=lambda co, *window: (
+            co // channel_lanes, *window, co % channel_lanes))
+        sch.parallel(sch.get_loops(packed)[0])
+        f0, f1 = sch.split(f, [None, channel_lanes])
+        x0, x1 = sch.split(x, knobs.tile(x, 2, [4], max_innermost_factor=8))
+        sch.reorder(n, f0, y, x0, *reduce, x1, f1)
+        chain = _tile_in_registers(sch, block, epilogue, x0, [n, f0, y])
+        sch.unroll(x1)
+        sch.vectorize(f1)
+    else:
+        f0, f1 = sch.split(f, knobs.tile(f, 2, [4], max_innermost_factor=8))
+        x0, x1 = sch.split(x, knobs.tile(x, 2, [lanes], max_innermost_factor=lanes))
+        sch.reorder(n, f0, y, x0, *reduce, f1, x1)
+        chain = _tile_in_registers(sch, block, epilogue, x0, [n, f0, y])
+        sch.unroll(f1)
+        sch.vectorize(x1)
     _vectorize_tile(sch, block, reduce[0], chain)
+
+
+def _channel_only_read(sch, block):
+    """The index of ``block``'s read indexed by the output channel but not the output row (the
+    weight of a dense convolution; a depthwise one's input is indexed by both), or None."""
+    ivs = sch.get(block).iter_vars
+    f, y, x = ivs[1].var, ivs[2].var, ivs[3].var
+    uses = [{v for r in read.region for v in undefined_vars(r.min)} for read in sch.get(block).reads]
+    by_channel = [i for i, used in enumerate(uses) if any(v.same_as(f) for v in used)]
+    if len(by_channel) != 1 or any(v.same_as(y) or v.same_as(x) for v in uses[by_channel[0]]):
+        return None
+    return by_channel[0]
 
 
 def _unit_stride(sch, block) -> bool:

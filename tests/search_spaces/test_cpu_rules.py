@@ -91,15 +91,17 @@ def _attention():
 
 
 def _conv():
-    """A 3x3 'same' conv with bias and ReLU, a depthwise one, and a strided one big enough to run
-    in parallel."""
+    """A 3x3 'same' conv with bias and ReLU, a depthwise one, a strided one, and a strided
+    depthwise one big enough to run in parallel."""
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c"], ["y"]),
              helper.make_node("Conv", ["y", "wd"], ["d"], pads=[1, 1, 1, 1], group=8),
-             helper.make_node("Conv", ["big", "ws"], ["s"], pads=[1, 1, 1, 1], strides=[2, 2])]
-    return _model(nodes, [("x", [1, 4, 8, 8]), ("big", [1, 8, 64, 64])],
-                  [("d", [1, 8, 8, 8]), ("s", [1, 8, 32, 32])],
-                  [_const("w", 8, 4, 3, 3), _const("b", 8), _const("wd", 8, 1, 3, 3), _const("ws", 8, 8, 3, 3)])
+             helper.make_node("Conv", ["y", "ws"], ["s"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Conv", ["big", "wsd"], ["sd"], pads=[1, 1, 1, 1], strides=[2, 2], group=16)]
+    return _model(nodes, [("x", [1, 4, 8, 8]), ("big", [1, 16, 128, 128])],
+                  [("d", [1, 8, 8, 8]), ("s", [1, 8, 4, 4]), ("sd", [1, 16, 64, 64])],
+                  [_const("w", 8, 4, 3, 3), _const("b", 8), _const("wd", 8, 1, 3, 3), _const("ws", 8, 8, 3, 3),
+                   _const("wsd", 16, 1, 3, 3)])
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +140,8 @@ EXPECTED = [
     (("attention:", "transpose1"), "cpu_injective"),
     (("conv:", "conv2d_add_relu"), "cpu_conv"),
     (("conv:", "conv2d1"), "cpu_conv"),          # depthwise
-    (("conv:", "conv2d2"), "cpu_parallel"),      # stride 2
+    (("conv:", "conv2d2"), "cpu_conv"),          # stride 2: channel vectors, W repacked
+    (("conv:", "conv2d3"), "cpu_parallel"),      # stride 2, depthwise
 ]
 
 
@@ -190,7 +193,7 @@ def test_rules_refuse_what_they_do_not_describe(graph_kernels):
 
 
 @pytest.mark.parametrize("needles", [("ffn:", "erf"), ("attention:", "matmul", "multiply"), ("attention:", "softmax"),
-                                     ("conv:", "conv2d_add_relu")])
+                                     ("conv:", "conv2d_add_relu"), ("conv:", "conv2d2")])
 def test_a_knob_sample_replays_and_still_matches(graph_kernels, needles):
     """As MetaSchedule replays a rule's trace with new decisions: sampled, replayed on a fresh
     schedule, checked."""
