@@ -113,7 +113,8 @@ def _unary(name, op, n=4096):
 
 @pytest.mark.parametrize("name,op,exact", [
     ("exp", T.exp, np.exp), ("erf", T.erf, np.vectorize(math.erf)), ("tanh", T.tanh, np.tanh),
-    ("sigmoid", T.sigmoid, lambda x: 1 / (1 + np.exp(-x)))])
+    ("sigmoid", T.sigmoid, lambda x: 1 / (1 + np.exp(-x))),
+    ("pow", lambda v: T.pow(v, T.float32(3.0)), lambda x: x ** 3)])
 def test_fast_math_is_within_the_checks_bound_and_vectorises(name, op, exact):
     func = _unary(name, op)
     sch = tvm.s_tir.Schedule(func)

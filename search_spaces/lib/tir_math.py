@@ -84,13 +84,25 @@ def sigmoid_f32(v):
 _VECTORISABLE = {"tirx.exp": exp_f32, "tirx.erf": erf_f32, "tirx.tanh": tanh_f32, "tirx.sigmoid": sigmoid_f32}
 
 
+def _small_power(base, exponent):
+    """base ** 2, 3 or 4 as multiplications (GELU's x^3, RMSNorm's x^2), or None for any other
+    exponent (left to libm's powf)."""
+    if not isinstance(exponent, tirx.FloatImm) or exponent.value not in (2.0, 3.0, 4.0):
+        return None
+    result = base
+    for _ in range(int(exponent.value) - 1):
+        result = result * base
+    return result
+
+
 def fast_math(mod):
     """``mod`` (an IRModule or a PrimFunc) with every float32 ``exp``, ``erf``, ``tanh`` and
-    ``sigmoid`` call replaced by its polynomial above, so that a vectorised loop around it stays
-    vectorised (exp's relative error 3.1e-7 below 88.37, inf from there where libm still gives
+    ``sigmoid`` call replaced by its polynomial above, and ``pow`` by 2, 3 or 4 by products, so
+    that a vectorised loop around it stays vectorised (exp's relative error 3.1e-7 below 88.37, inf from there where libm still gives
     up to 3.4e38; erf's absolute error 4.4e-7). Applied before building whatever runs
     autofuse's kernels; a kernel's reference (its TensorIR as written) keeps libm."""
     ops = {ir.Op.get(name): fn for name, fn in _VECTORISABLE.items()}
+    power = ir.Op.get("tirx.pow")
 
     def replace(call):
         op = call.op
@@ -98,6 +110,9 @@ def fast_math(mod):
             for known, fn in ops.items():
                 if op.same_as(known):
                     return fn(call.args[0])
+            if op.same_as(power):
+                product = _small_power(*call.args)
+                return call if product is None else product
         return call
 
     if isinstance(mod, tirx.PrimFunc):
