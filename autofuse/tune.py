@@ -2,8 +2,11 @@
 
 Spaces: ``template`` (our hand-designed templates, AutoTVM-style), ``generic`` (MetaSchedule's
 default rules, the Ansor-style sketch space), ``union`` (both). Search is evolutionary with the
-XGBoost cost model in every space, so spaces compare at equal budgets. All tasks run in one
-MetaSchedule session, so the process start-up cost is paid once.
+XGBoost cost model in every space, so spaces compare at equal budgets. In the union each arm has
+an evolutionary search of its own and every measured batch is split between them
+(``ArmsSearch``): one search over both let the cost model, trained on the first template
+records, rank the generic arm's candidates out of every batch. All tasks run in one MetaSchedule
+session, so the process start-up cost is paid once.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 from tvm.target import Target
 
+from .database import record_source
 from .errors import AutofuseError
 from .pattern import Template
 from .store import FAILED_RUN_SECS
@@ -106,6 +110,104 @@ def _as_schedule_fn(template: Template, target: Target):
         template.schedule(sch, target, tunable=True)
         return [sch]
     return schedule_fn
+
+
+@derived_object
+class ArmsSearch(ms.search_strategy.PySearchStrategy):
+    """The union space searched arm by arm: the template spaces and the generic sketches each get
+    an evolutionary search of their own (half the population each), and every measured batch
+    takes half its candidates from each. Both draw on the same database (each arm's population
+    starts from the best records of either) and cost model. An arm that has nothing left to
+    propose leaves the rest of the budget to the other. ``seeds`` (the templates' untuned
+    defaults) are measured first, so that the union ends no worse than them and both arms start
+    from them."""
+
+    def __init__(self, seeds=()):
+        base = ms.search_strategy.SearchStrategy.create("evolutionary")
+        self.population = max(16, int(base.population_size) // 2)
+        self.seeds = list(seeds)
+        self.pending: list = []
+        self.arms: list = []
+        self.owners: list[int] = []
+        self.done: set[int] = set()
+        self.max_trials = 0
+        self.measured = 0
+        self.context = None
+
+    def _new_arm(self):
+        arm = ms.search_strategy.EvolutionarySearch(population_size=self.population)
+        arm._initialize_with_tune_context(self.context)
+        return arm
+
+    def _initialize_with_tune_context(self, context) -> None:
+        self.context = context
+
+    def _candidate(self, sch):
+        """``sch`` after the postprocessors every sample gets, as a measure candidate; None when
+        one refuses it."""
+        sch = sch.copy()
+        if not all(post.apply(sch) for post in self.context.space_generator.postprocs):
+            return None
+        return ms.MeasureCandidate(sch, ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True))
+
+    def pre_tuning(self, max_trials, num_trials_per_iter, design_spaces, database=None, cost_model=None) -> None:
+        groups = [[s for s in design_spaces if record_source(s.trace) != "generic"],
+                  [s for s in design_spaces if record_source(s.trace) == "generic"]]
+        groups = [g for g in groups if g]
+        self.arms = [self._new_arm() for _ in groups]
+        self.max_trials, self.measured, self.done = int(max_trials), 0, set()
+        self.pending = [c for c in map(self._candidate, self.seeds) if c is not None]
+        share = max(1, -(-int(num_trials_per_iter) // len(groups)))
+        for arm, spaces in zip(self.arms, groups):
+            # Each arm may take the whole budget; this search stops at max_trials in all.
+            arm.pre_tuning(max_trials, share, spaces, database, cost_model)
+
+    def post_tuning(self) -> None:
+        for arm in self.arms:
+            arm.post_tuning()
+
+    def generate_measure_candidates(self):
+        left = self.max_trials - self.measured
+        if left <= 0:
+            return None
+        candidates, self.pending = self.pending[:left], []
+        self.owners = [-1] * len(candidates)
+        for index, arm in enumerate(self.arms):
+            if index in self.done or len(candidates) >= left:
+                continue
+            batch = arm.generate_measure_candidates()
+            if batch is None:
+                self.done.add(index)
+                continue
+            batch = list(batch)[:left - len(candidates)]
+            candidates += batch
+            self.owners += [index] * len(batch)
+        return candidates or None
+
+    def notify_runner_results(self, measure_candidates, results) -> None:
+        self.measured += len(results)
+        for index, arm in enumerate(self.arms):
+            mine = [n for n, owner in enumerate(self.owners) if owner == index]
+            if mine:
+                arm.notify_runner_results([measure_candidates[n] for n in mine], [results[n] for n in mine])
+
+    def clone(self):
+        return ArmsSearch(self.seeds)
+
+
+def template_defaults(templates: Sequence[Template], func, target: Target) -> list:
+    """The untuned schedule of each template that applies (one that fails at this shape is left
+    out, as ``verify`` leaves it out of the defaults)."""
+    seeds = []
+    for template in templates:
+        try:
+            prim = func if isinstance(func, tirx.PrimFunc) else list(func.functions.values())[0]
+            sch = template.apply(prim, target, tunable=False)
+        except Exception:  # a template that does not fit this shape: no seed from it
+            continue
+        if sch is not None:
+            seeds.append(sch)
+    return seeds
 
 
 def fast_build(mod, target, _params):
@@ -233,8 +335,11 @@ def _context(task: Task, space: str, target: Target, logger, rand_state: int) ->
     ScheduleError inside a default rule, e.g. on the running-state blocks of an online softmax),
     its templates alone, rather than a session that dies before its first trial."""
     def make(space_name):
+        usable = [t for t in task.templates if t.applies_to(target)]
+        strategy = (ArmsSearch(template_defaults(usable, task.func, target))
+                    if space_name == "union" and usable else "evolutionary")
         return ms.TuneContext(mod=task.func, target=target, space_generator=make_space(task.templates, space_name, target),
-                              search_strategy="evolutionary", task_name=task.name, rand_state=rand_state,
+                              search_strategy=strategy, task_name=task.name, rand_state=rand_state,
                               num_threads="physical", logger=logger).clone()
 
     context = make(space)

@@ -216,3 +216,37 @@ def test_a_generic_space_that_fails_on_the_tensorir_leaves_the_templates_tuning(
     assert len(context.generate_design_space()) == 1
     with pytest.raises(AutofuseError, match="generic space fails"):
         _context(Task("flash", func, pattern.templates), "generic", target, logger, 1)
+
+
+def test_the_union_space_measures_both_arms_in_every_batch():
+    """Each arm of the union has its own evolutionary search and half of every batch: one search
+    over both let a cost model trained on one arm's first records rank the other out. The
+    templates' untuned defaults are measured first."""
+    from autofuse.database import record_source
+    from autofuse.tune import Task, _context
+
+    target = parse_target("llvm")
+    pattern = get_pattern("linear_bias_relu")
+    func = pattern.build(pattern.small_shape(), "float32")
+    context = _context(Task("lbr", func, pattern.templates), "union", target, ms.logging.get_logger("autofuse-test"), 1)
+    strategy = context.search_strategy
+    assert not isinstance(strategy, ms.search_strategy.EvolutionarySearch), "autofuse.tune.ArmsSearch"
+    strategy.pre_tuning(14, 8, context.generate_design_space(), ms.database.MemoryDatabase(),
+                        ms.cost_model.RandomModel())
+    batches = []
+    while (batch := strategy.generate_measure_candidates()) is not None:
+        batches.append(batch)
+        strategy.notify_runner_results(batch, [ms.runner.RunnerResult([1e-3 * (n + 1)], None)
+                                               for n in range(len(batch))])
+    strategy.post_tuning()
+    assert sum(map(len, batches)) == 14, "the budget, all of it and no more"
+    defaults = [t.name for t in pattern.templates_for(target)]
+    first = batches[0]
+    assert [record_source(c.sch.trace) for c in first[:len(defaults)]] == [f"template:{n}" for n in defaults]
+    assert not any("Sample" in inst.kind.name for c in first[:len(defaults)] for inst in c.sch.trace.insts)
+    arms = [record_source(c.sch.trace).split(":")[0] for c in first[len(defaults):]]
+    assert sorted(arms) == ["generic"] * 4 + ["template"] * 4
+    # Either space alone keeps MetaSchedule's one evolutionary search.
+    for space in ("template", "generic"):
+        alone = _context(Task("lbr", func, pattern.templates), space, target, ms.logging.get_logger("autofuse-test"), 1)
+        assert isinstance(alone.search_strategy, ms.search_strategy.EvolutionarySearch)

@@ -19,6 +19,7 @@ from tvm.script import tirx as T
 from autofuse.pattern import (FLOAT_DTYPES, KernelTemplate, Pattern, RelaxRule, constant_value, dtype_of,
                               onnx_model, static_shape, template)
 from search_spaces.lib import cuda_wgmma
+from search_spaces.lib.cpu_gemm import schedule_gemm
 from search_spaces.lib.cuda_gemm import (cuda_fetch_shared, cuda_pipeline, cuda_split_k, cuda_tile_output, cuda_unroll,
                                          cuda_vector_lanes)
 from search_spaces.lib.gemm import ffn_shape
@@ -107,6 +108,18 @@ def flops(shape):
 def nbytes(shape, dtype):
     tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
     return np.dtype(dtype).itemsize * (3 * tokens * hidden + 3 * hidden * inter)
+
+
+@template("packed_gemms")
+def packed_gemms(sch, target, knobs):
+    """The library's CPU GEMM (``search_spaces.lib.cpu_gemm``) twice: gate and up share one
+    parallel tile loop, each with its weight packed into panels per task (read as stored for few
+    tokens) and its own register tile, the SiLU product on the two tiles, only h stored; then the
+    down projection with dropout and the residual on its register tile."""
+    schedule_gemm(sch, sch.get_sblock("gate"), knobs, target, epilogue_blocks=[sch.get_sblock("swiglu")],
+                  weight_layout="kn", siblings=[sch.get_sblock("up")])
+    schedule_gemm(sch, sch.get_sblock("down"), knobs, target, epilogue_blocks=[sch.get_sblock("epilogue")],
+                  weight_layout="kn")
 
 
 @template("two_gemms")
@@ -331,6 +344,6 @@ PATTERN = Pattern.from_module(
     description="r + dropout((silu(x W1) * (x W3)) W2): SwiGLU FFN with hashed dropout and residual fused",
     # inter ~2.75x hidden, as in Llama.
     shape_params=[*ffn_shape((128, 8), (256, 16), (704, 24)), DROPOUT_PERMILLE],
-    templates=[two_gemms, cuda_wgmma_two_gemms, cuda_two_gemms],
+    templates=[packed_gemms, two_gemms, cuda_wgmma_two_gemms, cuda_two_gemms],
     relax_rules=[RelaxRule("swiglu_residual", _relax_pattern, _relax_rewrite)],
 )

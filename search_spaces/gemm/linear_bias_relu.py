@@ -19,7 +19,7 @@ from tvm.script import tirx as T
 
 from autofuse.pattern import FLOAT_DTYPES, KernelTemplate, Pattern, RelaxRule, dtype_of, onnx_model, static_shape, template
 from search_spaces.lib import cuda_wgmma
-from search_spaces.lib.cpu_gemm import schedule_packed_gemm
+from search_spaces.lib.cpu_gemm import schedule_gemm
 from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_outputs_per_thread, cuda_pipeline,
                                          cuda_split_k, cuda_tile_output, cuda_unroll, cuda_vector_lanes,
                                          cuda_wmma_fetch, cuda_wmma_group, cuda_wmma_stage_out, cuda_wmma_tensorize,
@@ -76,9 +76,10 @@ def nbytes(shape, dtype):
 @template("packed_tile")
 def packed_tile(sch, target, knobs):
     """BLIS-style GEMM (``search_spaces.lib.cpu_gemm``): W packed into NR-column panels, an
-    MR x NR register tile sized from the target's vectors, bias + ReLU on the tile."""
-    schedule_packed_gemm(sch, sch.get_sblock("matmul"), knobs, target,
-                         epilogue_blocks=[sch.get_sblock("bias_relu")], weight_read=1)
+    MR x NR register tile sized from the target's vectors, bias + ReLU on the tile; a few rows
+    of x (decoding) read W as stored, in dot products along k."""
+    schedule_gemm(sch, sch.get_sblock("matmul"), knobs, target,
+                  epilogue_blocks=[sch.get_sblock("bias_relu")], weight_read=1)
 
 
 @template("tiled_epilogue")

@@ -5,8 +5,8 @@ kernel's default (``autofuse.verify`` checks it against the unscheduled kernel).
 
 - ``gemm``: one GEMM-shaped reduction (``C[i, j] += A[i, k] * W[j, k]`` or ``W[k, j]``; unit axes
   dropped, as TVM's dlight matmul analysis classifies the iterators) with elementwise stages
-  around it: the stages after it inlined into one epilogue, the whole on ``cpu_gemm``'s packed
-  GEMM (W in panels, register tile, epilogue on the tile before the only store).
+  around it: the stages after it inlined into one epilogue, the whole on ``cpu_gemm``'s GEMM (W in
+  panels, or as stored for a few rows; register tile, epilogue on the tile before the only store).
 - ``batched_gemm``: the same with both operands batched (attention's QK^T and PV): batches and
   register tiles in parallel, the accumulator tile in registers, W read along its columns.
 - ``rows``: reductions over the trailing axes of the same rows (softmax, LayerNorm, RMSNorm, mean)
@@ -39,7 +39,7 @@ from tvm import DataType, tirx
 from tvm.s_tir.dlight.gpu.matmul import IterKind
 from tvm.tirx.analysis import undefined_vars
 
-from .cpu_gemm import LAYOUT_REWRITE, register_tile, schedule_packed_gemm, vector_unit
+from .cpu_gemm import register_tile, schedule_gemm, vector_unit
 
 # Below this many iterations (output elements of an elementwise kernel, multiply-adds of a
 # reduction) a kernel runs on one thread: waking the thread pool costs more.
@@ -269,7 +269,8 @@ def _split_around(sch, matmul):
 
 def gemm(sch, target, knobs) -> None:
     """A GEMM whose W is shared by all rows (no batch axis), elementwise stages around it: on
-    ``cpu_gemm``'s packed GEMM, the epilogue on the register tile."""
+    ``cpu_gemm``'s GEMM (W packed in panels, or read as stored for a few rows), the epilogue on
+    the register tile."""
     matmul, batch = _gemm_block(sch)
     if batch:
         raise NotApplicable("both operands batched (no shared weight to pack)")
@@ -279,8 +280,7 @@ def gemm(sch, target, knobs) -> None:
     upstream, epilogue = _split_around(sch, matmul)
     for block in upstream:
         parallel_vectorize(sch, knobs, target, block)
-    schedule_packed_gemm(sch, matmul, knobs, target, epilogue_blocks=epilogue, weight_read=1,
-                         weight_layout=layout)
+    schedule_gemm(sch, matmul, knobs, target, epilogue_blocks=epilogue, weight_read=1, weight_layout=layout)
 
 
 def _tile_in_registers(sch, block, epilogue, tile_loop, outer):
@@ -380,7 +380,6 @@ def conv(sch, target, knobs) -> None:
         # Channels in vectors: W repacked as [f / lanes][window][lanes] (one contiguous vector
         # per window point), the input value broadcast, a few output positions unrolled.
         packed = sch.cache_read(block, weight, "global")
-        sch.annotate(packed, LAYOUT_REWRITE, 1)
         sch.transform_layout(block, ("read", weight), index_map=lambda co, *window: (
             co // channel_lanes, *window, co % channel_lanes))
         sch.parallel(sch.get_loops(packed)[0])

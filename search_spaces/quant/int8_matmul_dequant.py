@@ -16,6 +16,7 @@ from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, static_shape, template
+from search_spaces.lib.cpu_gemm import schedule_gemm
 from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_pipeline, cuda_split_k,
                                          cuda_tile_output, cuda_unroll, cuda_vector_lanes, dp4a_intrin)
 from search_spaces.lib.gemm import gemm_shape
@@ -85,6 +86,16 @@ def nbytes(shape, dtype):
     m, n, k = shape["m"], shape["n"], shape["k"]
     f = np.dtype(dtype).itemsize
     return (m * k + n * k) + f * (1 + 2 * n + m * n)
+
+
+@template("int8_packed")
+def int8_packed(sch, target, knobs):
+    """The library's CPU GEMM (``search_spaces.lib.cpu_gemm``) in int32: w_q packed into panels
+    of pairs of k per task, each int32 lane fed two products per instruction (vpdpwssd with
+    AVX-512 VNNI, vpmaddwd without; int8 dot over rows of both operands for few rows), dequant +
+    bias + ReLU on the accumulator tile."""
+    schedule_gemm(sch, sch.get_sblock("matmul"), knobs, target, epilogue_blocks=[sch.get_sblock("dequant")],
+                  weight_read=[str(r.source.name) for r in sch.get(sch.get_sblock("matmul")).reads].index("w_q"))
 
 
 @template("int8_tiled")
@@ -220,7 +231,7 @@ PATTERN = Pattern.from_module(
     shape_params=[*gemm_shape((128, 16), (512, 32), (512, 32)),
                   ShapeParam("relu", 1, 1, "1: ReLU after the bias, 0: none", minimum=0)],
     dtypes=("float32",),
-    templates=[int8_dot, int8_tiled, cuda_tiled_dp4a],
+    templates=[int8_packed, int8_dot, int8_tiled, cuda_tiled_dp4a],
     # The ReLU rule first: the plain one would otherwise take the Add out from under it.
     relax_rules=[RelaxRule("matmulinteger_dequant_bias_relu", _relax_pattern(1), _relax_rewrite(1), priority=1),
                  RelaxRule("matmulinteger_dequant_bias", _relax_pattern(0), _relax_rewrite(0))],

@@ -17,6 +17,7 @@ from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
 from autofuse.pattern import Pattern, ShapeParam, template
+from search_spaces.lib.cpu_gemm import schedule_gemm
 from search_spaces.lib.cuda_gemm import cuda_vector_lanes
 from search_spaces.lib.gemm import gemm_shape
 from search_spaces.lib.onnx_graphs import typed_model
@@ -135,6 +136,17 @@ def nbytes(shape, dtype):
     m, n, k, bits, group, _ = _dims(shape)
     item = np.dtype(dtype).itemsize
     return n * k * bits // 8 + 4 * n * (k // group) + item * (m * k + m * n + n)
+
+
+@template("packed_dequant")
+def packed_dequant(sch, target, knobs):
+    """The library's CPU GEMM (``search_spaces.lib.cpu_gemm``) with W dequantised where it is
+    read: for few tokens (decoding) in the dot products along k (lane-wide vectors of packed
+    bytes unpacked and scaled in registers, each serving every token of the row tile), for more
+    into the panels each parallel task packs; bias on the accumulator tile."""
+    mm = sch.get_sblock("matmul")
+    schedule_gemm(sch, mm, knobs, target, epilogue_blocks=[sch.get_sblock("bias")],
+                  weight_read=[str(r.source.name) for r in sch.get(mm).reads].index("wd"))
 
 
 @template("dequant_on_load")
@@ -294,5 +306,5 @@ PATTERN = Pattern.from_module(
                   ShapeParam("group", 64, 32, "values sharing one scale along k (divides k)"),
                   ShapeParam("bits", 4, 4, "weight bits: 4 (two per byte) or 8")],
     dtypes=("float32",),
-    templates=[dequant_on_load, cuda_warp_per_row],
+    templates=[packed_dequant, dequant_on_load, cuda_warp_per_row],
 )

@@ -14,6 +14,7 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, ShapeParam, template
+from search_spaces.lib.cpu_gemm import schedule_gemm
 from search_spaces.lib.cuda_gemm import cuda_fetch_shared, cuda_pipeline, cuda_tile_output, cuda_unroll
 from search_spaces.lib.onnx_graphs import typed_model
 from search_spaces.lib.tiling import unroll
@@ -150,6 +151,23 @@ def nbytes(shape, dtype):
     return item * (m * k + n * (k // 2) + bias * n + m * n) + 4 * m + n * (k // 4)
 
 
+@template("packed_gather")
+def packed_gather(sch, target, knobs):
+    """The library's CPU GEMM (``search_spaces.lib.cpu_gemm``) with the roles of the operands
+    turned: rows of the register tile are output features (one weight value broadcast per row
+    and k), its vectors run along the gathered rows, read from the (k, m) slab that the gather
+    fills per parallel task in panels of the tile's width (as stored for few output features);
+    bias on the accumulator tile."""
+    mm = sch.get_sblock("matmul")
+    epi = sch.get_sblock("epilogue")
+    i, j, g, s = sch.get_loops(mm)
+    sch.reorder(j, i, g, s)
+    ei, ej = sch.get_loops(epi)
+    sch.reorder(ej, ei)
+    schedule_gemm(sch, mm, knobs, target, epilogue_blocks=[epi], weight_layout="kn",
+                  weight_read=[str(r.source.name) for r in sch.get(mm).reads].index("xg"))
+
+
 @template("row_tiles")
 def row_tiles(sch, target, knobs):
     """(m, n) outer tiles in parallel, each gathering its x rows through idx into a (k, m-tile)
@@ -275,5 +293,5 @@ PATTERN = Pattern.from_module(
                   ShapeParam("k", 512, 16, "input features (multiple of 4)", minimum=4),
                   ShapeParam("bias", 1, 1, "1: add b (n,), 0: no bias", minimum=0)],
     dtypes=("float32",),
-    templates=[row_tiles, cuda_gather_tiles],
+    templates=[packed_gather, row_tiles, cuda_gather_tiles],
 )

@@ -1,23 +1,26 @@
 """search_spaces.lib.cpu_gemm on linear_bias_relu (its CPU default): the register tile per ISA,
-the default schedule against numpy on shapes that take each path (rows or columns not a multiple
-of the tile, fewer rows than the tile, odd k), no predicate in the micro-kernel, the packing copy
-that MetaSchedule's layout rewrite removes, knob samples. Tuning the template space and replaying
+the default schedule against numpy on shapes that take each path (skinny m; rows or columns not a
+multiple of the tile, fewer rows than the tile, odd k), no predicate in the micro-kernel, the
+packing inside each parallel task, the skinny path reading W as stored, knob samples. Tuning the template space and replaying
 its records: tests/test_tune.py (linear_bias_relu)."""
 
 import numpy as np
 import pytest
 import tvm
 from tvm import s_tir
-from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 from tvm.script import tirx as T
 from tvm.target import Target
+from tvm.tirx import ForKind
 
 from autofuse.accuracy import compare
 from autofuse.pattern import Knobs
+from autofuse.registry import get_pattern
 from autofuse.target import parse_target
 from autofuse.verify import check_module
 from search_spaces.gemm import linear_bias_relu as lbr
-from search_spaces.lib.cpu_gemm import LAYOUT_REWRITE, RegisterTile, VectorUnit, register_tile, schedule_packed_gemm, vector_unit
+from search_spaces.lib.cpu_gemm import (SKINNY_ROWS, DotTile, RegisterTile, VectorUnit, default_blocking, dot_tile,
+                                        register_tile, schedule_gemm, schedule_packed_gemm, schedule_skinny_gemm,
+                                        vector_unit)
 
 TARGET = parse_target("llvm")
 DEV = tvm.cpu()
@@ -37,10 +40,10 @@ def _default(func):
     return first.apply(func, TARGET, tunable=False)
 
 
-def _schedule(shape, target=TARGET, tunable=False, seed=None):
+def _schedule(shape, target=TARGET, tunable=False, seed=None, path=schedule_packed_gemm):
     func = lbr.build(shape, "float32")
     sch = s_tir.Schedule(func, seed=seed) if seed is not None else s_tir.Schedule(func)
-    tile = schedule_packed_gemm(sch, sch.get_sblock("matmul"), Knobs(sch, tunable), target,
+    tile = path(sch, sch.get_sblock("matmul"), Knobs(sch, tunable), target,
                                 epilogue_blocks=[sch.get_sblock("bias_relu")])
     return func, sch, tile
 
@@ -65,9 +68,10 @@ def test_vector_unit_and_tile_follow_the_target():
     assert register_tile(VectorUnit(8, 16), 3, 20) == RegisterTile(3, 16, 8)
 
 
-# Each shape takes a path: m % MR != 0 (padded rows), m < MR, NR of 8 (n % 16 == 8), n padded
-# (n % 8 != 0) with odd k (KU 1), and the plain one.
-CASES = [(7, 48, 24), (1, 32, 16), (16, 40, 8), (13, 20, 5), (24, 64, 32)]
+# Each shape takes a path. Skinny: m = 1, m prime (MR 1) with n = 100 and odd k (one lane), m = 16
+# with n % 8 != 0. Packed (m > SKINNY_ROWS): m % MR != 0 (padded rows) with n padded (n % 8 != 0)
+# and odd k (KU 1), NR of 8 (n % 16 == 8), and the plain one.
+CASES = [(1, 32, 16), (7, 100, 5), (16, 20, 24), (67, 20, 5), (72, 40, 8), (72, 64, 32)]
 
 
 @pytest.mark.parametrize("m,n,k", CASES)
@@ -99,20 +103,55 @@ def test_micro_kernel_has_no_predicate(m, n):
     assert f"T.sblock_alloc_buffer(({panels}, 8, {tile.cols}))" in sch.mod.script()
 
 
-def test_packing_is_a_layout_rewrite_copy_that_can_be_dropped():
-    shape = _shape(13, 32, 24)
-    func, sch, tile = _schedule(shape)
-    assert LAYOUT_REWRITE in sch.get(sch.get_sblock("w_global")).annotations
-    # After MetaSchedule's builder pass the kernel takes W packed: [n/NR][k][NR].
-    packed = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(sch.mod)
-    rt = tvm.tirx.build(packed, target=TARGET)
-    x, w, b = lbr.make_inputs(shape, "float32", 0)
-    nr = tile.cols
-    wp = np.ascontiguousarray(w.reshape(shape["n"] // nr, nr, shape["k"]).transpose(0, 2, 1))
-    y = tvm.runtime.tensor(np.zeros((13, 32), np.float32), DEV)
-    rt(*(tvm.runtime.tensor(a, DEV) for a in (x, wp, b)), y)
-    check = compare([y.numpy()], [lbr.reference(x, w, b)], accumulation=shape["k"])
-    assert check.ok, check.message
+def test_each_task_packs_its_own_panels():
+    """The packing copy runs inside the parallel loop, into a buffer of the task's columns only."""
+    _, sch, tile = _schedule(_shape(13, 512, 24))
+    outer = sch.get_loops(sch.get_sblock("w_global"))[0]
+    assert sch.get(outer).kind == ForKind.PARALLEL
+    assert sch.get(sch.get_loops(sch.get_sblock("matmul_update"))[0]).same_as(sch.get(outer))
+    lowered = tvm.s_tir.transform.LowerOpaqueBlock()(tvm.s_tir.transform.CompactBufferAllocation()(
+        tvm.s_tir.transform.ConvertBlocksToOpaque()(tvm.s_tir.transform.PlanAndUpdateBufferAllocationLocation()(
+            tvm.s_tir.transform.LowerInitBlock()(sch.mod))))).script()
+    parallel_at = lowered.index("T.parallel(")
+    alloc_at = lowered.index("w_global = T.alloc_buffer(")
+    _, panels = default_blocking(-(-13 // tile.rows), 512 // tile.cols, tile, 2)
+    assert panels == 2 and tile.cols == 64, "8 column panels, 4 tasks on 2 cores"
+    assert alloc_at > parallel_at and f"T.alloc_buffer(({panels}, 24, {tile.cols})" in lowered, "a task's panels"
+
+
+def test_untuned_blocking_spreads_evenly_over_the_cores():
+    tile = RegisterTile(6, 64, 16)
+    assert default_blocking(86, 16, tile, 2) == (86, 2)   # 512 x 1024: 8 blocks of 2 panels, all rows
+    assert default_blocking(43, 4, tile, 2) == (43, 1)    # 256^3: one panel a block before splitting rows
+    assert default_blocking(22, 11, tile, 2) == (11, 1)   # 11 panels: rows halved, 22 blocks
+    assert default_blocking(1, 11, tile, 2) == (1, 1)     # nothing left to split
+
+
+def test_dot_tile_and_path_follow_the_shape():
+    unit = VectorUnit(16, 32)
+    assert dot_tile(unit, 1, 768, 768) == DotTile(1, 8, 16)
+    assert dot_tile(unit, 16, 768, 768) == DotTile(4, 6, 16)
+    assert dot_tile(unit, 7, 100, 5) == DotTile(1, 5, 1)
+    assert dot_tile(VectorUnit(8, 16), 16, 1000, 1000) == DotTile(2, 5, 8)
+    for m, packs in ((SKINNY_ROWS, False), (SKINNY_ROWS + 1, True)):
+        func = lbr.build(_shape(m, 32, 16), "float32")
+        sch = s_tir.Schedule(func)
+        schedule_gemm(sch, sch.get_sblock("matmul"), Knobs(sch, False), TARGET,
+                      epilogue_blocks=[sch.get_sblock("bias_relu")])
+        assert ('"w_global"' in sch.mod.script()) == packs
+
+
+def test_skinny_reads_w_as_stored():
+    """m <= SKINNY_ROWS: no copy of W; the lanes of the k loop are a vectorised spatial axis of
+    a local partial-sum tile, summed across after the k loop."""
+    _, sch, tile = _schedule(_shape(4, 64, 32), path=schedule_skinny_gemm)
+    script = sch.mod.script()
+    assert tile == DotTile(4, 4, 16)
+    assert '"w_global"' not in script and "w[" in script
+    update = sch.get_sblock("matmul_rf_update")
+    assert sch.get(sch.get_loops(update)[-1]).kind == ForKind.VECTORIZED
+    assert sch.get(sch.get_loops(update)[0]).kind == ForKind.PARALLEL
+    assert "acc_rf_local" in script
 
 
 def test_builds_for_avx512_and_neon():
@@ -121,13 +160,17 @@ def test_builds_for_avx512_and_neon():
         _, sch, got = _schedule(_shape(13, 128, 16), target=target)
         assert got == tile
         tvm.tirx.build(sch.mod, target=target)
+    _, sch, got = _schedule(_shape(3, 64, 32), target=NEON, path=schedule_skinny_gemm)
+    assert got == DotTile(3, 8, 4)
+    tvm.tirx.build(sch.mod, target=NEON)
 
 
-def test_knob_samples_vary_and_match():
-    shape = _shape(24, 64, 32)
+@pytest.mark.parametrize("path,shape", [(schedule_packed_gemm, _shape(24, 64, 32)),
+                                        (schedule_skinny_gemm, _shape(8, 256, 512))], ids=["packed", "skinny"])
+def test_knob_samples_vary_and_match(path, shape):
     decisions = set()
     for seed in (1, 2, 3):
-        func, sch, _ = _schedule(shape, tunable=True, seed=seed)
+        func, sch, _ = _schedule(shape, tunable=True, seed=seed, path=path)
         decisions.add(str(sch.trace.decisions))
         result = check_module(lbr.PATTERN, tvm.tirx.build(sch.mod, target=TARGET), func, shape, "float32", DEV)
         assert result.ok, result.message
@@ -170,3 +213,82 @@ def test_weight_stored_k_by_n(m, n, k):
     rt(*(tvm.runtime.tensor(a, DEV) for a in (x, w, b)), y)
     check = compare([y.numpy()], [x.astype(np.float64) @ w + b], accumulation=k)
     assert check.ok, check.message
+
+
+# The GEMM-shaped patterns whose CPU default stands on this library, at shapes off the tile:
+# skinny (rows <= SKINNY_ROWS) and packed, columns not a multiple of the vector.
+PATTERN_CASES = [
+    ("swiglu_ffn", {"tokens": 7, "hidden": 16, "inter": 100, "p_permille": 0}, "packed_gemms"),
+    ("swiglu_ffn", {"tokens": 70, "hidden": 24, "inter": 40}, "packed_gemms"),
+    # int8: pair dots (k even; k % 32 == 0 for the skinny one) and plain int32 tiles (odd k)
+    ("int8_matmul_dequant", {"m": 7, "n": 100, "k": 64}, "int8_packed"),
+    ("int8_matmul_dequant", {"m": 7, "n": 100, "k": 24, "relu": 0}, "int8_packed"),
+    ("int8_matmul_dequant", {"m": 70, "n": 100, "k": 24}, "int8_packed"),
+    ("int8_matmul_dequant", {"m": 67, "n": 20, "k": 5}, "int8_packed"),
+    # woq: dequantised in the dot (one row tile), per group of W rows (several), into the panels
+    ("woq_matmul", {"m": 2, "n": 32, "k": 64, "group": 32, "bits": 4}, "packed_dequant"),
+    ("woq_matmul", {"m": 7, "n": 100, "k": 64, "group": 32, "bits": 8}, "packed_dequant"),
+    ("woq_matmul", {"m": 70, "n": 20, "k": 64, "group": 32, "bits": 4}, "packed_dequant"),
+    # sparse24: tile rows are output features (skinny: the slab as stored), tiles that divide
+    # (no padding: the matmul reads its slab through the meta bits)
+    ("sparse24_matmul_gather", {"rows": 20, "m": 30, "n": 12, "k": 24}, "packed_gather"),
+    ("sparse24_matmul_gather", {"rows": 20, "m": 7, "n": 100, "k": 24}, "packed_gather"),
+    ("sparse24_matmul_gather", {"rows": 20, "m": 100, "n": 70, "k": 24, "bias": 0}, "packed_gather"),
+    # moe: under the experts' skip test (accumulated in place), not the default (see its docstring)
+    ("moe_gate_topk", {"tokens": 13, "hidden": 24, "inter": 40, "experts": 4, "k": 2}, "packed_experts"),
+    # conv: tile rows are output channels, columns output columns (a partial vector; 7 x 8 lanes)
+    ("conv2d_bn_relu", {"n": 2, "c_in": 5, "h": 7, "w": 9, "c_out": 6, "kernel": 3}, "gemm_direct"),
+    ("conv2d_bn_relu", {"n": 1, "c_in": 3, "h": 4, "w": 56, "c_out": 8, "kernel": 3}, "gemm_direct"),
+]
+# The library's template second: the first ran faster at the pattern's default shape (see the
+# templates' docstrings).
+NOT_DEFAULT = {"packed_experts", "gemm_direct"}
+
+
+@pytest.mark.parametrize("name,shape,template", PATTERN_CASES,
+                         ids=[f"{n}-{'-'.join(map(str, s.values()))}" for n, s, _ in PATTERN_CASES])
+def test_pattern_templates_off_the_tile(name, shape, template):
+    pattern = get_pattern(name)
+    names = [t.name for t in pattern.templates_for(TARGET)]
+    assert names.index(template) == (1 if template in NOT_DEFAULT else 0), "the library's GEMM is the CPU default"
+    shape = pattern.resolve_shape(shape)
+    dtype = pattern.dtypes[0]
+    func = pattern.build(shape, dtype)
+    result = check_module(pattern, tvm.tirx.build(_applied(pattern, shape, template).mod, target=TARGET),
+                          func, shape, dtype, DEV)
+    assert result.ok, result.message
+
+
+def _applied(pattern, shape, name=None):
+    """``pattern``'s template ``name`` (default: its first for the CPU) at ``shape``, untuned."""
+    template = next(t for t in pattern.templates_for(TARGET) if name in (None, t.name))
+    return template.apply(pattern.build(shape, pattern.dtypes[0]), TARGET, tunable=False)
+
+
+@pytest.mark.parametrize("target,instruction", [(Target({"kind": "llvm", "mcpu": "icelake-server"}), "vpdpwssd"),
+                                                (Target({"kind": "llvm", "mcpu": "skylake-avx512"}), "vpmaddwd"),
+                                                (AVX2, "vpmaddwd")], ids=["vnni", "avx512bw", "avx2"])
+def test_int8_gemms_multiply_pairs_of_k(target, instruction):
+    """int8 x int8 -> int32, packed and skinny: two k per int32 lane and instruction."""
+    pattern = get_pattern("int8_matmul_dequant")
+    for m in (70, 7):
+        shape = pattern.resolve_shape({"m": m, "n": 64, "k": 64})
+        sch = pattern.templates_for(target)[0].apply(pattern.build(shape, "float32"), target, tunable=False)
+        assert "autofuse_pair_dot" in str(sch.trace)
+        assert instruction in tvm.tirx.build(sch.mod, target=target).inspect_source("asm")
+
+
+@pytest.mark.parametrize("m", [70, 4])
+def test_int8_pair_dots_are_exact_at_the_extremes(m):
+    """-128 * -128 twice per lane and instruction: 2**15, past int16, exact in the int32 lane."""
+    pattern = get_pattern("int8_matmul_dequant")
+    shape = pattern.resolve_shape({"m": m, "n": 64, "k": 64, "relu": 0})
+    rng = np.random.default_rng(0)
+    x = rng.choice(np.array([-128, 127, -127], np.int8), size=(m, 64))
+    w = rng.choice(np.array([-128, 127, -1], np.int8), size=(64, 64))
+    x[0], w[0] = -128, -128
+    inputs = [x, w, np.ones(1, np.float32), np.ones(64, np.float32), np.zeros(64, np.float32)]
+    rt = tvm.tirx.build(_applied(pattern, shape).mod, target=TARGET)
+    y = tvm.runtime.tensor(np.zeros((m, 64), np.float32), DEV)
+    rt(*(tvm.runtime.tensor(a, DEV) for a in inputs), y)
+    np.testing.assert_array_equal(y.numpy(), (x.astype(np.int64) @ w.astype(np.int64).T).astype(np.float32))

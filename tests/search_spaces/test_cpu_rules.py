@@ -2,7 +2,8 @@
 FuseOps makes of small ONNX graphs (a GELU FFN, tanh-GELU and SiLU epilogues, attention's batched
 matmuls and softmax, LayerNorm, RMSNorm, a spatial mean, transposes, convolutions), each rule
 takes its kind of kernel, the schedule matches the unscheduled kernel, a GEMM-shaped kernel runs
-as the packed GEMM with its epilogue vectorised on the register tile, and a knob sample replays.
+as lib.cpu_gemm's GEMM with its epilogue vectorised on the register tile, and a knob sample
+replays.
 How verify wires them (checked, stock for the TVM baselines): tests/test_verify.py."""
 
 import numpy as np
@@ -19,7 +20,6 @@ from autofuse.pattern import Knobs
 from autofuse.target import parse_target
 from autofuse.verify import CPU_RULES, checker, untuned
 from search_spaces.lib import cpu_rules
-from search_spaces.lib.cpu_gemm import LAYOUT_REWRITE
 
 TARGET = parse_target("llvm")
 DEV = tvm.cpu()
@@ -165,10 +165,14 @@ def _output_block(kernel):
 
 
 @pytest.mark.parametrize("activation", ["erf", "tanh", "sigmoid"])
-def test_a_gemm_kernel_runs_as_the_packed_gemm_with_a_vectorised_polynomial_epilogue(graph_kernels, activation):
+def test_a_gemm_kernel_runs_as_the_librarys_gemm_with_a_vectorised_polynomial_epilogue(graph_kernels, activation,
+                                                                                      monkeypatch):
     from autofuse.verify import fast_math
+    calls = []
+    real = cpu_rules.schedule_gemm
+    monkeypatch.setattr(cpu_rules, "schedule_gemm", lambda *a, **k: calls.append(k) or real(*a, **k))
     _, sch, kernel = _rule_of(graph_kernels, "ffn:", activation)
-    assert LAYOUT_REWRITE in sch.mod.script(), "W is packed into panels by the layout-rewrite copy"
+    assert len(calls) == 1 and calls[0]["weight_layout"] == "kn", "the GEMM of lib.cpu_gemm, W (k, n) as exported"
     update = sch.get_loops(sch.get_sblock("matmul_update"))
     epilogue = sch.get_loops(sch.get_sblock(_output_block(kernel)))
     assert sch.get(update[0]).kind == tvm.tirx.ForKind.PARALLEL
