@@ -71,7 +71,7 @@ def compare(outputs, expected, *, accumulation: int = 1, bound: float | Sequence
         if got64.shape != want64.shape:
             return Check(False, math.inf, math.inf, limit, f"{where}shape {got64.shape} != reference {want64.shape}")
         finite = np.isfinite(want64)
-        if not np.array_equal(np.isfinite(got64), finite) or not np.array_equal(got64[~finite], want64[~finite]):
+        if not np.array_equal(np.isfinite(got64), finite) or not np.array_equal(got64[~finite], want64[~finite], equal_nan=True):
             return Check(False, math.inf, math.inf, limit, f"{where}non-finite values where the reference has none")
         diff = np.abs(got64[finite] - want64[finite])
         err = float(diff.max(initial=0.0))

@@ -384,7 +384,8 @@ def _kernel_rows(info: dict, machine) -> list[dict]:
     rows = []
     for fig in info["kernel_figures"]:
         decision = decisions.get(fig["name"], {})
-        rows.append({**fig, "applied": decision.get("applied"), "source": decision.get("source") or "none",
+        rows.append({**fig, "applied": decision.get("applied"), "default": decision.get("default"),
+                     "source": decision.get("source") or "none",
                      **point(fig["flops"], fig["bytes"], fig["ms"] / 1e3, machine)})
     return rows
 

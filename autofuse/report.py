@@ -107,7 +107,8 @@ COMPARE_COLUMNS = [("name", "contender"), ("status", "status"), ("median_ms", "m
                    ("max_abs_err", "max abs err"), ("gflops", "GFLOP/s"), ("gbps", "GB/s"),
                    ("intensity", "FLOP/B"), ("roofline_pct", "% roofline"), ("autofuse_speedup", "autofuse speed-up"),
                    ("trials_in_db", "trials in db")]
-KERNEL_COLUMNS = [("name", "kernel"), ("pattern", "pattern"), ("applied", "applied"), ("source", "record from"),
+KERNEL_COLUMNS = [("name", "kernel"), ("pattern", "pattern"), ("applied", "applied"), ("default", "default"),
+                  ("source", "record from"),
                   ("ms", "ms"), ("gflops", "GFLOP/s"), ("gbps", "GB/s"), ("intensity", "FLOP/B"),
                   ("roofline_pct", "% roofline")]
 

@@ -45,12 +45,12 @@ class Job:
 def summarize(job: Job, db: TuningDatabase, target: Target, *, space: str, stats: TuneStats | None,
               index: int, repeat: int = 10) -> dict:
     """One table row: the best checked record (or the template default, when faster) vs the
-    untuned kernel."""
+    untuned default (``verify.untuned``: the CPU rules, dlight on a GPU)."""
     dev = device_for(target)
     # The generic space is measured on its own: a template default would not be its result.
     choice, rejected = choose(job, db, target, dev, defaults=space != "generic", repeat=repeat)
     try:
-        untuned_secs = time_kernel(job, build_kernel(untuned(job.func, target).mod, target), dev, repeat)
+        untuned_secs = time_kernel(job, build_kernel(untuned(job.func, target)[0].mod, target), dev, repeat)
     except ValueError:  # no dlight rule schedules it on this GPU
         untuned_secs = None
     valid, total = (a + b for a, b in zip(db.count(job.func), kernel_record_count(job, db)))

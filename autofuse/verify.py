@@ -9,12 +9,19 @@ for a kernel no pattern made): a pattern workload (``tune_patterns.Job``) or a m
 
 - Default schedules, in the order they are tried: each of the pattern's kernel templates that
   applies at its default knobs (``autofuse.kernel_templates``), each of its schedule rules with its
-  fixed knobs, then what TVM runs untuned: dlight's rules on a GPU (an unscheduled GPU kernel builds and
-  then crashes the device), the TensorIR as written on a CPU.
-- The check: a pattern kernel against the pattern's numpy reference; any other kernel against its
-  untuned self on seeded data (reordered float sums differ a little); both by
-  ``autofuse.accuracy.compare`` at the bound of the dtype and the longest reduction. A template
-  default is checked like any record, and one that fails is not used.
+  fixed knobs, then the untuned default: dlight's rules on a GPU (an unscheduled GPU kernel builds
+  and then crashes the device), the CPU rules of the schedule library on a CPU
+  (``search_spaces.lib.cpu_rules``: packed GEMM, batched GEMM, rows, injective, parallel), and
+  where none applies or passes its check, the TensorIR as written.
+- What TVM runs as shipped (``stock``: the tvm-untuned and tvm-auto baselines): dlight on a GPU,
+  the TensorIR as written on a CPU, built without ``fast_math``.
+- Building (``build_kernel``, and ``fast_math`` for a model): on a CPU, float32 exp/erf/tanh/
+  sigmoid calls become the vectorisable polynomials of ``search_spaces.lib.tir_math``.
+- The check: a pattern kernel against the pattern's numpy reference; any other kernel against what
+  TVM runs for it as shipped, built with libm's math, on seeded data (reordered float sums and the
+  polynomials differ a little); both by ``autofuse.accuracy.compare`` at the bound of the dtype
+  and the longest reduction. Every default but the reference itself is checked like any record,
+  and one that fails is not used.
 """
 
 from __future__ import annotations
@@ -31,12 +38,18 @@ from .accuracy import Check, compare, reduction_length
 from . import kernel_templates
 from .database import TuningDatabase
 from .measure import empty_outputs, param_arrays, run_on, time_function, to_device
-from .pattern import DLIGHT, Pattern, Shape
+from .pattern import DLIGHT, Pattern, Shape, Template
+
+from search_spaces.lib import cpu_rules  # noqa: E402 (the schedule library, no pattern)
+from search_spaces.lib.tir_math import fast_math as _fast_math  # noqa: E402
+
+# The untuned default of a CPU kernel, tried in order (each a dlight-shaped rule).
+CPU_RULES = tuple(Template(name, fn, target_kinds=("llvm",)) for name, fn in cpu_rules.RULES)
 
 # What ``Choice.source`` says when a default runs (a record's says which space it came from).
 TEMPLATE_DEFAULT = "template-default"
 UNSCHEDULED = "unscheduled"
-DEFAULTS = (TEMPLATE_DEFAULT, DLIGHT.name, UNSCHEDULED)
+DEFAULTS = (TEMPLATE_DEFAULT, DLIGHT.name, UNSCHEDULED, *(rule.name for rule in CPU_RULES))
 
 # Takes a schedule, or the module of a kernel template's kernel.
 CheckFn = Callable[[s_tir.Schedule | tvm.IRModule], tuple[bool, str]]
@@ -51,23 +64,49 @@ class Kernel(Protocol):
     dtype: str | None
 
 
-def build_kernel(mod: tvm.IRModule | tirx.PrimFunc, target: Target):
-    """A kernel template's kernel goes through the tirx pipeline, everything else through s_tir."""
+def fast_math(mod, target: Target):
+    """``mod`` as autofuse builds it for ``target``: on a CPU, the vectorisable polynomials in
+    place of libm's exp/erf/tanh/sigmoid (``search_spaces.lib.tir_math.fast_math``)."""
+    return _fast_math(mod) if target.kind.name == "llvm" else mod
+
+
+def build_kernel(mod: tvm.IRModule | tirx.PrimFunc, target: Target, *, stock: bool = False):
+    """A kernel template's kernel goes through the tirx pipeline, everything else through s_tir.
+    ``stock``: as TVM builds it (libm's math): references and the TVM baselines."""
     if kernel_templates.has_tirx(mod):
         return kernel_templates.build_tirx(mod, target)
-    return tvm.tirx.build(mod, target=target)
+    return tvm.tirx.build(mod if stock else fast_math(mod, target), target=target)
 
 
-def untuned(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule:
-    """What TVM runs without a record or template (see the module docstring); ValueError where no
-    dlight rule schedules ``func``."""
+def stock_default(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule:
+    """What TVM runs as shipped without a record: dlight's rules on a GPU, the TensorIR as written
+    on a CPU; the reference of a kernel no pattern made. ValueError where no dlight rule
+    schedules ``func``."""
     if DLIGHT.applies_to(target):
         return DLIGHT.apply(func, target, tunable=False)
     return s_tir.Schedule(func)
 
 
-def untuned_source(target: Target) -> str:
+def stock_source(target: Target) -> str:
     return DLIGHT.name if DLIGHT.applies_to(target) else UNSCHEDULED
+
+
+def untuned_rules(target: Target) -> list[Template]:
+    """The rules of the untuned default on ``target``, tried in order (see the module docstring)."""
+    return [DLIGHT] if DLIGHT.applies_to(target) else [r for r in CPU_RULES if r.applies_to(target)]
+
+
+def untuned(func: tirx.PrimFunc, target: Target) -> tuple[s_tir.Schedule, str]:
+    """The untuned default of ``func``, unchecked, and its source: the first rule of
+    ``untuned_rules`` that applies, else what TVM runs as shipped."""
+    for rule in untuned_rules(target):
+        if rule is DLIGHT:
+            break
+        try:
+            return rule.apply(func, target, tunable=False), rule.name
+        except Exception:  # the rule does not describe this kernel, or TVM refused one of its steps
+            continue
+    return stock_default(func, target), stock_source(target)
 
 
 def default_schedule(func: tirx.PrimFunc, target: Target, pattern: Pattern | None = None, *,
@@ -84,7 +123,7 @@ def default_schedule(func: tirx.PrimFunc, target: Target, pattern: Pattern | Non
         if sch is not None:
             return sch
     if fallback:
-        return untuned(func, target)
+        return untuned(func, target)[0]
     name = pattern.name if pattern is not None else "this kernel"
     raise ValueError(f"no template of {name!r} applies on {target.kind.name}"
                      + (f" ({'; '.join(refused)})" if refused else ""))
@@ -103,13 +142,14 @@ def check_module(pattern: Pattern, rt_mod, func, shape: Shape, dtype: str, dev, 
     return pattern.check([o.numpy() for o in outputs], inputs, shape, dtype, func)
 
 
-def checker(kernel: Kernel, target: Target, dev) -> CheckFn:
+def checker(kernel: Kernel, target: Target, dev, stock: bool = False) -> CheckFn:
     """``check(schedule) -> (ok, message)``, as ``TuningDatabase.best`` takes it: build the
-    schedule and compare on fresh inputs (see the module docstring for against what)."""
+    schedule (as TVM does, with ``stock``) and compare on fresh inputs (see the module docstring
+    for against what)."""
     if kernel.pattern is not None:
         def check_pattern(sch):
             try:
-                rt = build_kernel(sch if isinstance(sch, tvm.IRModule) else sch.mod, target)
+                rt = build_kernel(sch if isinstance(sch, tvm.IRModule) else sch.mod, target, stock=stock)
             except Exception as err:  # a record that no longer builds is as unusable as a wrong one
                 return False, f"build failed: {_first_line(err)}"
             result = check_module(kernel.pattern, rt, kernel.func, kernel.shape, kernel.dtype, dev)
@@ -121,10 +161,11 @@ def checker(kernel: Kernel, target: Target, dev) -> CheckFn:
     def check_generic(sch):
         if not reference:
             arrays = param_arrays(kernel.func, seed=7)
-            reference.append((arrays, run_on(build_kernel(untuned(kernel.func, target).mod, target), arrays, dev)))
+            stock = build_kernel(stock_default(kernel.func, target).mod, target, stock=True)
+            reference.append((arrays, run_on(stock, arrays, dev)))
         arrays, expected = reference[0]
         try:
-            got = run_on(build_kernel(sch.mod, target), arrays, dev)
+            got = run_on(build_kernel(sch.mod, target, stock=stock), arrays, dev)
         except Exception as err:
             return False, f"kernel failed: {_first_line(err)}"
         result = compare(got, expected, accumulation=reduction_length(kernel.func))
@@ -149,7 +190,7 @@ class Choice:
     """What runs for a kernel."""
     mod: tvm.IRModule
     # A record's space ("template:<name>", "generic"), or which default: "template-default",
-    # "dlight" or "unscheduled".
+    # "dlight", a CPU rule ("cpu_gemm", ...) or "unscheduled".
     source: str
     trace: s_tir.Trace | None
     # Timed here only when a record and a default were timed against each other.
@@ -162,6 +203,7 @@ class Choice:
     # A kernel template's knob values (``mod`` then holds its tirx kernel; source "kernel:<name>"
     # for a record).
     knobs: dict | None = None
+    default_source: str | None = None  # the checked default's source, also when a record won
 
     @property
     def is_record(self) -> bool:
@@ -169,16 +211,18 @@ class Choice:
 
 
 def choose(kernel: Kernel, db: TuningDatabase | None, target: Target, dev, *, defaults: bool = True,
-           fallback: bool = False, repeat: int = 10, min_repeat_ms: int = 50) -> tuple[Choice | None, list[str]]:
+           fallback: bool = False, stock: bool = False, repeat: int = 10,
+           min_repeat_ms: int = 50) -> tuple[Choice | None, list[str]]:
     """Never worse than no tuning: the best checked record of each kind (MetaSchedule's, a kernel
     template's) and the first default that passes its check, timed on the same inputs; the fastest
     one runs (a short search can leave records slower than the template's fixed knobs).
 
     ``defaults`` off: records only (how the generic space is measured on its own). ``fallback``:
-    when no template default passes, the untuned kernel (a model's every kernel must run). ``dev``
-    None: nothing runs here, so nothing is checked (compiling for a device this machine lacks).
-    Returns None when nothing may run, and one line per candidate not used."""
-    check = checker(kernel, target, dev) if dev is not None else None
+    when no template default passes, the untuned default (a model's every kernel must run).
+    ``stock``: TVM as shipped, its default and its build (the TVM baselines). ``dev`` None: nothing
+    runs here, so nothing is checked (compiling for a device this machine lacks). Returns None
+    when nothing may run, and one line per candidate not used."""
+    check = checker(kernel, target, dev, stock) if dev is not None else None
     records, rejected = [], []
     if db is not None:
         if check is None:
@@ -193,22 +237,25 @@ def choose(kernel: Kernel, db: TuningDatabase | None, target: Target, dev, *, de
         if found is not None:
             records.append(Choice(module, found.source, None, record_source=found.source, knobs=found.knobs))
     notes: list[str] = []
-    default = _checked_default(kernel, target, check, fallback, notes) if defaults else None
+    default = _checked_default(kernel, target, check, fallback, stock, notes) if defaults else None
     rejected = rejected + notes
     if default is not None:
         default.notes = notes
+        default.default_source = default.source
     candidates = records + ([default] if default is not None else [])
     if len(candidates) <= 1:
         return (candidates[0] if candidates else None), rejected
     for candidate in candidates:
-        candidate.secs = time_kernel(kernel, build_kernel(candidate.mod, target), dev, repeat, min_repeat_ms)
+        candidate.secs = time_kernel(kernel, build_kernel(candidate.mod, target, stock=stock), dev, repeat,
+                                     min_repeat_ms)
     record = min(records, key=lambda c: c.secs)  # ties: MetaSchedule's, listed first
     winner = record if default is None or record.secs <= default.secs else default
     return dataclasses.replace(winner, record_source=record.source, record_secs=record.secs,
-                               default_secs=default.secs if default is not None else None), rejected
+                               default_secs=default.secs if default is not None else None,
+                               default_source=default.source if default is not None else None), rejected
 
 
-def _checked_default(kernel: Kernel, target: Target, check: CheckFn | None, fallback: bool,
+def _checked_default(kernel: Kernel, target: Target, check: CheckFn | None, fallback: bool, stock: bool,
                      notes: list[str]) -> Choice | None:
     """The first default schedule that applies and passes ``check``; each one passed over is
     said in ``notes``. A kernel template that applies comes before the schedule rules."""
@@ -232,19 +279,35 @@ def _checked_default(kernel: Kernel, target: Target, check: CheckFn | None, fall
         notes.append(f"template default failed the numerical check ({template.name}): {message}")
     if not fallback or DLIGHT in templates:
         return None
-    source = untuned_source(target)
+    passed_over = "no template default passed" if templates else ""
+    for rule in [] if stock else [r for r in untuned_rules(target) if r is not DLIGHT]:
+        try:
+            sch = rule.apply(kernel.func, target, tunable=False)
+        except cpu_rules.NotApplicable:
+            continue
+        except Exception as err:  # TVM refused a step: the rule's analysis missed something here
+            notes.append(f"{rule.name} does not apply: {_first_line(err)}")
+            continue
+        ok, message = check(sch) if check is not None else (True, "")
+        if ok:
+            if passed_over:
+                notes.append(f"{rule.name} used: {passed_over}")
+            return Choice(sch.mod, rule.name, sch.trace)
+        notes.append(f"{rule.name} failed the numerical check: {message}")
+        passed_over = passed_over or f"{rule.name} failed its check"
+    source = stock_source(target)
     try:
-        sch = untuned(kernel.func, target)
+        sch = stock_default(kernel.func, target)
     except ValueError as err:
         notes.append(f"no {target.kind.name} schedule: {_first_line(err)}")
         return None
-    # The untuned kernel is the reference of a kernel no pattern made; a pattern's is judged too.
+    # TVM's own default is the reference of a kernel no pattern made; a pattern's is judged too.
     ok, message = check(sch) if check is not None and kernel.pattern is not None else (True, "")
     if not ok:
         notes.append(f"{source} failed the numerical check: {message}")
         return None
-    if templates:
-        notes.append(f"{source} used: no template default passed")
+    if passed_over:
+        notes.append(f"{source} used: {passed_over}")
     return Choice(sch.mod, source, sch.trace)
 
 

@@ -1,7 +1,8 @@
 """An ONNX graph through Relax in one of autofuse's fusion modes, records applied from a database,
 built and wrapped as a ``Prepared``: the shared path of autofuse's model contender, tvm-untuned
-and tvm-auto. On a GPU every kernel without a record gets its default schedule (pattern
-templates, dlight's rules for the rest), as ``autofuse build`` does."""
+and tvm-auto. Every kernel without a record gets autofuse's default schedule (pattern templates,
+then the CPU rules or dlight's), as ``autofuse build`` does, or for the TVM baselines what TVM
+runs as shipped (the TensorIR as written on a CPU, dlight's rules on a GPU)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,9 @@ import tvm
 from . import Context, Prepared, Subject, Unavailable
 
 
-def prepare_relax(subject: Subject, ctx: Context, fusion: str, db) -> tuple[Prepared, tvm.IRModule]:
+def prepare_relax(subject: Subject, ctx: Context, fusion: str, db, stock: bool = False) -> tuple[Prepared, tvm.IRModule]:
+    """``stock``: TVM as shipped without a record (its default schedules and math), as the TVM
+    baselines run; else autofuse's defaults (``verify``)."""
     from tvm import relax
 
     from ..model import build as model_build
@@ -22,8 +25,8 @@ def prepare_relax(subject: Subject, ctx: Context, fusion: str, db) -> tuple[Prep
     if subject.onnx_path is None:
         raise Unavailable(f"{subject.name} has no ONNX graph to import")
     prepared = prepare(subject.onnx_path, fusion, subject.input_shapes)
-    mod, decisions = apply_database(prepared.mod, db, ctx.target, ctx.dev)
-    main = relax.VirtualMachine(model_build.build(mod, ctx.target), ctx.dev)["main"]
+    mod, decisions = apply_database(prepared.mod, db, ctx.target, ctx.dev, stock=stock)
+    main = relax.VirtualMachine(model_build.build(mod, ctx.target, stock=stock), ctx.dev)["main"]
     args = [tvm.runtime.tensor(x, ctx.dev) for x in subject.inputs]
     last = {}
 

@@ -13,7 +13,7 @@ class TvmAuto:
     runs_onnx_graph = True
 
     def prepare(self, subject: Subject, ctx: Context) -> Prepared:
-        prepared = prepare_relax(subject, ctx, "auto", ctx.db)[0]
+        prepared = prepare_relax(subject, ctx, "auto", ctx.db, stock=True)[0]
         if ctx.db is not None and not prepared.info["records_applied"]:
             prepared.info["note"] = "no record applied: tune with `autofuse compare --trials N` or `autofuse tune MODEL --fusion auto --space generic`"
         return prepared

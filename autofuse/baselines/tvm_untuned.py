@@ -14,4 +14,4 @@ class TvmUntuned:
     runs_onnx_graph = True
 
     def prepare(self, subject: Subject, ctx: Context) -> Prepared:
-        return prepare_relax(subject, ctx, "auto", None)[0]
+        return prepare_relax(subject, ctx, "auto", None, stock=True)[0]

@@ -43,10 +43,16 @@ def run(args) -> int:
     result = build_model(prepared, target, open_database(args, target, none_allowed=True), output,
                          verify=not args.no_verify, seed=args.seed, cuda_graph=args.cuda_graph)
     rows = [dataclasses.asdict(d) for d in result.decisions]
-    print(table(rows, [("name", "kernel"), ("pattern", "pattern"), ("applied", "applied"), ("source", "record from"),
+    print(table(rows, [("name", "kernel"), ("pattern", "pattern"), ("applied", "applied"), ("default", "default"),
+                       ("source", "record from"),
                        ("default_ms", "default ms"), ("tuned_ms", "record ms"), ("note", "note")]))
     applied = sum(d.applied == "record" for d in result.decisions)
     print(f"{applied} of {len(result.decisions)} kernels use a tuned record; the others their default schedule")
+    share = result.pattern_share
+    if share:
+        print(f"pattern kernels: {100 * share['flop_fraction']:.0f}% of the model's FLOPs, "
+              f"{100 * share['byte_fraction']:.0f}% of its bytes ({share['pattern_flops'] / 1e6:.1f} of "
+              f"{share['flops'] / 1e6:.1f} MFLOP; TVM's estimate for the kernels no pattern made)")
     written = f"library {result.library}" if result.library else f"library not written ({output} left as it was)"
     print(f"model latency {result.latency_ms:.3f} ms (median); {written}")
     if result.verified is None:

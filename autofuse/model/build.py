@@ -18,15 +18,18 @@ from ..errors import AutofuseError
 from ..kernel_templates import relax_build_options
 
 
-def build(mod: tvm.IRModule, target: Target, cuda_graph: bool = False):
+def build(mod: tvm.IRModule, target: Target, cuda_graph: bool = False, stock: bool = False):
     """``cuda_graph``: Relax's RewriteCUDAGraph captures the static parts of ``main`` into CUDA
-    graphs on the first call and replays them after, one launch instead of one per kernel."""
+    graphs on the first call and replays them after, one launch instead of one per kernel.
+    ``stock``: as TVM builds it; otherwise the kernels' math as ``verify.fast_math`` makes it."""
+    from ..verify import fast_math
+
     if cuda_graph and target.kind.name != "cuda":
         raise AutofuseError(f"--cuda-graph needs a cuda target, not {target.kind.name}")
     config = {"relax.backend.use_cuda_graph": True} if cuda_graph else {}
     with tvm.transform.PassContext(opt_level=3, config=config):
         # a kernel template's tirx kernel in ``mod``: its arch and the mixed tirx/s_tir pipeline
-        return relax.build(mod, **relax_build_options(mod, target))
+        return relax.build(mod if stock else fast_math(mod, target), **relax_build_options(mod, target))
 
 
 class StagedLibrary:

@@ -23,7 +23,7 @@ from .fusion import fuse, kernel_names
 from .importer import (ImportNotes, captured_tvm_output, input_specs, load_onnx, random_feeds, random_inputs,
                        to_relax)
 from .shapes import static_model
-from .kernels import apply_database
+from .kernels import apply_database, pattern_share
 from .tuning import model_tasks
 
 
@@ -94,6 +94,8 @@ class BuildResult:
     verified: bool | None      # None: not checked (--no-verify or no onnxruntime)
     message: str = ""
     library: str | None = None  # where the library was written; None: it failed its check
+    # The pattern kernels' share of the model's FLOPs and bytes (``kernels.pattern_share``).
+    pattern_share: dict | None = None
 
 
 def build_model(prepared: PreparedModel, target: Target, db: TuningDatabase | None, output: str, *,
@@ -107,7 +109,7 @@ def build_model(prepared: PreparedModel, target: Target, db: TuningDatabase | No
     executable = model_build.build(mod, target, cuda_graph)
     feeds = random_inputs(prepared.onnx, seed)
     result = BuildResult(decisions, kernel_names(mod), _vm_latency_ms(executable, feeds, dev, repeat),
-                         None, None, None)
+                         None, None, None, pattern_share=pattern_share(prepared.mod))
     with model_build.StagedLibrary(executable, output) as staged:
         if verify:
             expected = model_build.onnxruntime_outputs(prepared.path, feeds)
@@ -133,7 +135,7 @@ def _library_meta(prepared: PreparedModel, target: Target, cuda_graph: bool, dec
         "outputs": [o.name for o in prepared.onnx.graph.output],
         "kernels": [dataclasses.asdict(d) for d in decisions],
         "verified": result.verified, "max_abs_err": result.max_abs_err, "scaled_err": result.scaled_err,
-        "built": time.strftime("%Y-%m-%d %H:%M:%S")}
+        "pattern_share": result.pattern_share, "built": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
 def _vm_latency_ms(executable, feeds, dev, repeat: int) -> float:

@@ -4,6 +4,7 @@ worse than the default), and each kernel's figures as built."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 
@@ -34,8 +35,11 @@ class Kernel:
 
     @property
     def workload(self) -> tvm.IRModule:
-        """The module MetaSchedule's Relax integration tunes for this kernel (same structure)."""
-        return tvm.IRModule({"main": self.original.with_attr("global_symbol", "main")})
+        """The module MetaSchedule's Relax integration tunes for this kernel (same structure), on a
+        copy of the model's PrimFunc: a TVM 0.27 schedule of a PrimFunc nothing else holds
+        (``s_tir.Schedule(kernel.func)``) rewrites its body in place from the first ``annotate``
+        on (every template's first step), and ``with_attr`` shares that body with ``original``."""
+        return tvm.IRModule({"main": copy.deepcopy(self.original).with_attr("global_symbol", "main")})
 
     @property
     def func(self) -> tirx.PrimFunc:
@@ -70,17 +74,21 @@ class KernelDecision:
     tuned_ms: float | None
     note: str = ""
     records: int = 0        # tuning records of this kernel in the database, failed trials included
+    # Which default schedule: "template-default", a CPU rule ("cpu_gemm", ...), "dlight" or
+    # "unscheduled"; None when a record runs and no default was timed against it.
+    default: str | None = None
 
 
-def apply_database(mod: tvm.IRModule, db: TuningDatabase | None, target: Target,
-                   dev) -> tuple[tvm.IRModule, list[KernelDecision]]:
+def apply_database(mod: tvm.IRModule, db: TuningDatabase | None, target: Target, dev,
+                   stock: bool = False) -> tuple[tvm.IRModule, list[KernelDecision]]:
     """Each kernel gets its best checked record if that beats its default schedule, else the first
     default that passes its check (pattern kernels: their template defaults, then the untuned
-    kernel). ``dev`` None: compiled for a device this machine lacks, so nothing is checked."""
+    default: ``verify``'s module docstring). ``stock``: TVM's own default instead (the TVM
+    baselines). ``dev`` None: compiled for a device this machine lacks, so nothing is checked."""
     decisions = []
     mod = mod.clone() if hasattr(mod, "clone") else tvm.IRModule(dict(mod.functions_items()))
     for kernel in kernels(mod):
-        choice, rejected = choose(kernel, db, target, dev, fallback=True, repeat=5, min_repeat_ms=20)
+        choice, rejected = choose(kernel, db, target, dev, fallback=True, stock=stock, repeat=5, min_repeat_ms=20)
         if choice is None:
             what = f"kernel {kernel.name}" + (f" ({kernel.pattern.name})" if kernel.pattern else "")
             raise AutofuseError(f"{what} has nothing to run on {target.kind.name}: {'; '.join(rejected)}")
@@ -105,7 +113,7 @@ def _decision(kernel: Kernel, choice, records_rejected: int, records: int, with_
     ms = (lambda secs: secs * 1e3 if secs is not None else None)
     return KernelDecision(kernel.name, kernel.pattern.name if kernel.pattern else None, applied,
                           choice.record_source, ms(choice.default_secs), ms(choice.record_secs), "; ".join(notes),
-                          records)
+                          records, choice.default_source)
 
 
 def _as_kernel(scheduled, kernel: Kernel):
@@ -120,21 +128,55 @@ def _as_kernel(scheduled, kernel: Kernel):
     return func.with_attr("tirx.is_scheduled", True)
 
 
+def kernel_work(kernel: Kernel) -> tuple[float | None, float]:
+    """(FLOPs, bytes) of one call: a pattern kernel counts them as its pattern does; any other
+    kernel gets TVM's FLOP estimate (None where it has none) and the bytes of its buffers, each
+    read or written once (the traffic a perfect schedule moves)."""
+    if kernel.pattern is not None:
+        return kernel.pattern.flops(kernel.shape), kernel.pattern.bytes(kernel.shape, kernel.dtype)
+    try:
+        flops = float(estimate_tir_flops(kernel.workload))
+    except Exception:  # the estimator rejects some TIR (Let expressions); FLOPs stay unknown
+        flops = None
+    return flops, float(param_bytes(kernel.func))
+
+
 def kernel_figures(mod: tvm.IRModule, target: Target, dev, repeat: int = 5) -> list[dict]:
-    """Every kernel of a built module as it will run: its latency on seeded data, FLOPs and bytes.
-    A pattern kernel counts them as its pattern does; any other kernel gets TVM's FLOP estimate
-    and the bytes of its buffers, each read or written once (the traffic a perfect schedule moves)."""
+    """Every kernel of a built module as it will run: its latency on seeded data, FLOPs and bytes
+    (``kernel_work``)."""
     figures = []
     for kernel in kernels(mod):
-        if kernel.pattern is not None:
-            flops, nbytes = kernel.pattern.flops(kernel.shape), kernel.pattern.bytes(kernel.shape, kernel.dtype)
-        else:
-            try:
-                flops = float(estimate_tir_flops(kernel.workload))
-            except Exception:  # the estimator rejects some TIR (Let expressions); FLOPs stay unknown
-                flops = None
-            nbytes = param_bytes(kernel.func)
+        flops, nbytes = kernel_work(kernel)
         secs = time_kernel(kernel, build_kernel(kernel.workload, target), dev, repeat, min_repeat_ms=20)
         figures.append({"name": kernel.name, "pattern": kernel.pattern.name if kernel.pattern else None,
                         "ms": secs * 1e3, "flops": float(flops) if flops else None, "bytes": float(nbytes)})
     return figures
+
+
+def pattern_share(mod: tvm.IRModule) -> dict:
+    """How much of a fused model's work its pattern kernels do: FLOPs and bytes of every kernel
+    (``kernel_work``) times its call sites, summed over pattern kernels and over all."""
+    from tvm import relax
+
+    calls: dict[str, int] = {}
+    call_tir = tvm.ir.Op.get("relax.call_tir")
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and expr.op.same_as(call_tir) and isinstance(expr.args[0], tvm.ir.GlobalVar):
+            calls[expr.args[0].name_hint] = calls.get(expr.args[0].name_hint, 0) + 1
+
+    for _, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(func, visit)
+    share = {"pattern_flops": 0.0, "flops": 0.0, "pattern_bytes": 0.0, "bytes": 0.0}
+    for kernel in kernels(mod):
+        flops, nbytes = kernel_work(kernel)
+        count = calls.get(kernel.name, 0)
+        share["flops"] += (flops or 0.0) * count
+        share["bytes"] += nbytes * count
+        if kernel.pattern is not None:
+            share["pattern_flops"] += (flops or 0.0) * count
+            share["pattern_bytes"] += nbytes * count
+    share["flop_fraction"] = share["pattern_flops"] / share["flops"] if share["flops"] else 0.0
+    share["byte_fraction"] = share["pattern_bytes"] / share["bytes"] if share["bytes"] else 0.0
+    return share

@@ -244,15 +244,11 @@ def _ints(values):
     return tuple(int(v) for v in values)
 
 
-def _relax_rewrite(matched, kernel):
-    """relu(batch_norm(conv2d(x, w) [+ bias])[0]) -> the kernel, when the conv is an NCHW/OIHW
-    'same' conv this pattern covers (stride 1, dilation 1, groups 1, odd square kernel k, padding
-    k//2) in float32; batch norm (and bias) become bn_scale/bn_shift as Relax arithmetic on their
-    inputs, which FoldConstant folds when they are constants."""
-    from tvm import relax
-    x, w, conv, bn = matched["x"], matched["w"], matched["conv"], matched["bn"]
-    params = [matched[k] for k in ("gamma", "beta", "mean", "var")]
-    bias = matched.get("bias")
+def _conv_shape(matched):
+    """The pattern's shape for the matched conv2d (x, w), when it is an NCHW/OIHW 'same' conv this
+    pattern covers (stride 1, dilation 1, groups 1, odd square kernel k, padding k//2) in
+    float32, else None."""
+    x, w, conv = matched["x"], matched["w"], matched["conv"]
     xs, ws, ys = static_shape(x), static_shape(w), static_shape(conv)
     if None in (xs, ws, ys) or len(xs) != 4 or len(ws) != 4:
         return None
@@ -269,12 +265,31 @@ def _relax_rewrite(matched, kernel):
     if a.out_dtype is not None and str(a.out_dtype) not in ("", "float32"):
         return None
     shape = {"n": n, "c_in": ci, "h": h, "w": wd, "c_out": co, "kernel": k}
-    if ys != (n, co) + _dims(shape)[7:]:
+    if ys != (n, co) + _dims(shape)[7:] or any(dtype_of(t) != "float32" for t in (x, w, conv)):
         return None
-    tensors = [x, w, conv, *params] + ([bias] if bias is not None else [])
-    if any(dtype_of(t) != "float32" for t in tensors):
+    return shape
+
+
+def _bias_channels(bias, co):
+    """An ONNX Conv's bias as Relax carries it, (co, 1, 1) or (1, co, 1, 1), as (co,); None
+    for anything else (a residual, a broadcast over positions)."""
+    from tvm import relax
+    if bias is None or static_shape(bias) not in ((co, 1, 1), (1, co, 1, 1)) or dtype_of(bias) != "float32":
         return None
-    if any(static_shape(p) != (co,) for p in params):
+    return relax.op.reshape(bias, (co,))
+
+
+def _relax_rewrite(matched, kernel):
+    """relu(batch_norm(conv2d(x, w) [+ bias])[0]) -> the kernel (``_conv_shape``); batch norm
+    (and bias) become bn_scale/bn_shift as Relax arithmetic on their inputs, which FoldConstant
+    folds when they are constants."""
+    from tvm import relax
+    shape = _conv_shape(matched)
+    if shape is None:
+        return None
+    co, bn = shape["c_out"], matched["bn"]
+    params = [matched[k] for k in ("gamma", "beta", "mean", "var")]
+    if any(static_shape(p) != (co,) or dtype_of(p) != "float32" for p in params):
         return None
     b = bn.attrs
     if int(b.axis) not in (1, -3) or not b.center or not b.scale or b.training:
@@ -282,15 +297,38 @@ def _relax_rewrite(matched, kernel):
     gamma, beta, mean, var = params
     eps = relax.const(float(b.epsilon), "float32")
     scale = relax.op.divide(gamma, relax.op.sqrt(relax.op.add(var, eps)))
-    if bias is None:
+    if matched.get("bias") is None:
         shift = relax.op.subtract(beta, relax.op.multiply(mean, scale))
     else:
         # batch_norm(conv + bias) = conv * scale + (beta + (bias - mean) * scale)
-        if static_shape(bias) not in ((co, 1, 1), (1, co, 1, 1)):
+        bias_c = _bias_channels(matched["bias"], co)
+        if bias_c is None:
             return None
-        bias_c = relax.op.reshape(bias, (co,))
         shift = relax.op.add(beta, relax.op.multiply(relax.op.subtract(bias_c, mean), scale))
-    return kernel(shape, "float32", [x, w, scale, shift])
+    return kernel(shape, "float32", [matched["x"], matched["w"], scale, shift])
+
+
+def _folded_relax_pattern():
+    from tvm.relax.dpl import is_op, wildcard
+    x, w, bias = wildcard(), wildcard(), wildcard()
+    conv = is_op("relax.nn.conv2d")(x, w)
+    root = is_op("relax.nn.relu")(is_op("relax.add")(conv, bias))
+    return root, {"x": x, "w": w, "bias": bias, "conv": conv}
+
+
+def _folded_relax_rewrite(matched, kernel):
+    """relu(conv2d(x, w) + bias): batch norm already folded into w and bias, as torch.onnx exports
+    an eval-mode Conv + BatchNorm (torchvision's ResNets) -> the kernel with bn_scale 1 and
+    bn_shift the bias, the same arithmetic."""
+    from tvm import relax
+    shape = _conv_shape(matched)
+    if shape is None:
+        return None
+    shift = _bias_channels(matched["bias"], shape["c_out"])
+    if shift is None:
+        return None
+    scale = relax.const(np.ones(shape["c_out"], "float32"))
+    return kernel(shape, "float32", [matched["x"], matched["w"], scale, shift])
 
 
 def onnx_graph(shape, dtype):
@@ -319,5 +357,6 @@ PATTERN = Pattern.from_module(
                   ShapeParam("c_out", 64, 8, "output channels"),
                   ShapeParam("kernel", 3, 3, "kernel size (square); padding is kernel // 2")],
     templates=[tiled_direct, gemm_direct, cuda_direct],
-    relax_rules=[RelaxRule("conv2d_batch_norm_relu", _relax_pattern, _relax_rewrite)],
+    relax_rules=[RelaxRule("conv2d_batch_norm_relu", _relax_pattern, _relax_rewrite),
+                 RelaxRule("conv2d_bias_relu", _folded_relax_pattern, _folded_relax_rewrite)],
 )

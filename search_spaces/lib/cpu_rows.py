@@ -41,3 +41,21 @@ def parallel_rows(sch, knobs, block, lanes, rows=4):
     _, j1 = sch.split(j, knobs.tile(j, 2, [lanes], max_innermost_factor=64))
     sch.vectorize(j1)
     return i0, i1
+
+
+def residual_norm_rows(sch, knobs, reductions, norm="norm", add="add"):
+    """A residual-then-normalise row kernel (``add`` writes h, an output; the ``reductions`` over
+    each row of h; ``norm`` writes y): rows split and in parallel on the add (compute_at refuses
+    an output block, so every later pass is reverse-computed at its row loop, in dataflow order),
+    each reduction vectorised through an rfactor over a lane tile, the normalise pass vectorised."""
+    from .tiling import unroll, vectorize_inner
+
+    add_block, norm_block = sch.get_sblock(add), sch.get_sblock(norm)
+    factored = [rfactor_lanes(sch, knobs, name, 16) for name in reductions]
+    i0, i1 = parallel_rows(sch, knobs, add_block, 16)
+    for block in [b for pair in factored for b in pair] + [norm_block]:
+        sch.reverse_compute_at(block, i1, preserve_unit_loops=True)
+    vectorize_inner(sch, knobs, sch.get_loops(norm_block)[-1])
+    for rf, _ in factored:
+        vectorize_rf(sch, rf)
+    unroll(sch, knobs, i0)

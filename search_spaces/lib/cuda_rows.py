@@ -171,3 +171,44 @@ def output_rows(sch, target, knobs, out, reductions, itemsize, keep, keep_bytes=
     for blk in reductions:
         loops[blk] = rows.reduction(sch, blk)
     return rows, keep, loops
+
+
+def residual_norm_rows(sch, target, knobs, keep, reductions, params, inputs=("x", "r"), add="add", norm="norm"):
+    """A residual-then-normalise row kernel on CUDA (``add`` writes h = x + r, an output; the
+    ``reductions`` over each row of h; ``norm`` writes y from h and the per-column ``params``).
+    ``keep``: where the row of h lives for the passes after the add: "local" (registers),
+    "shared", or None (the passes read back the h just stored, each thread its own elements,
+    through L1). In the first two, the add writes the row there and a copy of it stores h with
+    vector stores."""
+    from .tir_math import dtype_bytes
+
+    add_block = sch.get_sblock(add)
+    passes = [sch.get_sblock(n) for n in reductions]
+    norm_block = sch.get_sblock(norm)
+    itemsize = dtype_bytes(sch.get(add_block).writes[0].source.dtype)
+    keep, max_rows = row_keeping(sch, target, keep, add_block, itemsize)
+    if keep is not None:
+        store_h = sch.cache_write(add_block, 0, keep, consumer_blocks=passes + [norm_block])
+    # Laid out on the add: h is an output, and compute_at refuses output blocks.
+    rows = CudaRows(sch, knobs, add_block, itemsize, keep == "local", max_rows)
+    loops = {add_block: rows.loops}
+    for name in inputs:
+        vector_load(sch, add_block, name, rows.loops[2])
+    if keep == "local":
+        sch.reverse_compute_at(store_h, rows.loops[2], preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(store_h)[-1])
+    elif keep == "shared":
+        # Once the whole row is in shared memory (one barrier), not per chunk.
+        _, _, kc, kv = rows.attach(sch, store_h, reverse=True)
+        sch.unroll(kc)
+        sch.vectorize(kv)
+    for blk in passes:
+        loops[blk] = rows.reduction(sch, blk, reverse=True)
+    loops[norm_block] = rows.attach(sch, norm_block, reverse=True)
+    vector_store(sch, norm_block, loops[norm_block][2])
+    for name in params:
+        vector_load(sch, norm_block, name, loops[norm_block][2])
+    if keep is None:
+        for blk in passes + [norm_block]:
+            vector_load(sch, blk, "h", loops[blk][2])
+    unroll_chunks(sch, loops.values())

@@ -1,6 +1,8 @@
-"""LayerNorm over the last axis as the normalization patterns define it: eps, its three TensorIR
-stages (``layernorm_stages``), the float64 numpy reference, the (rows, hidden) shape parameters,
-and the seeded (x, r, gamma, beta) inputs of a residual-then-LayerNorm kernel."""
+"""LayerNorm over the last axis as the normalization patterns define it: eps (a power of ten, a
+shape parameter where models differ: 1e-5 in GPT-2, 1e-12 in BERT and ViT, 1e-6 in Llama's
+RMSNorm), its three TensorIR stages (``layernorm_stages``), the float64 numpy reference, the
+(rows, hidden) shape parameters, and the seeded (x, r, gamma, beta) inputs of a
+residual-then-LayerNorm kernel."""
 
 import numpy as np
 from tvm.script import tirx as T
@@ -13,6 +15,26 @@ EPS = 1e-5
 # The shape parameters of a LayerNorm pattern, what ``residual_inputs`` reads.
 ROWS_HIDDEN = (ShapeParam("rows", 512, 8, "rows (tokens); LayerNorm is over each row"),
                ShapeParam("hidden", 768, 64, "hidden size (the normalised axis)"))
+
+
+def eps_param(default_exp: int) -> ShapeParam:
+    """The ``eps_exp`` shape parameter: eps = 10^-eps_exp."""
+    return ShapeParam("eps_exp", default_exp, default_exp, "eps = 10^-eps_exp", minimum=1)
+
+
+def eps_of(shape, default_exp: int = 5) -> float:
+    """A shape's eps (``eps_param``; ``default_exp`` where it has none)."""
+    return 10.0 ** -shape.get("eps_exp", default_exp)
+
+
+def eps_exp_of(eps: float) -> int | None:
+    """The eps_exp of a model's eps (a float32 constant: 1e-6 arrives as 9.99999997e-07), None
+    where eps is no power of ten."""
+    import math
+    if eps <= 0:
+        return None
+    exp = round(-math.log10(eps))
+    return exp if exp >= 1 and math.isclose(eps, 10.0 ** -exp, rel_tol=1e-5) else None
 
 
 def layernorm(h, gamma, beta, eps=EPS):
@@ -33,7 +55,7 @@ def residual_inputs(shape, dtype, seed):
     return [a.astype(np.float32).astype(dtype) for a in arrays]
 
 
-def layernorm_stages():
+def layernorm_stages(eps=EPS):
     """A fresh ``T.macro`` writing LayerNorm's stages over rows of ``h``: ``mean`` and ``sumsq``
     (float32 row sums of h and h*h, in buffers it allocates) and ``norm`` (var = sumsq/hidden -
     mean^2, biased; y rounded to its dtype once). Called in a prim_func as ``stages(h_at, gamma,
@@ -51,7 +73,7 @@ def layernorm_stages():
                 vi, vj = T.axis.remap("SS", [i, j])
                 mu: T.let = row_sum[vi] * T.float32(1.0 / hidden)
                 var: T.let = T.max(row_sq[vi] * T.float32(1.0 / hidden) - mu * mu, T.float32(0))
-                y[vi, vj] = T.Cast(y.dtype, (h_at(vi, vj) - mu) * T.rsqrt(var + T.float32(EPS))
+                y[vi, vj] = T.Cast(y.dtype, (h_at(vi, vj) - mu) * T.rsqrt(var + T.float32(eps))
                                    * T.Cast("float32", gamma[vj]) + T.Cast("float32", beta[vj]))
 
     return stages

@@ -1,9 +1,11 @@
 """Scalar TensorIR math the kernels share: a polynomial exp and a rational erf that vectorise (LLVM
-lowers ``T.exp``/``T.erf`` on x86 to a scalar libm call per lane), the hashed dropout mask (the TIR
-keep test and its numpy twin), and dtype sizes."""
+lowers ``T.exp``/``T.erf`` on x86 to a scalar libm call per lane), ``fast_math`` putting them in
+place of the calls in any kernel, the hashed dropout mask (the TIR keep test and its numpy twin),
+and dtype sizes."""
 
 import numpy as np
-from tvm import DataType, tirx
+import tvm_ffi
+from tvm import DataType, ir, tirx
 
 from autofuse.pattern import ShapeParam
 
@@ -62,6 +64,62 @@ def erf_f32(v):
     for b in _ERF_BETA[1:]:
         q = c2 * q + tirx.const(b, "float32")
     return c * p / q
+
+
+def tanh_f32(v):
+    """tanh(v) = sign(v) (1 - e) / (1 + e), e = exp(-2|v|) <= 1 (``exp_f32``'s range)."""
+    e = exp_f32(tirx.const(-2.0, "float32") * tirx.abs(v))
+    t = (tirx.const(1.0, "float32") - e) / (tirx.const(1.0, "float32") + e)
+    return tirx.Select(v < tirx.const(0.0, "float32"), -t, t)
+
+
+def sigmoid_f32(v):
+    """1 / (1 + exp(-v)) through e = exp(-|v|) <= 1: 1 / (1 + e) for v >= 0, e / (1 + e) below."""
+    e = exp_f32(-tirx.abs(v))
+    one = tirx.const(1.0, "float32")
+    return tirx.Select(v < tirx.const(0.0, "float32"), e, one) / (one + e)
+
+
+# float32 calls fast_math replaces, by TIR op name.
+_VECTORISABLE = {"tirx.exp": exp_f32, "tirx.erf": erf_f32, "tirx.tanh": tanh_f32, "tirx.sigmoid": sigmoid_f32}
+
+
+def _small_power(base, exponent):
+    """base ** 2, 3 or 4 as multiplications (GELU's x^3, RMSNorm's x^2), or None for any other
+    exponent (left to libm's powf)."""
+    if not isinstance(exponent, tirx.FloatImm) or exponent.value not in (2.0, 3.0, 4.0):
+        return None
+    result = base
+    for _ in range(int(exponent.value) - 1):
+        result = result * base
+    return result
+
+
+def fast_math(mod):
+    """``mod`` (an IRModule or a PrimFunc) with every float32 ``exp``, ``erf``, ``tanh`` and
+    ``sigmoid`` call replaced by its polynomial above, and ``pow`` by 2, 3 or 4 by products, so
+    that a vectorised loop around it stays vectorised (exp's relative error 3.1e-7 below 88.37, inf from there where libm still gives
+    up to 3.4e38; erf's absolute error 4.4e-7). Applied before building whatever runs
+    autofuse's kernels; a kernel's reference (its TensorIR as written) keeps libm."""
+    ops = {ir.Op.get(name): fn for name, fn in _VECTORISABLE.items()}
+    power = ir.Op.get("tirx.pow")
+
+    def replace(call):
+        op = call.op
+        if isinstance(op, ir.Op) and str(call.ty) == "float32":
+            for known, fn in ops.items():
+                if op.same_as(known):
+                    return fn(call.args[0])
+            if op.same_as(power):
+                product = _small_power(*call.args)
+                return call if product is None else product
+        return call
+
+    if isinstance(mod, tirx.PrimFunc):
+        return tvm_ffi.structural_map(mod, (ir.expr.Call, replace))
+    out = ir.IRModule({gv: (tvm_ffi.structural_map(f, (ir.expr.Call, replace)) if isinstance(f, tirx.PrimFunc) else f)
+                       for gv, f in mod.functions_items()}, attrs=mod.attrs)
+    return out
 
 
 def seed_mix(seed):

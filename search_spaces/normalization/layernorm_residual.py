@@ -1,29 +1,25 @@
 """layernorm_residual: h = x + r; y = LayerNorm(h) * gamma + beta over the last axis; returns both.
 
 The pre-norm transformer residual: h is the next residual stream, y feeds the next sublayer.
-eps = 1e-5, biased variance. Four sblocks: ``add`` (h), ``mean``, ``sumsq`` and ``norm`` (y).
+eps = 10^-eps_exp (1e-5 by default; BERT and ViT use 1e-12), biased variance. Four sblocks: ``add`` (h), ``mean``, ``sumsq`` and ``norm`` (y).
 Unfused, h is written and read back three times; fused per row, the passes read the row just
 written from L1, registers or shared memory. h is an output in the dtype, so the float32 statistics
 are taken from the rounded h, as the reference does. Parameters: x, r, gamma, beta, h, y.
 """
 
-import math
-
 import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import FLOAT_DTYPES, Pattern, RelaxRule, dtype_of, onnx_model, static_shape, template
-from search_spaces.lib.cpu_rows import parallel_rows, rfactor_lanes, vectorize_rf
-from search_spaces.lib.cuda_rows import CudaRows, row_keeping, unroll_chunks, vector_load, vector_store
-from search_spaces.lib.layernorm import EPS, ROWS_HIDDEN, layernorm, layernorm_stages
+from search_spaces.lib import cpu_rows
+from search_spaces.lib import cuda_rows as cuda_rows_lib
+from search_spaces.lib.layernorm import ROWS_HIDDEN, eps_exp_of, eps_of, eps_param, layernorm, layernorm_stages
 from search_spaces.lib.layernorm import residual_inputs as make_inputs
-from search_spaces.lib.tiling import unroll, vectorize_inner
-from search_spaces.lib.tir_math import dtype_bytes
 
 
 def build(shape, dtype):
     rows, hidden = shape["rows"], shape["hidden"]
-    stages = layernorm_stages()
+    stages = layernorm_stages(eps_of(shape))
 
     @T.prim_func(s_tir=True)
     def layernorm_residual(x: T.Buffer((rows, hidden), dtype), r: T.Buffer((rows, hidden), dtype),
@@ -39,10 +35,10 @@ def build(shape, dtype):
     return layernorm_residual
 
 
-def reference(x, r, gamma, beta):
+def reference(x, r, gamma, beta, shape):
     # h is an output in the dtype, and the kernel normalises that stored h: so does the reference.
     h = (x.astype(np.float64) + r.astype(np.float64)).astype(x.dtype)
-    return h, layernorm(h, gamma, beta).astype(x.dtype)
+    return h, layernorm(h, gamma, beta, eps_of(shape)).astype(x.dtype)
 
 
 def flops(shape):
@@ -60,56 +56,12 @@ def row_fused(sch, target, knobs):
     """Rows split and run in parallel; per row the residual add writes h, the mean and
     sum-of-squares passes re-read it from L1 (vectorised through an rfactor over a lane tile,
     float32) and the vectorised normalise pass writes y."""
-    # h is an output, and compute_at refuses output blocks ("is an output block"): loop over the
-    # producer instead and reverse_compute_at every consumer to its row loop, in dataflow order.
-    add = sch.get_sblock("add")
-    norm = sch.get_sblock("norm")
-    mean_rf, mean = rfactor_lanes(sch, knobs, "mean", 16)
-    sq_rf, sq = rfactor_lanes(sch, knobs, "sumsq", 16)
-
-    i0, i1 = parallel_rows(sch, knobs, add, 16)
-    for blk in (mean_rf, mean, sq_rf, sq, norm):
-        sch.reverse_compute_at(blk, i1, preserve_unit_loops=True)
-    vectorize_inner(sch, knobs, sch.get_loops(norm)[-1])
-    for rf in (mean_rf, sq_rf):
-        vectorize_rf(sch, rf)
-    unroll(sch, knobs, i0)
+    cpu_rows.residual_norm_rows(sch, knobs, ("mean", "sumsq"))
 
 
 def _layernorm_residual_cuda(sch, target, knobs, keep):
-    """``keep``: where the row of h lives for the three passes after the add: "local"
-    (registers), "shared", or None (the passes read back the h just stored, each thread its own
-    elements, through L1). In the first two, the add writes the row there and a copy of it stores
-    h with vector stores."""
-    add = sch.get_sblock("add")
-    mean, sq, norm = (sch.get_sblock(n) for n in ("mean", "sumsq", "norm"))
-    itemsize = dtype_bytes(sch.get(add).writes[0].source.dtype)
-    keep, max_rows = row_keeping(sch, target, keep, add, itemsize)
-    if keep is not None:
-        store_h = sch.cache_write(add, 0, keep, consumer_blocks=[mean, sq, norm])
-    # Laid out on the add: h is an output, and compute_at refuses output blocks.
-    rows = CudaRows(sch, knobs, add, itemsize, keep == "local", max_rows)
-    loops = {add: rows.loops}
-    for name in ("x", "r"):
-        vector_load(sch, add, name, rows.loops[2])
-    if keep == "local":
-        sch.reverse_compute_at(store_h, rows.loops[2], preserve_unit_loops=True)
-        sch.vectorize(sch.get_loops(store_h)[-1])
-    elif keep == "shared":
-        # Once the whole row is in shared memory (one barrier), not per chunk.
-        _, _, kc, kv = rows.attach(sch, store_h, reverse=True)
-        sch.unroll(kc)
-        sch.vectorize(kv)
-    for blk in (mean, sq):
-        loops[blk] = rows.reduction(sch, blk, reverse=True)
-    loops[norm] = rows.attach(sch, norm, reverse=True)
-    vector_store(sch, norm, loops[norm][2])
-    for name in ("gamma", "beta"):
-        vector_load(sch, norm, name, loops[norm][2])
-    if keep is None:
-        for blk in (mean, sq, norm):
-            vector_load(sch, blk, "h", loops[blk][2])
-    unroll_chunks(sch, loops.values())
+    """``lib.cuda_rows.residual_norm_rows`` over the mean and sum-of-squares passes."""
+    cuda_rows_lib.residual_norm_rows(sch, target, knobs, keep, ("mean", "sumsq"), ("gamma", "beta"))
 
 
 @template("cuda_rows", target_kinds=("cuda",))
@@ -143,7 +95,7 @@ def _relax_pattern():
 
 def _relax_rewrite(matched, kernel):
     """layer_norm(a + b, gamma, beta) over the last axis, all of one of the pattern's dtypes,
-    eps = EPS -> the kernel's y, a and b (same shape, no broadcasting) flattened to (rows, hidden).
+    eps a power of ten -> the kernel's y, a and b (same shape, no broadcasting) flattened to (rows, hidden).
 
     Known limitation: only the root (the layer_norm) is replaced. The kernel also writes h = a + b,
     but that output is unused here: the original add stays for its other users (in a pre-norm
@@ -164,12 +116,12 @@ def _relax_rewrite(matched, kernel):
     attrs = call.attrs
     if [int(v) for v in attrs.axes] not in ([-1], [len(shape) - 1]) or not attrs.center or not attrs.scale:
         return None
-    # The model carries eps as float32 (1e-5 -> 9.99999975e-06): compare with a tolerance.
-    if not math.isclose(float(attrs.epsilon), EPS, rel_tol=1e-6):
+    eps_exp = eps_exp_of(float(attrs.epsilon))
+    if eps_exp is None:
         return None
     rows = int(np.prod(shape[:-1]))
     flat = (lambda t: t) if len(shape) == 2 else (lambda t: relax.op.reshape(t, (rows, hidden)))
-    out = kernel({"rows": rows, "hidden": hidden}, dtype, [flat(a), flat(b), gamma, beta])
+    out = kernel({"rows": rows, "hidden": hidden, "eps_exp": eps_exp}, dtype, [flat(a), flat(b), gamma, beta])
     y = relax.TupleGetItem(out, 1)
     return y if len(shape) == 2 else relax.op.reshape(y, shape)
 
@@ -178,15 +130,15 @@ def onnx_graph(shape, dtype):
     from onnx import helper
     rows, hidden = shape["rows"], shape["hidden"]
     nodes = [helper.make_node("Add", ["x", "r"], ["h"]),
-             helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["y"], axis=-1, epsilon=EPS)]
+             helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["y"], axis=-1, epsilon=eps_of(shape))]
     return onnx_model("layernorm_residual", nodes,
                       [("x", (rows, hidden)), ("r", (rows, hidden)), ("gamma", (hidden,)), ("beta", (hidden,))],
                       [("h", (rows, hidden)), ("y", (rows, hidden))], dtype)
 
 PATTERN = Pattern.from_module(
     globals(),
-    description="h = x + r; y = LayerNorm(h) * gamma + beta over the last axis (eps=1e-5); outputs h and y",
-    shape_params=list(ROWS_HIDDEN),
+    description="h = x + r; y = LayerNorm(h) * gamma + beta over the last axis (eps=10^-eps_exp); outputs h and y",
+    shape_params=[*ROWS_HIDDEN, eps_param(5)],
     # The first CUDA template is the default of builds without records: the fastest on the H200
     # (benchmarks/results/h200/check-rows-*.json, check-large-*.json).
     templates=[row_fused, cuda_rows_smem, cuda_rows_reread, cuda_rows],

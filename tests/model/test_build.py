@@ -92,8 +92,8 @@ def test_a_record_is_applied_exactly_when_it_beats_the_default(tuned_mlp_db, mon
     built = []  # (runtime module, the IRModule it was built from)
     real_build = verify.build_kernel
 
-    def recording_build(mod, target):
-        rt = real_build(mod, target)
+    def recording_build(mod, target, **kwargs):
+        rt = real_build(mod, target, **kwargs)
         built.append((rt, mod))
         return rt
 
@@ -139,8 +139,8 @@ def test_a_library_that_fails_verification_never_reaches_the_output_path(monkeyp
 
 def test_a_template_default_that_fails_its_check_is_not_used_in_a_model(monkeypatch, tmp_path):
     """A deliberately broken template (the weights staged through float16) as linear_bias_relu's
-    only one: each mlp kernel falls back to the TensorIR as written, the table says why, and the
-    model still matches onnxruntime."""
+    only one: each mlp kernel falls back to the untuned default (the CPU GEMM rule), the table
+    says why, and the model still matches onnxruntime."""
     from autofuse.pattern import template
     from autofuse.registry import get_pattern
 
@@ -159,4 +159,5 @@ def test_a_template_default_that_fails_its_check_is_not_used_in_a_model(monkeypa
     for decision in kernels:
         assert decision.applied == "default", decision
         assert "template default failed the numerical check (fp16_weights)" in decision.note, decision
-        assert "unscheduled used" in decision.note, decision
+        assert decision.default == "cpu_gemm", decision
+        assert "cpu_gemm used: no template default passed" in decision.note, decision

@@ -82,7 +82,7 @@ def _add_layer_norm(eps):
 CASES = {
     "softmax_axis0": (_softmax(-1), {"softmax_dropout": 1}, _softmax(0)),
     "conv_stride2": (_conv_bn_relu(1), {"conv2d_bn_relu": 1}, _conv_bn_relu(2)),
-    "layernorm_eps1e-6": (_add_layer_norm(1e-5), {"layernorm_residual": 1}, _add_layer_norm(1e-6)),
+    "layernorm_eps3e-6": (_add_layer_norm(1e-5), {"layernorm_residual": 1}, _add_layer_norm(3e-6)),
 }
 
 

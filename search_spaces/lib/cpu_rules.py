@@ -1,0 +1,561 @@
+"""Default CPU schedules for kernels no pattern made (a model's FuseOps kernels), as dlight's rules
+give GPU kernels theirs: each rule recognises one kind of kernel and schedules it, or raises
+``NotApplicable``; ``RULES`` in the order they are tried, the first that applies being the
+kernel's default (``autofuse.verify`` checks it against the unscheduled kernel).
+
+- ``gemm``: one GEMM-shaped reduction (``C[i, j] += A[i, k] * W[j, k]`` or ``W[k, j]``; unit axes
+  dropped, as TVM's dlight matmul analysis classifies the iterators) with elementwise stages
+  around it: the stages after it inlined into one epilogue, the whole on ``cpu_gemm``'s GEMM (W in
+  panels, or as stored for a few rows; register tile, epilogue on the tile before the only store).
+- ``batched_gemm``: the same with both operands batched (attention's QK^T and PV): batches and
+  register tiles in parallel, the accumulator tile in registers, W read along its columns.
+- ``rows``: reductions over the trailing axes of the same rows (softmax, LayerNorm, RMSNorm, mean)
+  with elementwise stages around them: stages inlined where they can be, rows in parallel, every
+  stage computed per row, each reduction vectorised through an rfactor over a lane tile, the
+  elementwise passes vectorised.
+- ``injective``: elementwise, broadcast, transpose, reshape, slice, concatenate: inlined into the
+  outputs, each output's outer loops fused and parallel, its innermost loop vectorised where its
+  reads are contiguous.
+- ``conv``: an NCHW convolution (depthwise too) with elementwise stages around it: output rows of
+  a block of channels in parallel, an accumulator tile in registers, the epilogue on the tile;
+  the tile is channels x a vector along the row, or, for a strided dense convolution (whose row
+  vectors would be gathers), a few positions x a vector of channels, W repacked so that one
+  window point's channels load as one vector.
+- ``parallel``: anything else with enough work (a strided depthwise convolution, pooling): each block's
+  leading spatial loops, as few as give PARALLEL_TASKS tasks, fused and parallel, nothing else
+  changed.
+
+Rules are ``fn(sch, target, knobs)`` like a pattern's templates (``autofuse.pattern.Knobs``): knob
+values feed only schedule primitives, so a rule's trace replays with sampled knobs; every Python
+branch depends on the kernel's structure and shapes only.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+from tvm import DataType, tirx
+from tvm.s_tir.dlight.gpu.matmul import IterKind
+from tvm.tirx.analysis import undefined_vars
+
+from .cpu_gemm import register_tile, schedule_gemm, vector_unit
+
+# Below this many iterations (output elements of an elementwise kernel, multiply-adds of a
+# reduction) a kernel runs on one thread: waking the thread pool costs more.
+PARALLEL_MIN_ELEMENTS = 1 << 18
+# Parallel tasks enough to balance a few cores (the ``parallel`` rule fuses no more loops).
+PARALLEL_TASKS = 64
+
+
+class NotApplicable(ValueError):
+    """The rule does not describe this kernel."""
+
+
+# --- structure -------------------------------------------------------------------------------------
+
+def root_blocks(sch):
+    return list(sch.get_child_blocks(sch.get_sblock("root")))
+
+
+def is_reduction(sch, block) -> bool:
+    return any(iv.iter_type == tirx.IterVar.CommReduce for iv in sch.get(block).iter_vars)
+
+
+def _allocated(sch) -> list:
+    return list(sch.get(sch.get_sblock("root")).alloc_buffers)
+
+
+def is_output(sch, block) -> bool:
+    """Whether ``block`` writes a buffer the function does not allocate (a parameter)."""
+    allocated = _allocated(sch)
+    return any(not any(w.source.same_as(b) for b in allocated) for w in sch.get(block).writes)
+
+
+def _static(extent) -> int:
+    if not isinstance(extent, tirx.IntImm):
+        raise NotApplicable("symbolic extents")
+    return int(extent.value)
+
+
+def _extent(iter_var) -> int:
+    return _static(iter_var.dom.extent)
+
+
+def _extent_of(sch, loop) -> int:
+    return _static(sch.get(loop).extent)
+
+
+def _product(values) -> int:
+    return functools.reduce(operator.mul, values, 1)
+
+
+def _dom_kind(sch, block) -> str:
+    return "".join("R" if iv.iter_type == tirx.IterVar.CommReduce else "S" for iv in sch.get(block).iter_vars)
+
+
+def _upstream(sch, block) -> list:
+    """Every block ``block`` depends on, transitively."""
+    seen, todo = [], list(sch.get_producers(block))
+    while todo:
+        b = todo.pop()
+        if not any(sch.get(b).same_as(sch.get(s)) for s in seen):
+            seen.append(b)
+            todo.extend(sch.get_producers(b))
+    return seen
+
+
+def _same(sch, a, b) -> bool:
+    return sch.get(a).same_as(sch.get(b))
+
+
+def inline_intermediates(sch, keep=()) -> None:
+    """Inline every spatial block that writes a buffer the function allocates (not ``keep``) into
+    its consumers, or else into its producer, until none will go."""
+    changed = True
+    while changed:
+        changed = False
+        for block in root_blocks(sch):
+            if (is_reduction(sch, block) or is_output(sch, block)
+                    or any(_same(sch, block, k) for k in keep)):
+                continue
+            for inline in (sch.compute_inline, sch.reverse_compute_inline):
+                try:
+                    inline(block)
+                except Exception:  # TVM refuses this block here (e.g. a non-affine read): keep it
+                    continue
+                changed = True
+                break
+            if changed:
+                break
+
+
+def lanes_for(target, dtype) -> int:
+    """Elements of ``dtype`` in one vector register of the target."""
+    return max(1, vector_unit(target).lanes * 32 // max(8, DataType(str(dtype)).bits))
+
+
+def _write_dtype(sch, block):
+    return sch.get(block).writes[0].source.dtype
+
+
+# --- elementwise ------------------------------------------------------------------------------------
+
+def _strided_inner(sch, block) -> bool:
+    """Whether a read of ``block`` walks a non-last axis along its innermost iterator (a
+    transpose): vector loads would be gathers, slower than scalar code."""
+    inner = sch.get(block).iter_vars[-1].var
+    for read in sch.get(block).reads:
+        used = [any(v.same_as(inner) for v in undefined_vars(r.min)) for r in read.region]
+        if used and any(used[:-1]) and not used[-1]:
+            return True
+    return False
+
+
+def parallel_vectorize(sch, knobs, target, block) -> None:
+    """``block``'s innermost loop split into a vector of up to the target's lanes (when its extent
+    has a divisor of at least 2 that fits and its reads are contiguous along it), the loops above
+    fused and parallel (when the block writes enough elements to pay for the thread pool)."""
+    loops = sch.get_loops(block)
+    extents = [_extent_of(sch, loop) for loop in loops]
+    lanes = lanes_for(target, _write_dtype(sch, block))
+    inner = extents[-1]
+    if not _strided_inner(sch, block) and any(inner % d == 0 for d in range(2, min(lanes, inner) + 1)):
+        outer, vector = sch.split(loops[-1], knobs.tile(loops[-1], 2, [lanes], max_innermost_factor=lanes))
+        sch.vectorize(vector)
+        loops = loops[:-1] + [outer]
+    if _product(extents) >= PARALLEL_MIN_ELEMENTS:
+        sch.parallel(sch.fuse(*loops) if len(loops) > 1 else loops[0])
+
+
+def injective(sch, target, knobs) -> None:
+    """Elementwise/injective kernels: intermediates inlined, each output parallel over its outer
+    loops and vectorised along its innermost one."""
+    if any(is_reduction(sch, b) for b in root_blocks(sch)):
+        raise NotApplicable("the kernel reduces")
+    inline_intermediates(sch)
+    for block in root_blocks(sch):
+        parallel_vectorize(sch, knobs, target, block)
+
+
+# --- GEMM -------------------------------------------------------------------------------------------
+
+def _point_indices(region) -> list | None:
+    """The indices of a single-element access, or None when it covers more than one element."""
+    if any(not (isinstance(r.extent, tirx.IntImm) and r.extent.value == 1) for r in region):
+        return None
+    return [r.min for r in region]
+
+
+def _plain_access(region) -> bool:
+    """Each index a block iterator or a constant: what the GEMM loads assume."""
+    indices = _point_indices(region)
+    return indices is not None and all(isinstance(i, (tirx.Var, tirx.IntImm)) for i in indices)
+
+
+def _gemm_kinds(stmt) -> list:
+    """Each block iterator's role in C[S, I, J] += A[S, I, K] * W[S, J, K], as dlight's
+    ``detect_iter_traits`` classifies them (unit ones T), without its demand for a row axis (a
+    GEMV has none); NotApplicable for any other use."""
+    axes = [{v for r in access.region for v in undefined_vars(r.min)} for access in (*stmt.reads, *stmt.writes)]
+    a, w, c = axes
+    kinds = []
+    for iv in stmt.iter_vars:
+        var = iv.var
+        if _extent(iv) == 1:
+            kinds.append(IterKind.kIter_T)
+        elif iv.iter_type == tirx.IterVar.DataPar and var in c:
+            kind = {(True, True): IterKind.kIter_S, (True, False): IterKind.kIter_I,
+                    (False, True): IterKind.kIter_J}.get((var in a, var in w))
+            if kind is None:
+                raise NotApplicable("not GEMM-shaped")
+            kinds.append(kind)
+        elif iv.iter_type == tirx.IterVar.CommReduce and var in a and var in w and var not in c:
+            kinds.append(IterKind.kIter_K)
+        else:
+            raise NotApplicable("not GEMM-shaped")
+    return kinds
+
+
+def _gemm_block(sch):
+    """The kernel's one GEMM-shaped reduction, laid out as (batch..., i, j, k) with W (the operand
+    indexed by j) read second: C[b.., i, j] += A[b.., i, k] * W[b.., j|k, k|j] (unit iterators
+    dropped). Returns (block, batch count). NotApplicable otherwise."""
+    reductions = [b for b in root_blocks(sch) if is_reduction(sch, b)]
+    if len(reductions) != 1:
+        raise NotApplicable("not exactly one reduction")
+    matmul = reductions[0]
+    stmt = sch.get(matmul)
+    if len(stmt.reads) != 2 or not all(_plain_access(r.region) for r in (*stmt.reads, *stmt.writes)):
+        raise NotApplicable("not a GEMM with plain operand accesses")
+    kinds = _gemm_kinds(stmt)
+    if IterKind.kIter_I not in kinds and IterKind.kIter_T in kinds:
+        kinds[kinds.index(IterKind.kIter_T)] = IterKind.kIter_I  # a GEMV: one row
+    if any(kinds.count(k) != 1 for k in (IterKind.kIter_I, IterKind.kIter_J, IterKind.kIter_K)):
+        # Fusing several row (or column) axes into one would index C through div/mod, which
+        # compute-at cannot see through.
+        raise NotApplicable("more than one row, column or reduction axis")
+    for iv in stmt.iter_vars:
+        _extent(iv)
+    order = [IterKind.kIter_S, IterKind.kIter_I, IterKind.kIter_J, IterKind.kIter_K]
+    positions = sorted((i for i, k in enumerate(kinds) if k != IterKind.kIter_T),
+                       key=lambda i: (order.index(kinds[i]), i))
+    sch.transform_block_layout(matmul, tirx.IndexMap.from_func(
+        lambda *vs: [vs[i] for i in positions], ndim=len(kinds)))
+    return matmul, kinds.count(IterKind.kIter_S)
+
+
+def _weight_layout(sch, matmul) -> str:
+    """How the block reads W: "nk" (W[.., j, k]) or "kn" (W[.., k, j])."""
+    stmt = sch.get(matmul)
+    *_, vj, vk = (iv.var for iv in stmt.iter_vars)
+    last_two = _point_indices(stmt.reads[1].region)[-2:]
+    if last_two[0].same_as(vj) and last_two[1].same_as(vk):
+        return "nk"
+    if last_two[0].same_as(vk) and last_two[1].same_as(vj):
+        return "kn"
+    raise NotApplicable("W is not indexed by (j, k) or (k, j) last")
+
+
+def _split_around(sch, matmul):
+    """Inline the elementwise stages after the GEMM (and inputs only they read) into one epilogue;
+    the stages feeding A stay. Returns (stages before, epilogue blocks in order)."""
+    upstream = _upstream(sch, matmul)
+    inline_intermediates(sch, keep=upstream)
+    downstream = [b for b in root_blocks(sch)
+                  if not _same(sch, b, matmul) and not any(_same(sch, b, u) for u in upstream)]
+    return upstream, downstream
+
+
+def gemm(sch, target, knobs) -> None:
+    """A GEMM whose W is shared by all rows (no batch axis), elementwise stages around it: on
+    ``cpu_gemm``'s GEMM (W packed in panels, or read as stored for a few rows), the epilogue on
+    the register tile."""
+    matmul, batch = _gemm_block(sch)
+    if batch:
+        raise NotApplicable("both operands batched (no shared weight to pack)")
+    if len(sch.get(matmul).reads[1].region) != 2:
+        raise NotApplicable("W is not a matrix")
+    layout = _weight_layout(sch, matmul)
+    upstream, epilogue = _split_around(sch, matmul)
+    for block in upstream:
+        parallel_vectorize(sch, knobs, target, block)
+    schedule_gemm(sch, matmul, knobs, target, epilogue_blocks=epilogue, weight_read=1, weight_layout=layout)
+
+
+def _tile_in_registers(sch, block, epilogue, tile_loop, outer):
+    """``block``'s accumulator tile (everything below ``tile_loop``) in a local buffer, written
+    back and run through the ``epilogue`` blocks right there (intermediates inlined), the
+    ``outer`` loops fused and parallel where the block has the work for it. Returns the blocks
+    after the accumulation, the one writing the output last."""
+    accumulate = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(accumulate, tile_loop, preserve_unit_loops=True)
+    chain = [accumulate]
+    for consumer in epilogue:
+        sch.reverse_compute_at(consumer, tile_loop, preserve_unit_loops=True)
+        chain.append(consumer)
+    for stage in chain[:-1]:
+        if not is_output(sch, stage):
+            sch.compute_inline(stage)
+            chain.remove(stage)
+    # Fused after the epilogue moved in: its iterators then bind to the split loops.
+    tasks = sch.fuse(*outer)
+    if _product(_extent(iv) for iv in sch.get(block).iter_vars) >= PARALLEL_MIN_ELEMENTS:
+        sch.parallel(tasks)
+    return chain
+
+
+def _vectorize_tile(sch, block, reduce_loop, chain):
+    """The accumulator's init split out above ``reduce_loop`` and vectorised, as every stage of the
+    ``chain`` along its innermost loop (vectorize refuses a block once its init is split out,
+    so the accumulation's own loops are set before)."""
+    init = sch.decompose_reduction(block, reduce_loop)
+    sch.vectorize(sch.get_loops(init)[-1])
+    for stage in chain:
+        sch.vectorize(sch.get_loops(stage)[-1])
+
+
+def batched_gemm(sch, target, knobs) -> None:
+    """A GEMM batched on both operands (attention's QK^T and PV): batches and MR x NR output tiles
+    in parallel, the accumulator tile in registers (rows unrolled, columns in vectors, W read
+    along j), the epilogue on the tile."""
+    matmul, batch = _gemm_block(sch)
+    if not batch:
+        raise NotApplicable("no batch axis")
+    _weight_layout(sch, matmul)
+    upstream, epilogue = _split_around(sch, matmul)
+    for block in upstream:
+        parallel_vectorize(sch, knobs, target, block)
+    *batches, i, j, k = sch.get_loops(matmul)
+    tile = register_tile(vector_unit(target), _extent_of(sch, i), _extent_of(sch, j))
+    i0, i1 = sch.split(i, knobs.tile(i, 2, [tile.rows], max_innermost_factor=16))
+    # NR columns as NR / lanes unrolled vectors: one wide vector spills.
+    j0, j1, lanes = sch.split(j, knobs.tile(j, 3, [tile.cols // tile.lanes, tile.lanes], max_innermost_factor=16))
+    k0, k1 = sch.split(k, knobs.tile(k, 2, [4], max_innermost_factor=8))
+    sch.reorder(*batches, i0, j0, k0, k1, i1, j1, lanes)
+    chain = _tile_in_registers(sch, matmul, epilogue, j0, [*batches, i0, j0])
+    sch.unroll(i1)
+    sch.unroll(j1)
+    sch.vectorize(lanes)
+    sch.unroll(k1)
+    _vectorize_tile(sch, matmul, k0, chain)
+
+
+# --- convolution --------------------------------------------------------------------------------
+
+def conv(sch, target, knobs) -> None:
+    """An NCHW convolution (the one reduction: output [n, f, y, x] over its window's reduction
+    axes, any stride, depthwise too) with elementwise stages around it: output rows of a block of
+    channels in parallel, an accumulator tile of channels x a vector along the row in registers,
+    the epilogue on the tile; the padding copy (and other stages before) parallel and vectorised."""
+    reductions = [b for b in root_blocks(sch) if is_reduction(sch, b)]
+    if len(reductions) != 1:
+        raise NotApplicable("not exactly one reduction")
+    block = reductions[0]
+    stmt = sch.get(block)
+    kinds = _dom_kind(sch, block)
+    out = _point_indices(stmt.writes[0].region)
+    if kinds[:4] != "SSSS" or "S" in kinds[4:] or len(kinds) == 4 or out is None or len(out) != 4:
+        raise NotApplicable("not an NCHW convolution")
+    if not all(isinstance(v, tirx.Var) and v.same_as(iv.var) for v, iv in zip(out, stmt.iter_vars[:4])):
+        raise NotApplicable("the output is not indexed by the spatial iterators in order")
+    if not _window_access(sch, block):
+        raise NotApplicable("no sliding window (a GEMM or a row reduction)")
+    for iv in stmt.iter_vars:
+        _extent(iv)
+    lanes = lanes_for(target, _write_dtype(sch, block))
+    strided = not _unit_stride(sch, block)
+    if strided:
+        weight = _channel_only_read(sch, block)
+        channel_lanes = max(d for d in range(1, lanes + 1) if _extent(stmt.iter_vars[1]) % d == 0)
+        if weight is None or channel_lanes < 4:
+            # Vectors along a strided row would be gathers, and so would the channels of a
+            # depthwise one: slower than the loops as written.
+            raise NotApplicable("a strided window without channel vectors")
+    upstream, epilogue = _split_around(sch, block)
+    for producer in upstream:
+        parallel_vectorize(sch, knobs, target, producer)
+    n, f, y, x, *reduce = sch.get_loops(block)
+    if strided:
+        # Channels in vectors: W repacked as [f / lanes][window][lanes] (one contiguous vector
+        # per window point), the input value broadcast, a few output positions unrolled.
+        packed = sch.cache_read(block, weight, "global")
+        sch.transform_layout(block, ("read", weight), index_map=lambda co, *window: (
+            co // channel_lanes, *window, co % channel_lanes))
+        sch.parallel(sch.get_loops(packed)[0])
+        f0, f1 = sch.split(f, [None, channel_lanes])
+        x0, x1 = sch.split(x, knobs.tile(x, 2, [4], max_innermost_factor=8))
+        sch.reorder(n, f0, y, x0, *reduce, x1, f1)
+        chain = _tile_in_registers(sch, block, epilogue, x0, [n, f0, y])
+        sch.unroll(x1)
+        sch.vectorize(f1)
+    else:
+        f0, f1 = sch.split(f, knobs.tile(f, 2, [4], max_innermost_factor=8))
+        x0, x1 = sch.split(x, knobs.tile(x, 2, [lanes], max_innermost_factor=lanes))
+        sch.reorder(n, f0, y, x0, *reduce, f1, x1)
+        chain = _tile_in_registers(sch, block, epilogue, x0, [n, f0, y])
+        sch.unroll(f1)
+        sch.vectorize(x1)
+    _vectorize_tile(sch, block, reduce[0], chain)
+
+
+def _channel_only_read(sch, block):
+    """The index of ``block``'s read indexed by the output channel but not the output row (the
+    weight of a dense convolution; a depthwise one's input is indexed by both), or None."""
+    ivs = sch.get(block).iter_vars
+    f, y, x = ivs[1].var, ivs[2].var, ivs[3].var
+    uses = [{v for r in read.region for v in undefined_vars(r.min)} for read in sch.get(block).reads]
+    by_channel = [i for i, used in enumerate(uses) if any(v.same_as(f) for v in used)]
+    if len(by_channel) != 1 or any(v.same_as(y) or v.same_as(x) for v in uses[by_channel[0]]):
+        return None
+    return by_channel[0]
+
+
+def _unit_stride(sch, block) -> bool:
+    """Whether every read of ``block`` walks its last axis one element per step of the output's
+    last iterator (an index x + rx, not 2x + rx)."""
+    x = sch.get(block).iter_vars[3].var
+    for read in sch.get(block).reads:
+        last = read.region[-1].min
+        if not any(v.same_as(x) for v in undefined_vars(last)):
+            continue
+        if not (isinstance(last, tirx.Var) or isinstance(last, tirx.Add) and any(
+                isinstance(side, tirx.Var) and side.same_as(x) for side in (last.a, last.b))):
+            return False
+    return True
+
+
+# --- rows -------------------------------------------------------------------------------------------
+
+def _window_access(sch, block) -> bool:
+    """Whether a read index of ``block`` mixes a spatial and a reduction iterator (y + ry)."""
+    kinds = {iv.var: iv.iter_type for iv in sch.get(block).iter_vars}
+    for read in sch.get(block).reads:
+        for r in read.region:
+            used = {kinds[v] for v in undefined_vars(r.min) if v in kinds}
+            if len(used) > 1:
+                return True
+    return False
+
+
+def _row_axes(sch, block, rows: int) -> int:
+    """How many leading spatial iterators of ``block`` make up ``rows`` rows (unit ones after them
+    included), the rest being its columns; NotApplicable where none do."""
+    ivs = list(sch.get(block).iter_vars)
+    kinds = _dom_kind(sch, block)
+    count, prod = 0, 1
+    while prod < rows and count < len(ivs) and kinds[count] == "S":
+        prod *= _extent(ivs[count])
+        count += 1
+    while count < len(ivs) and kinds[count] == "S" and _extent(ivs[count]) == 1:
+        count += 1
+    if prod != rows or "S" in kinds[count:] and "R" in kinds[count:]:
+        raise NotApplicable(f"block {sch.get(block).name_hint} is not {rows} rows")
+    return count
+
+
+def _vectorize_cols(sch, knobs, target, block, loops) -> None:
+    """``loops`` (a block's columns, spatial) fused and split into vectors of the target's lanes."""
+    if not loops:
+        return
+    col = sch.fuse(*loops) if len(loops) > 1 else loops[0]
+    extent = _extent_of(sch, col)
+    lanes = lanes_for(target, _write_dtype(sch, block))
+    if any(extent % d == 0 for d in range(2, min(lanes, extent) + 1)):
+        _, vector = sch.split(col, knobs.tile(col, 2, [lanes], max_innermost_factor=lanes))
+        sch.vectorize(vector)
+
+
+def rows(sch, target, knobs) -> None:
+    """Reductions over the trailing axes of the same rows, elementwise stages around them: rows
+    in parallel (the output's row loops fused and split), every stage computed per row, each
+    reduction vectorised through an rfactor over a lane tile of its (fused) reduction loops."""
+    if not any(is_reduction(sch, b) for b in root_blocks(sch)):
+        raise NotApplicable("no reduction")
+    inline_intermediates(sch)
+    blocks = root_blocks(sch)
+    if sum(is_output(sch, b) for b in blocks) != 1 or not is_output(sch, blocks[-1]):
+        raise NotApplicable("not one output, written last")
+    counts = set()
+    for block in blocks:
+        if is_reduction(sch, block):
+            kinds = _dom_kind(sch, block)
+            lead = len(kinds) - len(kinds.lstrip("S"))
+            if lead == 0 or "S" in kinds[lead:]:
+                raise NotApplicable("a reduction over a non-trailing axis")
+            counts.add(_product(_extent(iv) for iv in sch.get(block).iter_vars[:lead]))
+    if len(counts) != 1:
+        raise NotApplicable("reductions over different rows")
+    if any(_window_access(sch, b) for b in blocks if is_reduction(sch, b)):
+        raise NotApplicable("a sliding-window reduction (a convolution)")
+    row_count = counts.pop()
+    names = [sch.get(b).name_hint for b in blocks]
+    row_axes = {name: _row_axes(sch, sch.get_sblock(name), row_count) for name in names}
+
+    # rfactor first: it needs the reduction loops as they are at the root.
+    lanes = lanes_for(target, "float32")
+    factored = {}
+    for name in names:
+        block = sch.get_sblock(name)
+        if is_reduction(sch, block):
+            reduce_loops = sch.get_loops(block)[row_axes[name]:]
+            fused = sch.fuse(*reduce_loops) if len(reduce_loops) > 1 else reduce_loops[0]
+            _, lane = sch.split(fused, knobs.tile(fused, 2, [lanes], max_innermost_factor=64))
+            factored[name] = sch.rfactor(lane, factor_axis=row_axes[name])
+
+    last = sch.get_sblock(names[-1])
+    loops = sch.get_loops(last)
+    lead, cols = loops[:row_axes[names[-1]]], loops[row_axes[names[-1]]:]
+    fused = sch.fuse(*lead) if len(lead) > 1 else lead[0]
+    outer, row = sch.split(fused, knobs.tile(fused, 2, [max(1, min(16, row_count // 16))], max_innermost_factor=16))
+    if row_count >= 2 and sum(_product(_extent(iv) for iv in sch.get(b).iter_vars) for b in blocks) \
+            >= PARALLEL_MIN_ELEMENTS:
+        sch.parallel(outer)
+    if not is_reduction(sch, last):
+        _vectorize_cols(sch, knobs, target, last, cols)
+    for name in reversed(names[:-1]):
+        sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
+        if name in factored:
+            sch.compute_at(factored[name], row, preserve_unit_loops=True)
+    for name in names[:-1]:
+        block = sch.get_sblock(name)
+        if name in factored:
+            # Under (outer, row): the lane loop, one unit loop per row axis, the outer reduction
+            # loop (the rf block's iterators in order). Lanes go innermost and vectorised.
+            rf = factored[name]
+            lane, *units, reduce_outer = sch.get_loops(rf)[2:]
+            sch.reorder(reduce_outer, *units, lane)
+            sch.vectorize(lane)
+            sch.decompose_reduction(rf, reduce_outer)
+        elif not is_reduction(sch, block):
+            n_cols = len(sch.get(block).iter_vars) - row_axes[name]
+            loops = sch.get_loops(block)
+            _vectorize_cols(sch, knobs, target, block, loops[len(loops) - n_cols:] if n_cols else [])
+
+
+# --- anything else ----------------------------------------------------------------------------------
+
+def parallel(sch, target, knobs) -> None:
+    """Every block with enough work: its leading spatial loops, as few as give PARALLEL_TASKS
+    tasks, fused and parallel; the loops inside left as written for LLVM."""
+    changed = False
+    for block in root_blocks(sch):
+        if _product(_extent(iv) for iv in sch.get(block).iter_vars) < PARALLEL_MIN_ELEMENTS:
+            continue
+        kinds = _dom_kind(sch, block)
+        lead = sch.get_loops(block)[:len(kinds) - len(kinds.lstrip("S"))]
+        count, tasks = 0, 1
+        while count < len(lead) and tasks < PARALLEL_TASKS:
+            tasks *= _extent_of(sch, lead[count])
+            count += 1
+        if tasks < 2:
+            continue
+        sch.parallel(sch.fuse(*lead[:count]) if count > 1 else lead[0])
+        changed = True
+    if not changed:
+        raise NotApplicable("no block with enough work to run in parallel")
+
+
+# The rules in the order they are tried.
+RULES = (("cpu_gemm", gemm), ("cpu_batched_gemm", batched_gemm), ("cpu_conv", conv), ("cpu_rows", rows),
+         ("cpu_injective", injective), ("cpu_parallel", parallel))
