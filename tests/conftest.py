@@ -1,11 +1,19 @@
+import atexit
 import inspect
+import json
 import os
+import select
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FORKSERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli_forkserver.py")
 
 
 def _getmodule_without_a_futile_scan(real):
@@ -50,8 +58,96 @@ def _smaller_search_population():
 _smaller_search_population()
 
 
+class _ForkServer:
+    """tests/cli_forkserver.py, started on the first command: each command a child forked from it."""
+
+    def __init__(self):
+        self.env = _environment()
+        self.folder = tempfile.mkdtemp(prefix="autofuse-cli-")
+        self.proc = subprocess.Popen([sys.executable, _FORKSERVER], cwd=REPO, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=False)
+        self.pending = b""
+        self.count = 0
+        ready = self._read(600)
+        if ready.get("ready") is not True:
+            raise RuntimeError("tests/cli_forkserver.py did not start")
+        global forked_cpu_seconds
+        forked_cpu_seconds += ready["cpu_seconds"]
+
+    def _read(self, timeout):
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            left = deadline - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return {}
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"tests/cli_forkserver.py exited ({self.proc.wait()})")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def run(self, args, cwd, timeout):
+        self.count += 1
+        out, err = (os.path.join(self.folder, f"{self.count}.{name}") for name in ("out", "err"))
+        request = {"args": list(args), "cwd": os.path.abspath(cwd), "env": dict(os.environ), "stdout": out,
+                   "stderr": err}
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+        pid = self._read(60)["pid"]
+        reply = self._read(timeout)
+        timed_out = not reply
+        if timed_out:
+            os.kill(pid, signal.SIGKILL)
+            reply = self._read(60)
+        global forked_cpu_seconds
+        forked_cpu_seconds += reply.get("cpu_seconds", 0.0)
+        stdout, stderr = (_read_text(path) for path in (out, err))
+        if timed_out:
+            raise subprocess.TimeoutExpired(["autofuse", *args], timeout, stdout, stderr)
+        return subprocess.CompletedProcess(["autofuse", *args], reply["returncode"], stdout, stderr)
+
+    def close(self):
+        try:
+            self.proc.stdin.close()  # the server's loop ends, and it exits
+            self.proc.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            self.proc.kill()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _read_text(path):
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    os.unlink(path)
+    return text
+
+
+_server = None
+forked_cpu_seconds = 0.0  # CPU time of the commands run through the fork server (getrusage cannot see them)
+
+
+def _environment():
+    """What a command's imports may have read from the environment (pytest names the running test
+    in PYTEST_CURRENT_TEST; the child gets that too)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
 def run_cli(*args, cwd=None, timeout=900):
-    """``autofuse ARGS`` in a fresh process, as a user runs it."""
+    """``autofuse ARGS`` in a fresh process, as a user runs it. The process is forked from one that
+    has already imported TVM and the patterns (tests/cli_forkserver.py), unless the environment
+    changed since that one started or AUTOFUSE_TEST_FRESH_CLI=1: then it is ``python -m autofuse.cli``."""
+    global _server
+    if os.environ.get("AUTOFUSE_TEST_FRESH_CLI") != "1" and hasattr(os, "fork") and _server is not False:
+        if _server is None or _server.proc.poll() is not None:
+            try:
+                _server = _ForkServer()
+                atexit.register(_server.close)
+            except RuntimeError:  # e.g. an import error: a fresh process shows it in its stderr
+                _server = False
+        if _server and _server.env == _environment():
+            return _server.run(args, cwd or REPO, timeout)
     return subprocess.run([sys.executable, "-m", "autofuse.cli", *args], capture_output=True, text=True,
                           cwd=cwd or REPO, timeout=timeout)
 
