@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+from small_search import use_small_search
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _FORKSERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli_forkserver.py")
 
@@ -35,27 +37,39 @@ def _getmodule_without_a_futile_scan(real):
 
 inspect.getmodule = _getmodule_without_a_futile_scan(inspect.getmodule)
 
-SEARCH_POPULATION = 64
+use_small_search()
 
 
-def _smaller_search_population():
-    """The tests tune budgets of 1 to 24 trials, for which MetaSchedule's evolutionary search still
-    breeds 512 candidates a round: most of a small session's CPU (4 patterns x 1 trial: 125 s of
-    CPU, 36 s with a population of 16). Tuning in the test process searches with SEARCH_POPULATION
-    instead: the same EvolutionarySearch, a smaller population."""
-    from tvm.s_tir.meta_schedule.search_strategy import EvolutionarySearch, SearchStrategy
+class CliProcess:
+    """An ``autofuse`` command forked by tests/cli_forkserver.py, with the part of ``subprocess.Popen``
+    the tests use: pid, returncode, poll, wait, communicate (text), send_signal, kill."""
 
-    default = SearchStrategy.create
+    def __init__(self, server, request_id, args, pid, paths):
+        self.server, self.id, self.args, self.pid, self.paths = server, request_id, args, pid, paths
+        self.returncode = None
+        self.output = None
 
-    def create(kind="evolutionary", *args, **kwargs):
-        if kind == "evolutionary" and not args and not kwargs:
-            return EvolutionarySearch(population_size=SEARCH_POPULATION)
-        return default(kind, *args, **kwargs)
+    def poll(self):
+        self.server.pump(0)
+        return self.returncode
 
-    SearchStrategy.create = staticmethod(create)
+    def wait(self, timeout=None):
+        if not self.server.pump_until(lambda: self.returncode is not None, timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
 
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        if self.output is None:
+            self.output = tuple(_read_text(path) for path in self.paths)
+        return self.output
 
-_smaller_search_population()
+    def send_signal(self, sig):
+        if self.returncode is None:
+            self.server.send({"id": self.id, "signal": int(sig)})
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
 
 
 class _ForkServer:
@@ -68,18 +82,22 @@ class _ForkServer:
                                      stdout=subprocess.PIPE, text=False)
         self.pending = b""
         self.count = 0
+        self.started = {}  # request id -> pid
+        self.running = {}  # request id -> CliProcess
         ready = self._read(600)
         if ready.get("ready") is not True:
+            self.proc.kill()
             raise RuntimeError("tests/cli_forkserver.py did not start")
         global forked_cpu_seconds
         forked_cpu_seconds += ready["cpu_seconds"]
 
     def _read(self, timeout):
-        deadline = time.monotonic() + timeout
+        """The next reply, or {} after ``timeout`` seconds (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         fd = self.proc.stdout.fileno()
         while b"\n" not in self.pending:
-            left = deadline - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], left)[0]:
                 return {}
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -88,29 +106,46 @@ class _ForkServer:
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, args, cwd, timeout):
-        self.count += 1
-        out, err = (os.path.join(self.folder, f"{self.count}.{name}") for name in ("out", "err"))
-        request = {"args": list(args), "cwd": os.path.abspath(cwd), "env": dict(os.environ), "stdout": out,
-                   "stderr": err}
+    def pump(self, timeout):
+        """Take one reply (waiting at most ``timeout`` seconds); False if none came."""
+        reply = self._read(timeout)
+        if not reply:
+            return False
+        if "pid" in reply:
+            self.started[reply["id"]] = reply["pid"]
+        else:
+            global forked_cpu_seconds
+            forked_cpu_seconds += reply["cpu_seconds"]
+            self.running.pop(reply["id"]).returncode = reply["returncode"]
+        return True
+
+    def pump_until(self, done, timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or not self.pump(left):
+                return done()
+        return True
+
+    def send(self, request):
         self.proc.stdin.write((json.dumps(request) + "\n").encode())
         self.proc.stdin.flush()
-        pid = self._read(60)["pid"]
-        reply = self._read(timeout)
-        timed_out = not reply
-        if timed_out:
-            os.kill(pid, signal.SIGKILL)
-            reply = self._read(60)
-        global forked_cpu_seconds
-        forked_cpu_seconds += reply.get("cpu_seconds", 0.0)
-        stdout, stderr = (_read_text(path) for path in (out, err))
-        if timed_out:
-            raise subprocess.TimeoutExpired(["autofuse", *args], timeout, stdout, stderr)
-        return subprocess.CompletedProcess(["autofuse", *args], reply["returncode"], stdout, stderr)
+
+    def start(self, args, cwd):
+        self.count += 1
+        request_id = self.count
+        paths = tuple(os.path.join(self.folder, f"{request_id}.{name}") for name in ("out", "err"))
+        self.send({"id": request_id, "args": list(args), "cwd": os.path.abspath(cwd), "env": dict(os.environ),
+                   "stdout": paths[0], "stderr": paths[1]})
+        if not self.pump_until(lambda: request_id in self.started, 60):
+            raise RuntimeError("tests/cli_forkserver.py did not fork")
+        proc = CliProcess(self, request_id, ["autofuse", *args], self.started.pop(request_id), paths)
+        self.running[request_id] = proc
+        return proc
 
     def close(self):
         try:
-            self.proc.stdin.close()  # the server's loop ends, and it exits
+            self.proc.stdin.close()  # the server kills what still runs, reaps it, and exits
             self.proc.wait(timeout=60)
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
@@ -134,22 +169,44 @@ def _environment():
     return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
 
 
-def run_cli(*args, cwd=None, timeout=900):
-    """``autofuse ARGS`` in a fresh process, as a user runs it. The process is forked from one that
-    has already imported TVM and the patterns (tests/cli_forkserver.py), unless the environment
-    changed since that one started or AUTOFUSE_TEST_FRESH_CLI=1: then it is ``python -m autofuse.cli``."""
+def _fork_server():
+    """The running fork server, started on first use; None where commands get a fresh interpreter:
+    AUTOFUSE_TEST_FRESH_CLI=1, no fork or pidfd here, the server failed to start, or the environment
+    changed since it started."""
     global _server
-    if os.environ.get("AUTOFUSE_TEST_FRESH_CLI") != "1" and hasattr(os, "fork") and _server is not False:
-        if _server is None or _server.proc.poll() is not None:
-            try:
-                _server = _ForkServer()
-                atexit.register(_server.close)
-            except RuntimeError:  # e.g. an import error: a fresh process shows it in its stderr
-                _server = False
-        if _server and _server.env == _environment():
-            return _server.run(args, cwd or REPO, timeout)
-    return subprocess.run([sys.executable, "-m", "autofuse.cli", *args], capture_output=True, text=True,
-                          cwd=cwd or REPO, timeout=timeout)
+    if os.environ.get("AUTOFUSE_TEST_FRESH_CLI") == "1" or not hasattr(os, "pidfd_open") or _server is False:
+        return None
+    if _server is None or _server.proc.poll() is not None:
+        try:
+            _server = _ForkServer()
+            atexit.register(_server.close)
+        except RuntimeError:  # e.g. an import error: a fresh process shows it in its stderr
+            _server = False
+            return None
+    return _server if _server.env == _environment() else None
+
+
+def start_cli(*args, cwd=None):
+    """``autofuse ARGS`` started in its own process, as a user starts it; stdout and stderr are
+    captured. The process is forked from one that has already imported TVM and the patterns
+    (tests/cli_forkserver.py), or else is ``python -m autofuse.cli`` (see _fork_server)."""
+    server = _fork_server()
+    if server is not None:
+        return server.start(args, cwd or REPO)
+    return subprocess.Popen([sys.executable, "-m", "autofuse.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd or REPO)
+
+
+def run_cli(*args, cwd=None, timeout=900):
+    """``autofuse ARGS`` run to its end, as ``subprocess.run`` does (see start_cli)."""
+    proc = start_cli(*args, cwd=cwd)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise subprocess.TimeoutExpired(["autofuse", *args], timeout, stdout, stderr) from None
+    return subprocess.CompletedProcess(["autofuse", *args], proc.returncode, stdout, stderr)
 
 
 @pytest.fixture(scope="session")
