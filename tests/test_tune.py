@@ -64,15 +64,18 @@ def test_spaces_produce_their_own_records(tmp_path):
     tune([Task("lbr", func, pattern.templates)], target, db.ms, db.work_dir, trials_per_task=4,
          space="template", seed=3)
     sources = {record_source(r.trace) for r in db.ms.get_all_tuning_records()}
-    assert sources == {"generic", "template:tiled_epilogue"}
+    # Which of the pattern's CPU templates (packed_tile, tiled_epilogue) the search draws varies.
+    assert "generic" in sources and sources - {"generic"}, sources
+    assert sources - {"generic"} <= {f"template:{t.name}" for t in pattern.templates}, sources
 
 
 def test_several_patterns_tune_in_one_session(tmp_path):
-    """One pattern per kind of template (GEMM epilogue, online softmax, integer outputs, MoE
-    routing), one trial each, in one process: search, build, run, check and choose for every one.
-    That each template's samples survive MetaSchedule's postprocessors is checked for every
-    pattern in tests/search_spaces/test_patterns.py, far faster than tuning them all."""
-    names = ["linear_bias_relu", "flash_attention", "spec_accept", "moe_gate_topk"]
+    """Two patterns of different kinds of template (GEMM epilogue, online softmax), one trial each,
+    in one process: search, build, run, check and choose for each, one table. That every
+    template's default and samples build, survive MetaSchedule's postprocessors and match the
+    reference is checked for every pattern in tests/search_spaces/test_patterns.py, far faster
+    than tuning them all."""
+    names = ["linear_bias_relu", "flash_attention"]
     result = run_cli("tune", "--pattern", ",".join(names), "--small", "--trials", "1", "--db", str(tmp_path),
                      "--no-progress", "--space", "template", "--seed", "5")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
