@@ -84,12 +84,19 @@ class _ForkServer:
         self.count = 0
         self.started = {}  # request id -> pid
         self.running = {}  # request id -> CliProcess
+        self.cpu_seconds = 0.0
         ready = self._read(600)
         if ready.get("ready") is not True:
             self.proc.kill()
+            self.proc.wait()
+            shutil.rmtree(self.folder, ignore_errors=True)
             raise RuntimeError("tests/cli_forkserver.py did not start")
+        self._count_cpu(ready["cpu_seconds"])
+
+    def _count_cpu(self, seconds):
         global forked_cpu_seconds
-        forked_cpu_seconds += ready["cpu_seconds"]
+        forked_cpu_seconds += seconds
+        self.cpu_seconds += seconds
 
     def _read(self, timeout):
         """The next reply, or {} after ``timeout`` seconds (None: no limit)."""
@@ -114,8 +121,7 @@ class _ForkServer:
         if "pid" in reply:
             self.started[reply["id"]] = reply["pid"]
         else:
-            global forked_cpu_seconds
-            forked_cpu_seconds += reply["cpu_seconds"]
+            self._count_cpu(reply["cpu_seconds"])
             self.running.pop(reply["id"]).returncode = reply["returncode"]
         return True
 
@@ -144,11 +150,14 @@ class _ForkServer:
         return proc
 
     def close(self):
-        try:
-            self.proc.stdin.close()  # the server kills what still runs, reaps it, and exits
-            self.proc.wait(timeout=60)
-        except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
+        if self.proc.returncode is None:
+            try:
+                self.proc.stdin.close()  # the server kills what still runs, reaps it, and exits
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._count_cpu(-self.cpu_seconds)  # reaped: getrusage's children's time has it now
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
@@ -160,30 +169,47 @@ def _read_text(path):
 
 
 _server = None
-forked_cpu_seconds = 0.0  # CPU time of the commands run through the fork server (getrusage cannot see them)
+_servers = []  # every one started, closed (reaped) when pytest ends
+# CPU time of the fork servers and their commands that getrusage cannot see yet (until a server is reaped)
+forked_cpu_seconds = 0.0
 
 
 def _environment():
-    """What a command's imports may have read from the environment (pytest names the running test
-    in PYTEST_CURRENT_TEST; the child gets that too)."""
+    """The environment a fork server's imports saw, or would see now (pytest names the running test
+    in PYTEST_CURRENT_TEST; a command gets that too)."""
     return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
 
 
 def _fork_server():
-    """The running fork server, started on first use; None where commands get a fresh interpreter:
-    AUTOFUSE_TEST_FRESH_CLI=1, no fork or pidfd here, the server failed to start, or the environment
-    changed since it started."""
+    """The running fork server, started on first use and again when the environment has changed
+    since (its imports saw that environment: importing jax in a test sets two variables); None
+    where commands get a fresh interpreter: AUTOFUSE_TEST_FRESH_CLI=1, no pidfd here, or the
+    server failed to start."""
     global _server
     if os.environ.get("AUTOFUSE_TEST_FRESH_CLI") == "1" or not hasattr(os, "pidfd_open") or _server is False:
         return None
-    if _server is None or _server.proc.poll() is not None:
+    if _server is not None and (_server.proc.poll() is not None or _server.env != _environment()):
+        if not _server.running:  # else it serves its commands until they end, and exits with pytest
+            _server.close()
+        _server = None
+    if _server is None:
         try:
             _server = _ForkServer()
-            atexit.register(_server.close)
         except RuntimeError:  # e.g. an import error: a fresh process shows it in its stderr
             _server = False
             return None
-    return _server if _server.env == _environment() else None
+        _servers.append(_server)
+    return _server
+
+
+@atexit.register
+def _close_fork_servers():
+    for server in _servers:
+        server.close()
+
+
+def pytest_unconfigure(config):
+    _close_fork_servers()  # also in an xdist worker, which may end without atexit
 
 
 def start_cli(*args, cwd=None):
