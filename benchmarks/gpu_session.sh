@@ -88,7 +88,7 @@ kernels)
     --shape flash_attention:batch=8,heads=16,kv_heads=16,seq_q=2048,seq_kv=2048,head_dim=128,causal=0 \
     --shape gqa_decode_attention:batch=16,num_heads=32,num_kv_heads=8,head_dim=128,max_seq=4096,cache_len=4000 \
     --baselines torch-eager,torch-compile,torch-sdpa --repeat 10 --report "$work/compare-kernels-attention-float16"
-  timeout 140 python3 -m pytest -q -p no:cacheprovider tests/test_kernel_templates_gpu.py --durations=20 \
+  timeout 140 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_kernel_templates_gpu.py --durations=20 \
     --junitxml="$work/kernel-templates-gpu.xml"
   models=$(mktemp -d)
   python3 models/make_models.py --only decoder_block --dtype float16 --out "$models"

@@ -1,11 +1,21 @@
+import atexit
 import inspect
+import json
 import os
+import select
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 
 import pytest
 
+from small_search import use_small_search
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_FORKSERVER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cli_forkserver.py")
 
 
 def _getmodule_without_a_futile_scan(real):
@@ -27,33 +37,202 @@ def _getmodule_without_a_futile_scan(real):
 
 inspect.getmodule = _getmodule_without_a_futile_scan(inspect.getmodule)
 
-SEARCH_POPULATION = 64
+use_small_search()
 
 
-def _smaller_search_population():
-    """The tests tune budgets of 1 to 24 trials, for which MetaSchedule's evolutionary search still
-    breeds 512 candidates a round: most of a small session's CPU (4 patterns x 1 trial: 125 s of
-    CPU, 36 s with a population of 16). Tuning in the test process searches with SEARCH_POPULATION
-    instead: the same EvolutionarySearch, a smaller population."""
-    from tvm.s_tir.meta_schedule.search_strategy import EvolutionarySearch, SearchStrategy
+class CliProcess:
+    """An ``autofuse`` command forked by tests/cli_forkserver.py, with the part of ``subprocess.Popen``
+    the tests use: pid, returncode, poll, wait, communicate (text), send_signal, kill."""
 
-    default = SearchStrategy.create
+    def __init__(self, server, request_id, args, pid, paths):
+        self.server, self.id, self.args, self.pid, self.paths = server, request_id, args, pid, paths
+        self.returncode = None
+        self.output = None
 
-    def create(kind="evolutionary", *args, **kwargs):
-        if kind == "evolutionary" and not args and not kwargs:
-            return EvolutionarySearch(population_size=SEARCH_POPULATION)
-        return default(kind, *args, **kwargs)
+    def poll(self):
+        self.server.pump(0)
+        return self.returncode
 
-    SearchStrategy.create = staticmethod(create)
+    def wait(self, timeout=None):
+        if not self.server.pump_until(lambda: self.returncode is not None, timeout):
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self.returncode
+
+    def communicate(self, timeout=None):
+        self.wait(timeout)
+        if self.output is None:
+            self.output = tuple(_read_text(path) for path in self.paths)
+        return self.output
+
+    def send_signal(self, sig):
+        if self.returncode is None:
+            self.server.send({"id": self.id, "signal": int(sig)})
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
 
 
-_smaller_search_population()
+class _ForkServer:
+    """tests/cli_forkserver.py, started on the first command: each command a child forked from it."""
+
+    def __init__(self):
+        self.env = _environment()
+        self.folder = tempfile.mkdtemp(prefix="autofuse-cli-")
+        self.proc = subprocess.Popen([sys.executable, _FORKSERVER], cwd=REPO, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=False)
+        self.pending = b""
+        self.count = 0
+        self.started = {}  # request id -> pid
+        self.running = {}  # request id -> CliProcess
+        self.cpu_seconds = 0.0
+        ready = self._read(600)
+        if ready.get("ready") is not True:
+            self.proc.kill()
+            self.proc.wait()
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise RuntimeError("tests/cli_forkserver.py did not start")
+        self._count_cpu(ready["cpu_seconds"])
+
+    def _count_cpu(self, seconds):
+        global forked_cpu_seconds
+        forked_cpu_seconds += seconds
+        self.cpu_seconds += seconds
+
+    def _read(self, timeout):
+        """The next reply, or {} after ``timeout`` seconds (None: no limit)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.pending:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], left)[0]:
+                return {}
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise RuntimeError(f"tests/cli_forkserver.py exited ({self.proc.wait()})")
+            self.pending += chunk
+        line, self.pending = self.pending.split(b"\n", 1)
+        return json.loads(line)
+
+    def pump(self, timeout):
+        """Take one reply (waiting at most ``timeout`` seconds); False if none came."""
+        reply = self._read(timeout)
+        if not reply:
+            return False
+        if "pid" in reply:
+            self.started[reply["id"]] = reply["pid"]
+        else:
+            self._count_cpu(reply["cpu_seconds"])
+            self.running.pop(reply["id"]).returncode = reply["returncode"]
+        return True
+
+    def pump_until(self, done, timeout):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not done():
+            left = None if deadline is None else deadline - time.monotonic()
+            if (left is not None and left <= 0) or not self.pump(left):
+                return done()
+        return True
+
+    def send(self, request):
+        self.proc.stdin.write((json.dumps(request) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def start(self, args, cwd):
+        self.count += 1
+        request_id = self.count
+        paths = tuple(os.path.join(self.folder, f"{request_id}.{name}") for name in ("out", "err"))
+        self.send({"id": request_id, "args": list(args), "cwd": os.path.abspath(cwd), "env": dict(os.environ),
+                   "stdout": paths[0], "stderr": paths[1]})
+        if not self.pump_until(lambda: request_id in self.started, 60):
+            raise RuntimeError("tests/cli_forkserver.py did not fork")
+        proc = CliProcess(self, request_id, ["autofuse", *args], self.started.pop(request_id), paths)
+        self.running[request_id] = proc
+        return proc
+
+    def close(self):
+        if self.proc.returncode is None:
+            try:
+                self.proc.stdin.close()  # the server kills what still runs, reaps it, and exits
+                self.proc.wait(timeout=60)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self._count_cpu(-self.cpu_seconds)  # reaped: getrusage's children's time has it now
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _read_text(path):
+    with open(path, encoding="utf-8", errors="replace") as f:
+        text = f.read()
+    os.unlink(path)
+    return text
+
+
+_server = None
+_servers = []  # every one started, closed (reaped) when pytest ends
+# CPU time of the fork servers and their commands that getrusage cannot see yet (until a server is reaped)
+forked_cpu_seconds = 0.0
+
+
+def _environment():
+    """The environment a fork server's imports saw, or would see now (pytest names the running test
+    in PYTEST_CURRENT_TEST; a command gets that too)."""
+    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+
+
+def _fork_server():
+    """The running fork server, started on first use and again when the environment has changed
+    since (its imports saw that environment: importing jax in a test sets two variables); None
+    where commands get a fresh interpreter: AUTOFUSE_TEST_FRESH_CLI=1, no pidfd here, or the
+    server failed to start."""
+    global _server
+    if os.environ.get("AUTOFUSE_TEST_FRESH_CLI") == "1" or not hasattr(os, "pidfd_open") or _server is False:
+        return None
+    if _server is not None and (_server.proc.poll() is not None or _server.env != _environment()):
+        if not _server.running:  # else it serves its commands until they end, and exits with pytest
+            _server.close()
+        _server = None
+    if _server is None:
+        try:
+            _server = _ForkServer()
+        except RuntimeError:  # e.g. an import error: a fresh process shows it in its stderr
+            _server = False
+            return None
+        _servers.append(_server)
+    return _server
+
+
+@atexit.register
+def _close_fork_servers():
+    for server in _servers:
+        server.close()
+
+
+def pytest_unconfigure(config):
+    _close_fork_servers()  # also in an xdist worker, which may end without atexit
+
+
+def start_cli(*args, cwd=None):
+    """``autofuse ARGS`` started in its own process, as a user starts it; stdout and stderr are
+    captured. The process is forked from one that has already imported TVM and the patterns
+    (tests/cli_forkserver.py), or else is ``python -m autofuse.cli`` (see _fork_server)."""
+    server = _fork_server()
+    if server is not None:
+        return server.start(args, cwd or REPO)
+    return subprocess.Popen([sys.executable, "-m", "autofuse.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=cwd or REPO)
 
 
 def run_cli(*args, cwd=None, timeout=900):
-    """``autofuse ARGS`` in a fresh process, as a user runs it."""
-    return subprocess.run([sys.executable, "-m", "autofuse.cli", *args], capture_output=True, text=True,
-                          cwd=cwd or REPO, timeout=timeout)
+    """``autofuse ARGS`` run to its end, as ``subprocess.run`` does (see start_cli)."""
+    proc = start_cli(*args, cwd=cwd)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        raise subprocess.TimeoutExpired(["autofuse", *args], timeout, stdout, stderr) from None
+    return subprocess.CompletedProcess(["autofuse", *args], proc.returncode, stdout, stderr)
 
 
 def store_roofline(db_root) -> None:

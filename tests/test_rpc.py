@@ -3,8 +3,6 @@ sharing the measurements, and a server killed mid-tuning."""
 
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -14,7 +12,7 @@ from autofuse.errors import AutofuseError
 from autofuse.registry import get_pattern
 from autofuse.target import parse_target
 from autofuse.rpc import LocalFarm, free_port, parse_address, queue
-from conftest import REPO, run_cli
+from conftest import run_cli, start_cli
 
 
 @pytest.mark.parametrize("text", ["127.0.0.1:9190", "127.0.0.1::cpu", ":9190:cpu", "host:port:cpu", "h:70000:k"])
@@ -64,10 +62,8 @@ def test_two_servers_share_the_measurements_and_a_killed_one_loses_nothing(tmp_p
         assert status.returncode == 0 and "key cpu: 2 servers" in status.stdout, status.stdout
 
         db = str(tmp_path / "db")
-        proc = subprocess.Popen([sys.executable, "-m", "autofuse.cli", "tune", "--pattern", "linear_bias_relu",
-                                 "--small", "--trials", str(trials), "--seed", "3", "--db", db, "--no-progress",
-                                 "--rpc", str(farm.address), "--rpc-workers", "2"],
-                                cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        proc = start_cli("tune", "--pattern", "linear_bias_relu", "--small", "--trials", str(trials), "--seed", "3",
+                         "--db", db, "--no-progress", "--rpc", str(farm.address), "--rpc-workers", "2")
         deadline = time.monotonic() + 600
         while time.monotonic() < deadline and (min(farm.measured()) < 1 or sum(farm.measured()) < 4):
             time.sleep(0.2)
