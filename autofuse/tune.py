@@ -399,6 +399,11 @@ def _quiet_metaschedule(work_dir: str):
     ms_logger = logging.getLogger("tvm.s_tir.meta_schedule")
     old_level = ms_logger.level
     ms_logger.setLevel(logging.DEBUG)
+    # MetaSchedule's logger setup configures its logger's handlers by name and fails on an unnamed
+    # one (pytest's log capture, an application's own): they sit out the tuning.
+    unnamed = [h for h in ms_logger.handlers if not h.get_name()]
+    for handler in unnamed:
+        ms_logger.removeHandler(handler)
     os.makedirs(os.path.join(work_dir, "logs"), exist_ok=True)
     with open(os.path.join(work_dir, "logs", "console.log"), "a", encoding="utf-8") as sink:
         with contextlib.redirect_stdout(sink):
@@ -406,3 +411,5 @@ def _quiet_metaschedule(work_dir: str):
                 yield
             finally:
                 ms_logger.setLevel(old_level)
+                for handler in unnamed:
+                    ms_logger.addHandler(handler)
