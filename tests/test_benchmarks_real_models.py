@@ -78,5 +78,5 @@ def test_one_model_untuned(tmp_path):
                                                               / rows["onnxruntime"]["median_ms"])
     assert model["tuning"] is None and model["tuned_over_onnxruntime"] is None
     markdown = out.with_suffix(".md").read_text()
-    assert "| vit-torchscript-fixed | torchscript | fixed | softmax_dropout x2 |" in markdown
+    assert "| vit-torchscript-fixed | torchscript | fixed | layernorm_residual x5, softmax_dropout x2 |" in markdown
     assert "Not started" in markdown
