@@ -22,7 +22,8 @@
 #             against torch eager, torch.compile and SDPA; their GPU tests
 #             (tests/test_kernel_templates_gpu.py); the float16 decoder_block against torch.compile.
 #             Everything lands in $OUT/kernels.tar.gz (the device returns at most 8 files) and the
-#             log in $OUT/kernels.log
+#             log in $OUT/kernels.log. KERNEL_STEPS (default compare,tests,model) picks the parts:
+#             compare alone takes at most 260 s
 # Every step has its own timeout, so a slow one cannot take the others' reports with it; a
 # compare rewrites its report.json after every pattern, so a cut one keeps what it measured.
 set -u
@@ -81,6 +82,8 @@ kernels)
   trap 'tar -C "$work" -czf "$OUT/kernels.tar.gz" .' EXIT
   exec > >(tee "$OUT/kernels.log") 2>&1
   commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  steps=",${KERNEL_STEPS:-compare,tests,model},"
+  if [[ $steps == *,compare,* ]]; then
   timeout 130 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern linear_bias_relu,swiglu_ffn \
     --shape linear_bias_relu:m=4096,n=4096,k=4096 --shape swiglu_ffn:tokens=4096,hidden=4096,inter=11008 \
     --baselines torch-eager,torch-compile,torch-sdpa --repeat 10 --report "$work/compare-kernels-gemm-float16"
@@ -88,12 +91,17 @@ kernels)
     --shape flash_attention:batch=8,heads=16,kv_heads=16,seq_q=2048,seq_kv=2048,head_dim=128,causal=0 \
     --shape gqa_decode_attention:batch=16,num_heads=32,num_kv_heads=8,head_dim=128,max_seq=4096,cache_len=4000 \
     --baselines torch-eager,torch-compile,torch-sdpa --repeat 10 --report "$work/compare-kernels-attention-float16"
+  fi
+  if [[ $steps == *,tests,* ]]; then
   timeout 140 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_kernel_templates_gpu.py --durations=20 \
     --junitxml="$work/kernel-templates-gpu.xml"
+  fi
+  if [[ $steps == *,model,* ]]; then
   models=$(mktemp -d)
   python3 models/make_models.py --only decoder_block --dtype float16 --out "$models"
   timeout 80 "${COMPARE[@]}" "${commit[@]}" --db none "$models/decoder_block-float16.onnx" \
     --baselines torch-eager,torch-compile --repeat 20 --report "$work/compare-decoder-block-float16"
+  fi
   ;;
 *)
   echo "usage: $0 measure|tune|check|kernels" >&2
