@@ -143,8 +143,16 @@ def _gemm_gflops(threads: int) -> tuple[float, str]:
     return best_gflops, f"numpy BLAS sgemm, best of {sizes} (best of 3 each; {best_n}^3 fastest), {threads} threads"
 
 
+# Cores whose FMA units are narrower than their widest vector instructions: Zen 4 runs each
+# 512-bit FMA as two 256-bit halves, so AVX-512 does not double its peak.
+FMA_DATAPATH_LANES = {"znver4": 8}
+
+
 def vector_lanes(target: Target) -> int:
-    """fp32 lanes of the target's widest vector unit."""
+    """fp32 lanes an FMA unit of the target computes a cycle."""
+    narrower = FMA_DATAPATH_LANES.get(str(target.attrs.get("mcpu", "")))
+    if narrower is not None:
+        return narrower
     if codegen.target_has_features(["avx512f"], target):
         return 16
     if codegen.target_has_features(["avx2"], target):

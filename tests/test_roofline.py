@@ -84,7 +84,7 @@ def test_the_compute_roof_is_the_higher_of_the_fma_peak_and_the_gemms_and_says_w
     assert roof["fma_peak_gflops"] == fma and roof["gemm_gflops"] == gemm
 
 
-@pytest.mark.parametrize("mcpu,lanes,ports", [("skylake-avx512", 16, 2), ("znver3", 8, 2), ("x86-64", 4, 1)])
+@pytest.mark.parametrize("mcpu,lanes,ports", [("skylake-avx512", 16, 2), ("znver4", 8, 2), ("znver3", 8, 2), ("x86-64", 4, 1)])
 def test_vector_width_and_fma_ports_come_from_the_target(mcpu, lanes, ports):
     from tvm.target import Target
     target = Target({"kind": "llvm", "mtriple": "x86_64-linux-gnu", "mcpu": mcpu})
