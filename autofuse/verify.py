@@ -161,8 +161,8 @@ def checker(kernel: Kernel, target: Target, dev, stock: bool = False) -> CheckFn
     def check_generic(sch):
         if not reference:
             arrays = param_arrays(kernel.func, seed=7)
-            stock = build_kernel(stock_default(kernel.func, target).mod, target, stock=True)
-            reference.append((arrays, run_on(stock, arrays, dev)))
+            shipped = build_kernel(stock_default(kernel.func, target).mod, target, stock=True)
+            reference.append((arrays, run_on(shipped, arrays, dev)))
         arrays, expected = reference[0]
         try:
             got = run_on(build_kernel(sch.mod, target, stock=stock), arrays, dev)

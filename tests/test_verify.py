@@ -57,6 +57,27 @@ def test_a_model_kernel_runs_its_cpu_rule_checked(gelu_softmax):
         assert not rejected
 
 
+def test_one_checker_checks_every_schedule_it_is_given(gelu_softmax, monkeypatch):
+    """A model kernel's check is made once and then judges each record of a search in turn; each
+    build is ours (fast_math) unless the checker is for the TVM baselines."""
+    _, by_kind = gelu_softmax
+    kernel = by_kind["gemm"]
+    builds = []
+    real_build = verify.build_kernel
+
+    def recording_build(mod, target, *, stock=False):
+        builds.append(stock)
+        return real_build(mod, target, stock=stock)
+
+    monkeypatch.setattr(verify, "build_kernel", recording_build)
+    check = verify.checker(kernel, TARGET, DEV)
+    default = verify.default_schedule(kernel.func, TARGET)
+    for _ in range(3):
+        ok, message = check(default)
+        assert ok, message
+    assert builds == [True, False, False, False]  # the reference once, with TVM's own default and math
+
+
 def test_the_tvm_baselines_keep_tvms_own_default(gelu_softmax):
     mod, by_kind = gelu_softmax
     choice, _ = verify.choose(by_kind["gemm"], None, TARGET, DEV, fallback=True, stock=True)
