@@ -108,6 +108,8 @@ def retime(job, target, root: str, rows: list[dict], rounds: int) -> dict:
     dev = device_for(target)
     kernels = {}
     for row in rows:
+        if row.get("error"):
+            continue
         choice, _ = choose(job, TuningDatabase(os.path.join(root, row["space"]), target), target, dev, defaults=False)
         if choice is not None:
             kernels[row["space"]] = build_kernel(choice.mod, target)
@@ -130,11 +132,12 @@ def summarize(cases: list[dict]) -> dict:
         per_seed = []
         for seed in {r["seed"] for r in case["runs"]}:
             best = {r["space"]: r.get("retimed_ms") or r["best_ms"] for r in case["runs"] if r["seed"] == seed}
-            if None in (best.get("union"), best.get("template"), best.get("generic")):
+            arms = [best[arm] for arm in ("template", "generic") if best.get(arm) is not None]
+            if best.get("union") is None or not arms:
                 continue
-            per_seed.append(best["union"] / min(best["template"], best["generic"]))
+            per_seed.append(best["union"] / min(arms))  # an arm that failed to search is not a rival
             for arm in ("template", "generic"):
-                if best["union"] > SLACK * best[arm]:
+                if best.get(arm) is not None and best["union"] > SLACK * best[arm]:
                     behind.setdefault(case["label"], []).append({"seed": seed, "arm": arm,
                                                                  "ratio": best["union"] / best[arm]})
         ratios[case["label"]] = statistics.median(per_seed) if per_seed else None
@@ -152,11 +155,11 @@ def markdown(report: dict) -> str:
         for seed in report["seeds"]:
             runs = {r["space"]: r for r in case["runs"] if r["seed"] == seed}
             best = {s: (runs[s].get("retimed_ms") or runs[s]["best_ms"]) if s in runs else None for s in SPACES}
-            ratio = (best["union"] / min(best["template"], best["generic"])
-                     if None not in best.values() else None)
+            arms = [best[s] for s in ("template", "generic") if best[s] is not None]
+            ratio = best["union"] / min(arms) if best["union"] is not None and arms else None
             union = runs.get("union", {})
             cells = [f"{best[s]:.4g} ({runs[s]['best_ms']:.4g})" if best[s] is not None and runs[s]["best_ms"]
-                     else "-" for s in SPACES]
+                     else ("fails" if runs.get(s, {}).get("error") else "-") for s in SPACES]
             cells.append(f"{ratio:.3f}" if ratio is not None else "-")
             cells.append(f"{union.get('template_trials', '-')}/{union.get('generic_trials', '-')}")
             cells.append(union.get("best_from") or "-")
@@ -188,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"union_search: {err}", file=sys.stderr)
         return 2
     out = args.out or os.path.join(RESULTS, f"union-search-{target_key(target)}.json")
-    report = {"schema": SCHEMA, "machine": machine_info(), "target": str(target), "trials": args.trials,
-              "seeds": args.seed_list, "cases": []}
+    from autofuse.compare import code_commit
+    report = {"schema": SCHEMA, "code": code_commit(None), "command": ["benchmarks/union_search.py", *argv],
+              "machine": machine_info(), "target": str(target), "trials": args.trials, "seeds": args.seed_list,
+              "cases": []}
     for job in jobs:
         case = {"label": job.label, "runs": [], "default_ms": {}}
         report["cases"].append(case)
@@ -199,7 +204,11 @@ def main(argv: list[str] | None = None) -> int:
                 for space in SPACES:
                     print(f"union_search: {job.label}, seed {seed}, {space} space, {args.trials} trials",
                           file=sys.stderr, flush=True)
-                    rows.append(run_space(job, target, space, args.trials, seed, root))
+                    try:
+                        rows.append(run_space(job, target, space, args.trials, seed, root))
+                    except AutofuseError as err:  # e.g. MetaSchedule's generic rules fail on this TensorIR
+                        print(f"union_search: {job.label}: {err}", file=sys.stderr, flush=True)
+                        rows.append({"space": space, "seed": seed, "best_ms": None, "error": str(err)})
                     case["runs"].append(rows[-1])
                     report["summary"] = summarize(report["cases"])
                     write_json(out, report)  # after every run, so a cut run keeps what it measured
