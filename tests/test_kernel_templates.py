@@ -22,7 +22,7 @@ from autofuse.model import build as model_build
 from autofuse.model.fusion import PATTERN_ATTR
 from autofuse.model.jobs import prepare
 from autofuse.model.kernels import apply_database, kernels
-from autofuse.pattern import KernelTemplate, Template
+from autofuse.pattern import Template
 from autofuse.registry import get_pattern
 from autofuse.target import parse_target
 from autofuse.tune_patterns import Job
@@ -32,7 +32,7 @@ H200 = parse_target("h200")
 LLVM = parse_target("llvm")
 PATTERN = get_pattern("linear_bias_relu")
 SHAPE = {"m": 256, "n": 256, "k": 256}
-WGMMA = next(t for t in PATTERN.templates if isinstance(t, KernelTemplate))
+WGMMA = next(t for t in PATTERN.templates if isinstance(t, K.KernelTemplate))
 
 
 def _source(mod) -> str:
@@ -53,11 +53,11 @@ def test_configs_enumerate_default_first():
 
 
 def test_where_the_kernel_template_applies():
-    assert PATTERN.kernel_templates_for(SHAPE, "float16", H200) == [WGMMA]
-    assert PATTERN.kernel_templates_for(SHAPE, "bfloat16", H200) == [WGMMA]
-    assert PATTERN.kernel_templates_for(SHAPE, "float32", H200) == []          # wgmma: half types only
-    assert PATTERN.kernel_templates_for(PATTERN.small_shape(), "float16", H200) == []   # m=16: no tile fits
-    assert PATTERN.kernel_templates_for(SHAPE, "float16", LLVM) == []
+    assert K.kernel_templates_for(PATTERN, SHAPE, "float16", H200) == [WGMMA]
+    assert K.kernel_templates_for(PATTERN, SHAPE, "bfloat16", H200) == [WGMMA]
+    assert K.kernel_templates_for(PATTERN, SHAPE, "float32", H200) == []          # wgmma: half types only
+    assert K.kernel_templates_for(PATTERN, PATTERN.small_shape(), "float16", H200) == []   # m=16: no tile fits
+    assert K.kernel_templates_for(PATTERN, SHAPE, "float16", LLVM) == []
     assert not WGMMA.applies(SHAPE, "float16", parse_target('{"kind": "cuda", "arch": "sm_80"}'))
     # the schedule rules stay what MetaSchedule searches, CUDA's listed after the kernel template
     cuda = [t for t in PATTERN.templates if t.target_kinds == ("cuda",)]
@@ -148,13 +148,13 @@ def test_records_replay_to_the_same_source(tuned):
 
 def test_best_record_is_the_fastest_checked_one(tuned):
     _, db = tuned
-    record, module, rejected = K.best_record(Job(PATTERN, SHAPE, "float16"), db, H200)
-    assert record.secs == min(r.secs for r in db.kernels.all() if r.ok)
-    assert K.is_tirx(module["main"])
-    assert len(rejected) == 1 and "1 kernel record(s) failed the numerical check" in rejected[0]
+    found = K.candidates(Job(PATTERN, SHAPE, "float16"), db, H200)
+    assert found.record.secs == min(r.secs for r in db.kernels.all() if r.ok)
+    assert K.is_tirx(found.module["main"])
+    assert len(found.rejected) == 1 and "1 kernel record(s) failed the numerical check" in found.rejected[0]
     # another dtype, shape or target has none
-    assert K.best_record(Job(PATTERN, SHAPE, "bfloat16"), db, H200)[0] is None
-    assert K.best_record(Job(PATTERN, SHAPE, "float16"), db, LLVM)[0] is None
+    assert K.candidates(Job(PATTERN, SHAPE, "bfloat16"), db, H200).record is None
+    assert K.candidates(Job(PATTERN, SHAPE, "float16"), db, LLVM).record is None
 
 
 def test_a_crash_is_recorded_and_stops_the_search(tmp_path):

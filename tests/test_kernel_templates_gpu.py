@@ -44,7 +44,7 @@ IDS = [f"{name}-{dtype}-{'-'.join(str(v) for v in shape.values())}" for name, sh
 @pytest.mark.parametrize("name, shape, dtype", CASES, ids=IDS)
 def test_the_kernel_template_default_passes_its_check(name, shape, dtype):
     job = Job(get_pattern(name), shape, dtype)
-    (template,) = job.pattern.kernel_templates_for(shape, dtype, H200)
+    (template,) = K.kernel_templates_for(job.pattern, shape, dtype, H200)
     choice, rejected = verify.choose(job, None, H200, DEV)
     assert choice.source == verify.TEMPLATE_DEFAULT, rejected
     assert choice.knobs == template.default_for(shape, dtype), rejected  # not an S-TIR template's

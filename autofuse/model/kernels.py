@@ -94,12 +94,11 @@ def apply_database(mod: tvm.IRModule, db: TuningDatabase | None, target: Target,
             raise AutofuseError(f"{what} has nothing to run on {target.kind.name}: {'; '.join(rejected)}")
         if choice.source != UNSCHEDULED:  # the TensorIR as written stays as TVM lowers it
             mod[kernel.gv] = _as_kernel(choice.mod["main"], kernel)
-        records = db.count(kernel.workload)[1] + kernel_templates.count(kernel, db)[1] if db is not None else 0
-        decisions.append(_decision(kernel, choice, len(rejected) - len(choice.notes), records, db is not None))
+        decisions.append(_decision(kernel, choice, len(rejected) - len(choice.notes), db is not None))
     return mod, decisions
 
 
-def _decision(kernel: Kernel, choice, records_rejected: int, records: int, with_db: bool) -> KernelDecision:
+def _decision(kernel: Kernel, choice, records_rejected: int, with_db: bool) -> KernelDecision:
     notes = [f"{records_rejected} record(s) rejected by the numerical check"] if records_rejected else []
     if choice.record_source is None and with_db and not records_rejected:
         notes.append("no record")
@@ -113,7 +112,7 @@ def _decision(kernel: Kernel, choice, records_rejected: int, records: int, with_
     ms = (lambda secs: secs * 1e3 if secs is not None else None)
     return KernelDecision(kernel.name, kernel.pattern.name if kernel.pattern else None, applied,
                           choice.record_source, ms(choice.default_secs), ms(choice.record_secs), "; ".join(notes),
-                          records, choice.default_source)
+                          choice.records, choice.default_source)
 
 
 def _as_kernel(scheduled, kernel: Kernel):
