@@ -330,24 +330,24 @@ def kernel_module(func: tirx.PrimFunc) -> tvm.IRModule:
 
 @dataclasses.dataclass
 class Candidates:
-    """What a kernel's kernel templates offer ``verify.choose`` (a ``verify.Kernel``'s pattern
-    workload on a target)."""
-    record: KernelRecord | None = None       # the fastest checked record that still replays
+    """What a kernel's pattern offers ``verify.choose`` on a target (a ``verify.Kernel``)."""
+    record: KernelRecord | None = None       # the fastest checked kernel record that still replays
     module: tvm.IRModule | None = None       # its kernel
     rejected: list[str] = dataclasses.field(default_factory=list)  # about the records passed over
-    # (template, knobs, module) of each applicable template at its default knobs, in the pattern's
-    # order, built as they are asked for.
+    # The defaults in the order tried: (template, knobs, module) of each applicable kernel template
+    # at its default knobs, built as they are asked for; then the schedule rules, at fixed knobs.
     defaults: Iterator[tuple[KernelTemplate, dict, tvm.IRModule]] = iter(())
+    rules: list = dataclasses.field(default_factory=list)
 
 
 def candidates(kernel, db, target: Target, limit: int = 8) -> Candidates:
-    """The records (from ``db`` when given) and the defaults of ``kernel``'s applicable kernel
-    templates, in one pass; nothing for a kernel no pattern made."""
+    """In one pass over ``kernel``'s pattern: its kernel templates' best record (from ``db`` when
+    given) and its defaults; nothing for a kernel no pattern made."""
     if kernel.pattern is None:
         return Candidates()
     pattern, shape, dtype = kernel.pattern, kernel.shape, kernel.dtype
     templates = kernel_templates_for(pattern, shape, dtype, target)
-    found = Candidates(defaults=_defaults(pattern, templates, shape, dtype))
+    found = Candidates(defaults=_defaults(pattern, templates, shape, dtype), rules=pattern.templates_for(target))
     if db is None:
         return found
     names = {t.name for t in templates}

@@ -15,7 +15,7 @@ from .progress import tuning_bar
 from .target import device_for
 from .kernel_templates import tune_kernels
 from .tune import Task, TuneStats, tune
-from .verify import build_kernel, choose, record_count, time_kernel, untuned
+from .verify import build_kernel, choose, time_kernel, untuned
 
 
 @dataclasses.dataclass
@@ -52,7 +52,7 @@ def summarize(job: Job, db: TuningDatabase, target: Target, *, space: str, stats
         untuned_secs = time_kernel(job, build_kernel(untuned(job.func, target)[0].mod, target), dev, repeat)
     except ValueError:  # no dlight rule schedules it on this GPU
         untuned_secs = None
-    valid, total = record_count(job, db)
+    valid, total = db.count_kernel(job)
     row = {
         "pattern": job.pattern.name, "shape": shape_label(job.shape), "dtype": job.dtype, "space": space,
         "trials": stats.trials.get(index, 0) if stats else 0, "records": total, "valid_records": valid,

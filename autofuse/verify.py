@@ -216,8 +216,10 @@ def choose(kernel: Kernel, db: TuningDatabase | None, target: Target, dev, *, de
     if db is not None and check is None:
         raise ValueError("records are only used after their check, which needs a device")
     records, rejected = [], []
+    valid, total = 0, 0
     if db is not None:
         chosen, rejected = db.best(kernel.workload, check)
+        valid, total = db.count_kernel(kernel)
         if chosen is not None:
             records.append(Choice(chosen.schedule.mod, chosen.source, chosen.record.trace,
                                   record_source=chosen.source))
@@ -228,7 +230,7 @@ def choose(kernel: Kernel, db: TuningDatabase | None, target: Target, dev, *, de
         records.append(Choice(offered.module, offered.record.source, None, record_source=offered.record.source,
                               knobs=offered.record.knobs))
     notes: list[str] = []
-    default = _checked_default(kernel, offered.defaults, target, check, fallback, stock, notes) if defaults else None
+    default = _checked_default(kernel, offered, target, check, fallback, stock, notes) if defaults else None
     rejected = rejected + notes
     if default is not None:
         default.notes = notes
@@ -236,7 +238,6 @@ def choose(kernel: Kernel, db: TuningDatabase | None, target: Target, dev, *, de
     candidates = records + ([default] if default is not None else [])
     if not candidates:
         return None, rejected
-    valid, total = record_count(kernel, db)
     if len(candidates) == 1:
         return dataclasses.replace(candidates[0], records=total, valid_records=valid), rejected
     for candidate in candidates:
@@ -250,28 +251,17 @@ def choose(kernel: Kernel, db: TuningDatabase | None, target: Target, dev, *, de
                                records=total, valid_records=valid), rejected
 
 
-def record_count(kernel: Kernel, db: TuningDatabase | None) -> tuple[int, int]:
-    """(passed their check, all) of ``kernel``'s tuning records of both kinds in ``db``."""
-    if db is None:
-        return 0, 0
-    valid, total = db.count(kernel.workload)
-    if kernel.pattern is not None:
-        kernel_valid, kernel_total = db.kernels.count(kernel.pattern.name, kernel.shape, kernel.dtype)
-        valid, total = valid + kernel_valid, total + kernel_total
-    return valid, total
-
-
-def _checked_default(kernel: Kernel, template_defaults, target: Target, check: CheckFn | None, fallback: bool,
-                     stock: bool, notes: list[str]) -> Choice | None:
+def _checked_default(kernel: Kernel, offered: kernel_templates.Candidates, target: Target, check: CheckFn | None,
+                     fallback: bool, stock: bool, notes: list[str]) -> Choice | None:
     """The first default schedule that applies and passes ``check``; each one passed over is
-    said in ``notes``. A kernel template that applies (``template_defaults``: (template, knobs,
-    module) at its default knobs) comes before the schedule rules."""
-    for template, knobs, mod in template_defaults:
+    said in ``notes``. The pattern's (``offered``) come first: a kernel template that applies at its
+    default knobs, then the schedule rules."""
+    for template, knobs, mod in offered.defaults:
         ok, message = check(mod) if check is not None else (True, "")
         if ok:
             return Choice(mod, TEMPLATE_DEFAULT, None, knobs=knobs)
         notes.append(f"template default failed the numerical check ({template.name}): {message}")
-    templates = kernel.pattern.templates_for(target) if kernel.pattern is not None else []
+    templates = offered.rules
     for template in templates:
         try:
             sch = template.apply(kernel.func, target, tunable=False)
