@@ -15,8 +15,9 @@ for a kernel no pattern made): a pattern workload (``tune_patterns.Job``) or a m
   where none applies or passes its check, the TensorIR as written.
 - What TVM runs as shipped (``stock``: the tvm-untuned and tvm-auto baselines): dlight on a GPU,
   the TensorIR as written on a CPU, built without ``fast_math``.
-- Building (``kernel_templates.build_kernel``, and ``fast_math`` for a model): on a CPU, float32
-  exp/erf/tanh/sigmoid calls become the vectorisable polynomials of ``search_spaces.lib.tir_math``.
+- Building (``autofuse.building``: ``build_kernel``, and ``fast_math`` for a model): on a CPU,
+  float32 exp/erf/tanh/sigmoid calls become the vectorisable polynomials of
+  ``search_spaces.lib.tir_math``.
 - The check: a pattern kernel against the pattern's numpy reference; any other kernel against what
   TVM runs for it as shipped, built with libm's math, on seeded data (reordered float sums and the
   polynomials differ a little); both by ``autofuse.accuracy.compare`` at the bound of the dtype
@@ -36,7 +37,7 @@ from tvm.target import Target
 
 from .accuracy import Check, compare, reduction_length
 from . import kernel_templates
-from .kernel_templates import build_kernel
+from .building import build_kernel
 from .database import TuningDatabase
 from .measure import empty_outputs, param_arrays, run_on, time_function, to_device
 from .pattern import DLIGHT, Pattern, Shape, Template

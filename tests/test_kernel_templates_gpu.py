@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from autofuse import building as B
 from autofuse import kernel_templates as K
 from autofuse import verify
 from autofuse.database import TuningDatabase
@@ -48,7 +49,7 @@ def test_the_kernel_template_default_passes_its_check(name, shape, dtype):
     choice, rejected = verify.choose(job, None, H200, DEV)
     assert choice.source == verify.TEMPLATE_DEFAULT, rejected
     assert choice.knobs == template.default_for(shape, dtype), rejected  # not an S-TIR template's
-    assert K.is_tirx(choice.mod["main"])
+    assert B.is_tirx(choice.mod["main"])
 
 
 @pytest.mark.parametrize("name, shape, dtype", CASES[::2], ids=IDS[::2])

@@ -13,7 +13,7 @@ from tvm import tirx
 from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.target import Target
 
-from .. import kernel_templates
+from ..building import is_tirx
 from ..database import TuningDatabase
 from ..errors import AutofuseError
 from ..measure import param_bytes
@@ -120,7 +120,7 @@ def _as_kernel(scheduled, kernel: Kernel):
     func = scheduled.without_attr("global_symbol")
     if kernel.original.attrs and "global_symbol" in kernel.original.attrs:
         func = func.with_attr("global_symbol", kernel.original.attrs["global_symbol"])
-    if kernel_templates.is_tirx(func):  # a kernel template's kernel: still this pattern's kernel
+    if is_tirx(func):  # a kernel template's kernel: still this pattern's kernel
         for key in (PATTERN_ATTR, SHAPE_ATTR, DTYPE_ATTR, "op_pattern"):
             if key in kernel.original.attrs:
                 func = func.with_attr(key, kernel.original.attrs[key])

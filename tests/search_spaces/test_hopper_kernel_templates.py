@@ -10,6 +10,7 @@ import subprocess
 
 import pytest
 
+from autofuse import building as B
 from autofuse import kernel_templates as K
 from autofuse.measure import param_buffers
 from autofuse.registry import get_pattern
@@ -59,7 +60,7 @@ def _default(name, dtype="float16", shape=None):
 
 
 def _source(func) -> str:
-    return K.build_tirx(func, H200).imports[0].inspect_source()
+    return B.build_tirx(func, H200).imports[0].inspect_source()
 
 
 def _signature(func):
@@ -101,7 +102,7 @@ def test_the_kernel_takes_the_patterns_parameters(name):
     shape, launches, marker = CASES[name]
     for dtype in ("float16", "bfloat16"):
         func = _default(name, dtype)
-        assert K.is_tirx(func) and str(func.attrs[K.TIRX_ARCH_ATTR]) == "sm_90a"
+        assert B.is_tirx(func) and str(func.attrs[B.TIRX_ARCH_ATTR]) == "sm_90a"
         assert _signature(func) == _signature(pattern.build(shape, dtype))
     source = _source(_default(name))
     assert len(_kernels(source)) == launches
