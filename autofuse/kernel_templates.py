@@ -16,9 +16,9 @@ stale, skipped as a MetaSchedule trace that no longer applies is.
 
 Search (``tune_kernels``): the space is small, so it is walked in ``KernelTemplate.configs``'s order
 (the default first, then by how few knobs differ from it) up to the trial budget, skipping
-configurations already recorded. Every candidate is built, checked against the pattern's reference
-(``verify.check_module``, the one check) and, when it passes, timed with compare's timer
-(``measure.timer_for``).
+configurations already recorded. Every candidate is built and measured as the caller says
+(``verify.device_measure``: checked against the pattern's reference, the one check, and when it
+passes timed with compare's timer).
 
 Selection (``candidates``): in one pass over a kernel's pattern, the fastest checked record that
 still replays, each applicable template at its default knobs and the schedule rules after them,
@@ -28,7 +28,6 @@ them against each other, never worse.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import json
@@ -45,6 +44,7 @@ from tvm.target import Target
 
 from .building import TIRX_ARCH_ATTR, TIRX_ATTR, build_tirx, kernel_module
 from .pattern import Pattern
+from .provenance import code_commit
 from .store import JSONLinesFile, Problem, workload_key
 
 KERNEL_RECORDS = "kernel_records.json"
@@ -360,37 +360,9 @@ def _defaults(pattern: Pattern, templates: list[KernelTemplate], shape: dict, dt
 
 BUILD_FAILED = "build failed"
 
-# measure(job, runtime module, device) -> (check passed, message, seconds of each timed call)
+# measure(job, runtime module, device) -> (check passed, message, seconds of each timed call), as
+# ``verify.device_measure`` makes it
 Measure = Callable[[object, object, object], tuple[bool, str, list]]
-
-
-def measure_on_device(job, rt, dev, timer=None, repeat: int = 20) -> tuple[bool, str, list]:
-    """Check ``rt`` (a kernel of ``job``'s pattern) against the reference; when it passes, time it
-    on the pattern's seeded inputs with compare's timer (``measure.timer_for``: CUDA events after an
-    L2 flush on a GPU, TVM's launches on torch's stream)."""
-    from .measure import empty_outputs, timer_for, to_device
-    from .verify import check_module
-
-    result = check_module(job.pattern, rt, job.func, job.shape, job.dtype, dev)
-    message = result.message or f"max abs error {result.max_abs_err:.2g}"
-    if not result.ok:
-        return False, message, []
-    args = to_device(job.pattern.make_inputs(job.shape, job.dtype, 0), dev) + \
-        empty_outputs(job.pattern.output_specs(job.func), dev)
-    timer = timer if timer is not None else timer_for(dev)
-    with _torch_stream(dev):
-        timing = timer.time(lambda: rt(*args), dev.sync, repeat=repeat)
-    return True, message, [float(s) for s in timing.samples_secs]
-
-
-@contextlib.contextmanager
-def _torch_stream(dev):
-    if dev.dlpack_device_type() != 2:  # kDLCUDA
-        yield
-        return
-    import tvm_ffi
-    with tvm_ffi.use_torch_stream():
-        yield
 
 
 @dataclasses.dataclass
@@ -406,18 +378,11 @@ class _Crashed(Exception):
     context), so the search stops rather than record every later configuration as failed."""
 
 
-def tune_kernels(jobs: Sequence, target: Target, db, *, trials: int, dev=None, measure: Measure | None = None,
+def tune_kernels(jobs: Sequence, target: Target, db, *, trials: int, dev, measure: Measure,
                  on_phase: Callable[[str], None] | None = None) -> dict[int, KernelTuneStats]:
     """Measure up to ``trials`` not yet recorded configurations of each job's kernel templates
-    (``tune_patterns.Job``s), in ``configs`` order, each stored as a record as soon as it is
-    measured. Returns what was done per job index."""
-    from .target import device_for
-
-    dev = dev if dev is not None else device_for(target)
-    if measure is None:
-        from .measure import timer_for
-        timer = timer_for(dev)  # before any trial: a missing torch is the user's to fix, not a failed record
-        measure = lambda job, rt, dev_: measure_on_device(job, rt, dev_, timer)  # noqa: E731
+    (``tune_patterns.Job``s) on ``dev``, in ``configs`` order, each stored as a record as soon as it
+    is measured. Returns what was done per job index."""
     phase = on_phase or (lambda _msg: None)
     commit, dirty = _commit()
     stats: dict[int, KernelTuneStats] = {}
@@ -482,7 +447,6 @@ def _first_line(err: BaseException) -> str:
 
 def _commit() -> tuple[str, bool | None]:
     try:
-        from .compare import code_commit
         found = code_commit()
         return found["commit"], found["dirty"]
     except Exception:  # provenance only; never a reason to lose a measurement

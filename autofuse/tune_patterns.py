@@ -15,7 +15,7 @@ from .progress import tuning_bar
 from .target import device_for
 from .kernel_templates import tune_kernels
 from .tune import Task, TuneStats, tune
-from .verify import build_kernel, choose, time_kernel, untuned
+from .verify import build_kernel, choose, device_measure, time_kernel, untuned
 
 
 @dataclasses.dataclass
@@ -95,7 +95,9 @@ def tune_jobs(jobs: list[Job], target: Target, db: TuningDatabase, *, trials: in
         # Kernel templates' spaces (the template space's other kind): up to ``trials`` configs each,
         # measured on this host's device.
         if space != "generic":
-            add_kernel_trials(stats, tune_kernels(jobs, target, db, trials=trials, on_phase=on_phase))
+            dev = device_for(target)
+            add_kernel_trials(stats, tune_kernels(jobs, target, db, trials=trials, dev=dev, measure=device_measure(dev),
+                                                  on_phase=on_phase))
     rows = []
     for index, job in enumerate(jobs):
         rows.append(summarize(job, db, target, space=space, stats=stats, index=index))

@@ -27,6 +27,7 @@ for a kernel no pattern made): a pattern workload (``tune_patterns.Job``) or a m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Protocol
@@ -39,7 +40,7 @@ from .accuracy import Check, compare, reduction_length
 from . import kernel_templates
 from .building import build_kernel
 from .database import TuningDatabase
-from .measure import empty_outputs, param_arrays, run_on, time_function, to_device
+from .measure import empty_outputs, param_arrays, run_on, time_function, timer_for, to_device
 from .pattern import DLIGHT, Pattern, Shape, Template
 
 from search_spaces.lib import cpu_rules  # noqa: E402 (the schedule library, no pattern)
@@ -170,6 +171,39 @@ def time_kernel(kernel: Kernel, rt, dev, repeat: int = 10, min_repeat_ms: int = 
     else:
         args = to_device(param_arrays(kernel.func, seed=0), dev)
     return time_function(rt, args, dev, repeat=repeat, min_repeat_ms=min_repeat_ms).median_secs
+
+
+def measure_on_device(job, rt, dev, timer=None, repeat: int = 20) -> tuple[bool, str, list]:
+    """Check ``rt`` (a kernel of ``job``'s pattern) against the reference; when it passes, time it
+    on the pattern's seeded inputs with compare's timer (``measure.timer_for``: CUDA events after an
+    L2 flush on a GPU, TVM's launches on torch's stream)."""
+    result = check_module(job.pattern, rt, job.func, job.shape, job.dtype, dev)
+    message = result.message or f"max abs error {result.max_abs_err:.2g}"
+    if not result.ok:
+        return False, message, []
+    args = (to_device(job.pattern.make_inputs(job.shape, job.dtype, 0), dev)
+            + empty_outputs(job.pattern.output_specs(job.func), dev))
+    timer = timer if timer is not None else timer_for(dev)
+    with _torch_stream(dev):
+        timing = timer.time(lambda: rt(*args), dev.sync, repeat=repeat)
+    return True, message, [float(s) for s in timing.samples_secs]
+
+
+@contextlib.contextmanager
+def _torch_stream(dev):
+    if dev.dlpack_device_type() != 2:  # kDLCUDA
+        yield
+        return
+    import tvm_ffi
+    with tvm_ffi.use_torch_stream():
+        yield
+
+
+def device_measure(dev):
+    """``kernel_templates.tune_kernels``' measure on ``dev`` (``measure_on_device``), its timer made
+    now: a missing torch is the user's to fix before any trial, not a failed record."""
+    timer = timer_for(dev)
+    return lambda job, rt, dev_: measure_on_device(job, rt, dev_, timer)
 
 
 @dataclasses.dataclass

@@ -175,14 +175,14 @@ def test_the_device_measure_checks_then_times():
     import numpy as np
     job = Job(PATTERN, PATTERN.small_shape(), "float32")
     rt = verify.build_kernel(verify.default_schedule(job.func, LLVM, PATTERN).mod, LLVM)
-    ok, message, secs = K.measure_on_device(job, rt, tvm.cpu(), repeat=3)
+    ok, message, secs = verify.measure_on_device(job, rt, tvm.cpu(), repeat=3)
     assert ok and len(secs) == 3 and all(s > 0 for s in secs), message
 
     def wrong(*args):
         rt(*args)
         args[-1].copyfrom(np.zeros(args[-1].shape, "float32"))
 
-    ok, message, secs = K.measure_on_device(job, wrong, tvm.cpu())
+    ok, message, secs = verify.measure_on_device(job, wrong, tvm.cpu())
     assert not ok and secs == []
 
 

@@ -56,7 +56,7 @@ def test_the_kernel_template_default_passes_its_check(name, shape, dtype):
 def test_a_short_search_records_checked_configs_and_choose_is_never_worse(name, shape, dtype, tmp_path):
     db = TuningDatabase(str(tmp_path), H200)
     job = Job(get_pattern(name), shape, dtype)
-    stats = K.tune_kernels([job], H200, db, trials=3)
+    stats = K.tune_kernels([job], H200, db, trials=3, dev=DEV, measure=verify.device_measure(DEV))
     records = db.kernels.of(name, shape, dtype)
     assert stats[0].trials == len(records) == 3
     assert all(r.ok for r in records), [(r.label(), r.checked) for r in records if not r.ok]
