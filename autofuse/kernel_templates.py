@@ -317,7 +317,7 @@ class Candidates:
     rejected: list[str] = dataclasses.field(default_factory=list)  # about the records passed over
     # The defaults in the order tried: (template, knobs, module) of each applicable kernel template
     # at its default knobs, built as they are asked for; then the schedule rules, at fixed knobs.
-    defaults: Iterator[tuple[KernelTemplate, dict, tvm.IRModule]] = iter(())
+    defaults: Iterator[tuple[KernelTemplate, dict, tvm.IRModule]] = dataclasses.field(default_factory=lambda: iter(()))
     rules: list = dataclasses.field(default_factory=list)
 
 

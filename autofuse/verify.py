@@ -248,11 +248,11 @@ def choose(kernel: Kernel, db: TuningDatabase | None, target: Target, dev, *, de
     runs here, so nothing is checked (compiling for a device this machine lacks). Returns None
     when nothing may run, and one line per candidate not used."""
     check = checker(kernel, target, dev, stock) if dev is not None else None
-    if db is not None and check is None:
-        raise ValueError("records are only used after their check, which needs a device")
     records, rejected = [], []
     valid, total = 0, 0
     if db is not None:
+        if check is None:
+            raise ValueError("records are only used after their check, which needs a device")
         chosen, rejected = db.best(kernel.workload, check)
         valid, total = db.count_kernel(kernel)
         if chosen is not None:
