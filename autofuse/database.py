@@ -108,6 +108,15 @@ class TuningDatabase:
         history = self.history(func)
         return sum(secs < float("inf") for secs, _ in history), len(history)
 
+    def count_kernel(self, kernel) -> tuple[int, int]:
+        """(valid, all) records of both kinds of a ``verify.Kernel``: MetaSchedule's of its workload
+        and, for a pattern's kernel, the kernel templates' of its pattern workload."""
+        valid, total = self.count(kernel.workload)
+        if kernel.pattern is None:
+            return valid, total
+        kernel_valid, kernel_total = self.kernels.count(kernel.pattern.name, kernel.shape, kernel.dtype)
+        return valid + kernel_valid, total + kernel_total
+
     def history(self, func: tirx.PrimFunc | tvm.IRModule) -> list[tuple[float, str]]:
         """(mean seconds, source) of every record of ``func``'s workload in the order it was
         measured; failed trials have ``inf`` seconds."""

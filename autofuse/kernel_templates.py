@@ -1,6 +1,6 @@
-"""Kernel templates (``pattern.KernelTemplate``), the second kind of template: their records in the
-target's database folder, their search, what ``verify.choose`` gets from them, and building their
-tirx kernels alone or inside a Relax model.
+"""Kernel templates, the second kind of template (``KernelTemplate``, which the pattern files fill
+in): where they apply, their records in the target's database folder, their search, and what
+``verify.choose`` gets from them. Their tirx kernels are built by ``autofuse.building``.
 
 Records: ``kernel_records.json`` beside MetaSchedule's files, written through
 ``store.JSONLinesFile`` (locked, one fsync'ed line per record, damage skipped), one JSON object a
@@ -16,44 +16,133 @@ stale, skipped as a MetaSchedule trace that no longer applies is.
 
 Search (``tune_kernels``): the space is small, so it is walked in ``KernelTemplate.configs``'s order
 (the default first, then by how few knobs differ from it) up to the trial budget, skipping
-configurations already recorded. Every candidate is built, checked against the pattern's reference
-(``verify.check_module``, the one check) and, when it passes, timed with compare's timer
-(``measure.timer_for``).
+configurations already recorded. Every candidate is built and measured as the caller says
+(``verify.device_measure``: checked against the pattern's reference, the one check, and when it
+passes timed with compare's timer).
 
-Selection (``best_record``, ``default_choices``): ``verify.choose`` takes the fastest checked record
-that still replays beside the best MetaSchedule record, and a kernel template's default knobs as
-the first default where it applies; it times them against each other, never worse.
-
-Building: a kernel template's PrimFunc carries ``autofuse.tirx`` and is lowered by TVM's tirx pipeline
-for its ``autofuse.tirx_arch`` (sm_90a: wgmma and TMA are arch-specific features an sm_90 target
-does not enable); a Relax model holding one is built with the ``autofuse_mixed`` pipeline, which
-sends those functions through tirx and the others through s_tir.
+Selection (``candidates``): in one pass over a kernel's pattern, the fastest checked record that
+still replays, each applicable template at its default knobs and the schedule rules after them,
+for ``verify.choose`` to set beside the best MetaSchedule record and the untuned default; it times
+them against each other, never worse.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import tvm
 from tvm import tirx
 from tvm.target import Target
 
-from .pattern import TIRX_ARCH_ATTR, TIRX_ATTR, KernelTemplate, Pattern
+from .building import TIRX_ARCH_ATTR, TIRX_ATTR, build_tirx, kernel_module
+from .pattern import Pattern
+from .provenance import code_commit
 from .store import JSONLinesFile, Problem, workload_key
 
 KERNEL_RECORDS = "kernel_records.json"
 # A kernel record's source, as a MetaSchedule record's is "template:<name>" or "generic".
 SOURCE_PREFIX = "kernel:"
-MIXED_PIPELINE = "autofuse_mixed"
 
 log = logging.getLogger("autofuse")
+
+
+# --- the template -------------------------------------------------------------------------------
+
+class KernelTemplate:
+    """A kernel template: ``build(shape, dtype, knobs) -> PrimFunc`` written in the tirx script, for
+    what schedule primitives cannot express (Hopper wgmma with TMA and mbarrier rings).
+
+    Its knobs form a small space (``space``: knob -> allowed values) that tuning walks config by
+    config from ``default``; ``check(shape, dtype, knobs)`` raises ValueError for what the kernel
+    cannot compute. It applies on ``target_kinds`` with an ``arch`` in ``archs`` (any arch when
+    empty); its functions are compiled for ``build_arch`` (wgmma needs sm_90a's arch-specific
+    instructions, which an sm_90 target does not enable). The PrimFunc takes the pattern's
+    parameters in the pattern's order.
+    """
+
+    def __init__(self, name: str, build: Callable[[dict, str, dict], tirx.PrimFunc], space: dict,
+                 default: dict, check: Callable[[dict, str, dict], Any], target_kinds: Sequence[str] = ("cuda",),
+                 archs: Sequence[str] = (), build_arch: str | None = None, doc: str = ""):
+        self.name = name
+        self._build = build
+        self.space = {knob: tuple(values) for knob, values in space.items()}
+        self.default = dict(default)
+        self._check = check
+        self.target_kinds = tuple(target_kinds)
+        self.archs = tuple(archs)
+        self.build_arch = build_arch
+        self.doc = doc or ((build.__doc__ or "").strip().splitlines() or [""])[0]
+        self._configs: dict[str, list[dict]] = {}  # per shape and dtype: a space walked once
+
+    def applies_to(self, target: Target) -> bool:
+        if target.kind.name not in self.target_kinds:
+            return False
+        return not self.archs or str(target.attrs.get("arch", "")) in self.archs
+
+    def configs(self, shape: dict, dtype: str) -> list[dict]:
+        """Every knob configuration ``check`` accepts for ``shape``, ``default`` first, then by how
+        few knobs differ from it, then by how many steps along each knob's values (BN 256 -> 128
+        before 64); remaining ties in the space's order."""
+        key = json.dumps([shape, dtype], sort_keys=True, default=str)
+        if key not in self._configs:
+            self._configs[key] = self._walk(shape, dtype)
+        return [dict(knobs) for knobs in self._configs[key]]
+
+    def _walk(self, shape: dict, dtype: str) -> list[dict]:
+        found = []
+        for values in itertools.product(*self.space.values()):
+            knobs = dict(zip(self.space, values))
+            try:
+                self._check(shape, dtype, knobs)
+            except ValueError:
+                continue
+            found.append(knobs)
+
+        def steps(name, value):
+            values = self.space[name]
+            return abs(values.index(value) - values.index(self.default[name])) if self.default.get(name) in values else 1
+
+        return sorted(found, key=lambda k: (sum(k[n] != self.default.get(n) for n in k),
+                                            sum(steps(n, v) for n, v in k.items())))
+
+    def default_for(self, shape: dict, dtype: str) -> dict | None:
+        """The knobs used without tuning: the first of ``configs`` (None when none fits)."""
+        configs = self.configs(shape, dtype)
+        return configs[0] if configs else None
+
+    def applies(self, shape: dict, dtype: str, target: Target) -> bool:
+        """On ``target``, for ``shape`` in ``dtype``, with some configuration (False where ``check``
+        raises for every one)."""
+        return self.applies_to(target) and self.default_for(shape, dtype) is not None
+
+    def build(self, shape: dict, dtype: str, knobs: dict | None = None) -> tirx.PrimFunc:
+        """The kernel for ``knobs`` (``default_for`` the shape when None); ValueError where it cannot
+        be built."""
+        if knobs is None:
+            knobs = self.default_for(shape, dtype)
+            if knobs is None:
+                raise ValueError(f"{self.name}: no configuration computes {shape} in {dtype}")
+        self._check(shape, dtype, knobs)
+        func = self._build(shape, dtype, dict(knobs))
+        func = func.with_attr(TIRX_ATTR, True).with_attr("tirx.is_scheduled", True)
+        return func.with_attr(TIRX_ARCH_ATTR, self.build_arch) if self.build_arch else func
+
+    def __repr__(self) -> str:
+        return f"KernelTemplate({self.name!r})"
+
+
+def kernel_templates_for(pattern: Pattern, shape: dict, dtype: str, target: Target) -> list[KernelTemplate]:
+    """``pattern``'s kernel templates that compute ``shape`` in ``dtype`` on ``target``; where one
+    applies, it is tried before the schedule rules."""
+    return [t for t in pattern.templates if isinstance(t, KernelTemplate) and t.applies(shape, dtype, target)]
 
 
 # --- records ------------------------------------------------------------------------------------
@@ -180,8 +269,9 @@ def kernel_template(pattern: Pattern, name: str) -> KernelTemplate | None:
 
 
 def replay(record: KernelRecord, pattern: Pattern | None = None) -> tirx.PrimFunc:
-    """The record's kernel, built again from its knob values; ``StaleRecord`` when its pattern or
-    template is gone, its knobs are refused, or the kernel differs from the one measured."""
+    """The record's kernel, built again from its knob values (``pattern`` looked up by the
+    record's name when not given); ``StaleRecord`` when its pattern or template is gone, its knobs
+    are refused, or the kernel differs from the one measured."""
     if pattern is None:
         from .errors import AutofuseError
         from .registry import get_pattern
@@ -189,6 +279,10 @@ def replay(record: KernelRecord, pattern: Pattern | None = None) -> tirx.PrimFun
             pattern = get_pattern(record.pattern)
         except AutofuseError as err:
             raise StaleRecord(str(err)) from None
+    return _rebuild(record, pattern)
+
+
+def _rebuild(record: KernelRecord, pattern: Pattern) -> tirx.PrimFunc:
     template = kernel_template(pattern, record.template)
     if template is None:
         raise StaleRecord(f"pattern {record.pattern!r} has no kernel template {record.template!r}")
@@ -213,160 +307,62 @@ def build_cached(pattern: Pattern, template: KernelTemplate, shape: dict, dtype:
     return _BUILT[key]
 
 
-def kernel_module(func: tirx.PrimFunc) -> tvm.IRModule:
-    """A kernel as the module a ``verify.Choice`` holds (the function keeps its global symbol)."""
-    return tvm.IRModule({"main": func})
-
-
 # --- selection (for verify.choose) --------------------------------------------------------------
 
-def best_record(kernel, db, target: Target, limit: int = 8) -> tuple[KernelRecord | None, tvm.IRModule | None,
-                                                                      list[str]]:
-    """The fastest record of ``kernel``'s pattern workload (a ``verify.Kernel``) that passed its
-    check, of a kernel template that applies on ``target``, and that still replays: (record, its
-    module, lines about the records passed over); (None, None, lines) when none."""
-    if kernel.pattern is None or db is None:
-        return None, None, []
-    names = {t.name for t in kernel.pattern.kernel_templates_for(kernel.shape, kernel.dtype, target)}
-    records = [r for r in db.kernels.of(kernel.pattern.name, kernel.shape, kernel.dtype) if r.template in names]
-    rejected = []
-    failed = [r for r in records if not r.checked.get("ok") and r.checked.get("message") != BUILD_FAILED]
+@dataclasses.dataclass
+class Candidates:
+    """What a kernel's pattern offers ``verify.choose`` on a target (a ``verify.Kernel``)."""
+    record: KernelRecord | None = None       # the fastest checked kernel record that still replays
+    module: tvm.IRModule | None = None       # its kernel
+    rejected: list[str] = dataclasses.field(default_factory=list)  # about the records passed over
+    # The defaults in the order tried: (template, knobs, module) of each applicable kernel template
+    # at its default knobs, built as they are asked for; then the schedule rules, at fixed knobs.
+    defaults: Iterator[tuple[KernelTemplate, dict, tvm.IRModule]] = dataclasses.field(default_factory=lambda: iter(()))
+    rules: list = dataclasses.field(default_factory=list)
+
+
+def candidates(kernel, db, target: Target, limit: int = 8) -> Candidates:
+    """In one pass over ``kernel``'s pattern: its kernel templates' best record (from ``db`` when
+    given) and its defaults; nothing for a kernel no pattern made."""
+    if kernel.pattern is None:
+        return Candidates()
+    pattern, shape, dtype = kernel.pattern, kernel.shape, kernel.dtype
+    templates = kernel_templates_for(pattern, shape, dtype, target)
+    found = Candidates(defaults=_defaults(pattern, templates, shape, dtype), rules=pattern.templates_for(target))
+    if db is None:
+        return found
+    names = {t.name for t in templates}
+    usable = [r for r in db.kernels.of(pattern.name, shape, dtype) if r.template in names]
+    failed = [r for r in usable if not r.checked.get("ok") and r.checked.get("message") != BUILD_FAILED]
     if failed:
-        rejected.append(f"{len(failed)} kernel record(s) failed the numerical check (kept, never chosen), e.g. "
-                        f"{failed[0].label()}: {failed[0].checked.get('message')}")
-    for record in sorted((r for r in records if r.ok), key=lambda r: r.secs)[:limit]:
+        found.rejected.append(f"{len(failed)} kernel record(s) failed the numerical check (kept, never chosen), "
+                              f"e.g. {failed[0].label()}: {failed[0].checked.get('message')}")
+    for record in sorted((r for r in usable if r.ok), key=lambda r: r.secs)[:limit]:
         try:
-            func = replay(record, kernel.pattern)
+            func = _rebuild(record, pattern)
         except StaleRecord as err:
             message = f"{db.kernels.location(record)}: kernel record {record.label()} skipped: {err}"
             log.warning(message)
-            rejected.append(message)
+            found.rejected.append(message)
             continue
-        return record, kernel_module(func), rejected
-    return None, None, rejected
+        found.record, found.module = record, kernel_module(func)
+        break
+    return found
 
 
-def count(kernel, db) -> tuple[int, int]:
-    """(checked, all) kernel records of ``kernel``'s pattern workload; (0, 0) for other kernels."""
-    if kernel.pattern is None or db is None:
-        return 0, 0
-    return db.kernels.count(kernel.pattern.name, kernel.shape, kernel.dtype)
-
-
-def default_choices(kernel, target: Target):
-    """(template, knobs, module) of each kernel template that applies to ``kernel`` on ``target``,
-    at its default knobs for the shape, in the pattern's order."""
-    if kernel.pattern is None:
-        return
-    for template in kernel.pattern.kernel_templates_for(kernel.shape, kernel.dtype, target):
-        knobs = template.default_for(kernel.shape, kernel.dtype)
-        yield template, knobs, kernel_module(build_cached(kernel.pattern, template, kernel.shape, kernel.dtype, knobs))
-
-
-# --- building -----------------------------------------------------------------------------------
-
-def is_tirx(func) -> bool:
-    return isinstance(func, tirx.PrimFunc) and bool(func.attrs) and TIRX_ATTR in func.attrs
-
-
-def has_tirx(mod) -> bool:
-    if isinstance(mod, tirx.PrimFunc):
-        return is_tirx(mod)
-    return any(is_tirx(f) for _, f in mod.functions_items())
-
-
-def tirx_target(mod, target: Target) -> Target:
-    """``target`` with the arch the module's tirx kernels are compiled for (sm_90 -> sm_90a)."""
-    funcs = [mod] if isinstance(mod, tirx.PrimFunc) else [f for _, f in mod.functions_items()]
-    archs = {str(f.attrs[TIRX_ARCH_ATTR]) for f in funcs if is_tirx(f) and TIRX_ARCH_ATTR in f.attrs}
-    if not archs:
-        return target
-    if len(archs) > 1:
-        raise ValueError(f"tirx kernels for several archs in one module: {', '.join(sorted(archs))}")
-    config = dict(target.export())
-    config["arch"] = archs.pop()
-    return Target(config)
-
-
-def build_tirx(mod, target: Target):
-    """A module of tirx kernels (a kernel template's, alone) through TVM's tirx pipeline; the runtime
-    module calls it by its global symbol, and by ``main`` when it is the only one."""
-    if isinstance(mod, tirx.PrimFunc):
-        mod = kernel_module(mod)
-    return tvm.tirx.build(mod, target=tirx_target(mod, target), pipeline="tirx")
-
-
-def register_mixed_pipeline() -> str:
-    """Register (once) the TIR pipeline that lowers tirx kernels (attr ``autofuse.tirx``) through
-    tirx and every other PrimFunc through s_tir, for ``relax.build(..., tir_pipeline=...)``; its name."""
-    from tvm.tirx import compilation_pipeline as cp
-
-    if MIXED_PIPELINE in cp.PIPELINE_MAP:
-        return MIXED_PIPELINE
-
-    def factory():
-        s_tir_pass, finalize_host, finalize_device = cp.PIPELINE_MAP["s_tir"]()
-        tirx_pass, _, _ = cp.PIPELINE_MAP["tirx"]()
-
-        @tvm.transform.module_pass(opt_level=0, name="AutofuseMixedPipeline")
-        def mixed(mod, _ctx):
-            kernels = {gv: f for gv, f in mod.functions_items() if is_tirx(f)}
-            rest = {gv: f for gv, f in mod.functions_items() if gv not in kernels}
-            lowered = {}
-            for part, lower in ((kernels, tirx_pass), (rest, s_tir_pass)):
-                if part:
-                    lowered.update(lower(tvm.IRModule(part, attrs=mod.attrs)).functions_items())
-            return tvm.IRModule(lowered, attrs=mod.attrs)
-
-        return mixed, finalize_host, finalize_device
-
-    cp.register_tir_pipeline(MIXED_PIPELINE, factory)
-    return MIXED_PIPELINE
-
-
-def relax_build_options(mod: tvm.IRModule, target: Target) -> dict:
-    """``relax.build`` keyword arguments for ``mod``: with tirx kernels in it, their arch and the
-    mixed pipeline; otherwise just the target."""
-    if not has_tirx(mod):
-        return {"target": target}
-    return {"target": tirx_target(mod, target), "tir_pipeline": register_mixed_pipeline()}
+def _defaults(pattern: Pattern, templates: list[KernelTemplate], shape: dict, dtype: str):
+    for template in templates:
+        knobs = template.default_for(shape, dtype)
+        yield template, knobs, kernel_module(build_cached(pattern, template, shape, dtype, knobs))
 
 
 # --- search -------------------------------------------------------------------------------------
 
 BUILD_FAILED = "build failed"
 
-# measure(job, runtime module, device) -> (check passed, message, seconds of each timed call)
+# measure(job, runtime module, device) -> (check passed, message, seconds of each timed call), as
+# ``verify.device_measure`` makes it
 Measure = Callable[[object, object, object], tuple[bool, str, list]]
-
-
-def measure_on_device(job, rt, dev, timer=None, repeat: int = 20) -> tuple[bool, str, list]:
-    """Check ``rt`` (a kernel of ``job``'s pattern) against the reference; when it passes, time it
-    on the pattern's seeded inputs with compare's timer (``measure.timer_for``: CUDA events after an
-    L2 flush on a GPU, TVM's launches on torch's stream)."""
-    from .measure import empty_outputs, timer_for, to_device
-    from .verify import check_module
-
-    result = check_module(job.pattern, rt, job.func, job.shape, job.dtype, dev)
-    message = result.message or f"max abs error {result.max_abs_err:.2g}"
-    if not result.ok:
-        return False, message, []
-    args = to_device(job.pattern.make_inputs(job.shape, job.dtype, 0), dev) + \
-        empty_outputs(job.pattern.output_specs(job.func), dev)
-    timer = timer if timer is not None else timer_for(dev)
-    with _torch_stream(dev):
-        timing = timer.time(lambda: rt(*args), dev.sync, repeat=repeat)
-    return True, message, [float(s) for s in timing.samples_secs]
-
-
-@contextlib.contextmanager
-def _torch_stream(dev):
-    if dev.dlpack_device_type() != 2:  # kDLCUDA
-        yield
-        return
-    import tvm_ffi
-    with tvm_ffi.use_torch_stream():
-        yield
 
 
 @dataclasses.dataclass
@@ -382,24 +378,17 @@ class _Crashed(Exception):
     context), so the search stops rather than record every later configuration as failed."""
 
 
-def tune_kernels(jobs: Sequence, target: Target, db, *, trials: int, dev=None, measure: Measure | None = None,
+def tune_kernels(jobs: Sequence, target: Target, db, *, trials: int, dev, measure: Measure,
                  on_phase: Callable[[str], None] | None = None) -> dict[int, KernelTuneStats]:
     """Measure up to ``trials`` not yet recorded configurations of each job's kernel templates
-    (``tune_patterns.Job``s), in ``configs`` order, each stored as a record as soon as it is
-    measured. Returns what was done per job index."""
-    from .target import device_for
-
-    dev = dev if dev is not None else device_for(target)
-    if measure is None:
-        from .measure import timer_for
-        timer = timer_for(dev)  # before any trial: a missing torch is the user's to fix, not a failed record
-        measure = lambda job, rt, dev_: measure_on_device(job, rt, dev_, timer)  # noqa: E731
+    (``tune_patterns.Job``s) on ``dev``, in ``configs`` order, each stored as a record as soon as it
+    is measured. Returns what was done per job index."""
     phase = on_phase or (lambda _msg: None)
     commit, dirty = _commit()
     stats: dict[int, KernelTuneStats] = {}
     for index, job in enumerate(jobs):
         todo = []
-        for template in job.pattern.kernel_templates_for(job.shape, job.dtype, target):
+        for template in kernel_templates_for(job.pattern, job.shape, job.dtype, target):
             done = _recorded(db, job, template)
             todo += [(template, knobs) for knobs in template.configs(job.shape, job.dtype)
                      if _knobs_key(knobs) not in done]
@@ -458,7 +447,6 @@ def _first_line(err: BaseException) -> str:
 
 def _commit() -> tuple[str, bool | None]:
     try:
-        from .compare import code_commit
         found = code_commit()
         return found["commit"], found["dirty"]
     except Exception:  # provenance only; never a reason to lose a measurement
@@ -477,7 +465,7 @@ def _recorded(db, job, template: KernelTemplate) -> set[str]:
         if record.template != template.name:
             continue
         try:
-            replay(record, job.pattern)
+            _rebuild(record, job.pattern)
         except StaleRecord:
             continue
         done.add(_knobs_key(record.knobs))

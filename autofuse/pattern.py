@@ -1,21 +1,19 @@
-"""The ``Pattern``, ``Template`` and ``KernelTemplate`` types that every file under ``search_spaces/``
-fills in.
+"""The ``Pattern`` and ``Template`` types that every file under ``search_spaces/`` fills in.
 
 A pattern is one fused computation: its TensorIR, a numpy reference, seeded inputs, FLOP/byte counts
 and hand-designed schedule templates. A template has the shape of dlight's ``ScheduleRule``:
 ``apply(func, target, tunable)`` returns a schedule, or None when it does not apply. With
 ``tunable=False`` its knobs take fixed defaults (a good schedule for builds without records); with
 ``tunable=True`` they are drawn with ``sample_*`` so MetaSchedule can search them. A kernel
-template (``KernelTemplate``) is the other kind: a function ``(shape, dtype, knobs) -> PrimFunc`` in
-the tirx script whose small knob space is searched config by config (``autofuse.kernel_templates``).
+template (``autofuse.kernel_templates.KernelTemplate``) is the other kind: a function
+``(shape, dtype, knobs) -> PrimFunc`` in the tirx script whose small knob space is searched config by
+config; a pattern lists both kinds in ``templates``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import inspect
-import itertools
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -32,9 +30,6 @@ from .measure import param_buffers
 
 # Written into the trace of every template schedule, so a tuning record tells which space produced it.
 TEMPLATE_ANNOTATION = "autofuse.template"
-# On a kernel template's PrimFunc: lowered by the tirx pipeline, compiled for this arch.
-TIRX_ATTR = "autofuse.tirx"
-TIRX_ARCH_ATTR = "autofuse.tirx_arch"
 
 
 class Knobs:
@@ -144,89 +139,6 @@ def template(name: str, target_kinds: Sequence[str] = ("llvm",)):
     def wrap(fn):
         return Template(name, fn, target_kinds)
     return wrap
-
-
-class KernelTemplate:
-    """A kernel template: ``build(shape, dtype, knobs) -> PrimFunc`` written in the tirx script, for
-    what schedule primitives cannot express (Hopper wgmma with TMA and mbarrier rings).
-
-    Its knobs form a small space (``space``: knob -> allowed values) that tuning walks config by
-    config from ``default``; ``check(shape, dtype, knobs)`` raises ValueError for what the kernel
-    cannot compute. It applies on ``target_kinds`` with an ``arch`` in ``archs`` (any arch when
-    empty); its functions are compiled for ``build_arch`` (wgmma needs sm_90a's arch-specific
-    instructions, which an sm_90 target does not enable). The PrimFunc takes the pattern's
-    parameters in the pattern's order.
-    """
-
-    def __init__(self, name: str, build: Callable[[dict, str, dict], tirx.PrimFunc], space: dict,
-                 default: dict, check: Callable[[dict, str, dict], Any], target_kinds: Sequence[str] = ("cuda",),
-                 archs: Sequence[str] = (), build_arch: str | None = None, doc: str = ""):
-        self.name = name
-        self._build = build
-        self.space = {knob: tuple(values) for knob, values in space.items()}
-        self.default = dict(default)
-        self._check = check
-        self.target_kinds = tuple(target_kinds)
-        self.archs = tuple(archs)
-        self.build_arch = build_arch
-        self.doc = doc or ((build.__doc__ or "").strip().splitlines() or [""])[0]
-        self._configs: dict[str, list[dict]] = {}  # per shape and dtype: a space walked once
-
-    def applies_to(self, target: Target) -> bool:
-        if target.kind.name not in self.target_kinds:
-            return False
-        return not self.archs or str(target.attrs.get("arch", "")) in self.archs
-
-    def configs(self, shape: dict, dtype: str) -> list[dict]:
-        """Every knob configuration ``check`` accepts for ``shape``, ``default`` first, then by how
-        few knobs differ from it, then by how many steps along each knob's values (BN 256 -> 128
-        before 64); remaining ties in the space's order."""
-        key = json.dumps([shape, dtype], sort_keys=True, default=str)
-        if key not in self._configs:
-            self._configs[key] = self._walk(shape, dtype)
-        return [dict(knobs) for knobs in self._configs[key]]
-
-    def _walk(self, shape: dict, dtype: str) -> list[dict]:
-        found = []
-        for values in itertools.product(*self.space.values()):
-            knobs = dict(zip(self.space, values))
-            try:
-                self._check(shape, dtype, knobs)
-            except ValueError:
-                continue
-            found.append(knobs)
-
-        def steps(name, value):
-            values = self.space[name]
-            return abs(values.index(value) - values.index(self.default[name])) if self.default.get(name) in values else 1
-
-        return sorted(found, key=lambda k: (sum(k[n] != self.default.get(n) for n in k),
-                                            sum(steps(n, v) for n, v in k.items())))
-
-    def default_for(self, shape: dict, dtype: str) -> dict | None:
-        """The knobs used without tuning: the first of ``configs`` (None when none fits)."""
-        configs = self.configs(shape, dtype)
-        return configs[0] if configs else None
-
-    def applies(self, shape: dict, dtype: str, target: Target) -> bool:
-        """On ``target``, for ``shape`` in ``dtype``, with some configuration (False where ``check``
-        raises for every one)."""
-        return self.applies_to(target) and self.default_for(shape, dtype) is not None
-
-    def build(self, shape: dict, dtype: str, knobs: dict | None = None) -> tirx.PrimFunc:
-        """The kernel for ``knobs`` (``default_for`` the shape when None); ValueError where it cannot
-        be built."""
-        if knobs is None:
-            knobs = self.default_for(shape, dtype)
-            if knobs is None:
-                raise ValueError(f"{self.name}: no configuration computes {shape} in {dtype}")
-        self._check(shape, dtype, knobs)
-        func = self._build(shape, dtype, dict(knobs))
-        func = func.with_attr(TIRX_ATTR, True).with_attr("tirx.is_scheduled", True)
-        return func.with_attr(TIRX_ARCH_ATTR, self.build_arch) if self.build_arch else func
-
-    def __repr__(self) -> str:
-        return f"KernelTemplate({self.name!r})"
 
 
 def _dlight_rules():
@@ -343,8 +255,9 @@ class Pattern:
     make_inputs: Callable[[Shape, str, int], list[np.ndarray]]
     flops: Callable[[Shape], float]
     bytes: Callable[[Shape, str], float]
-    # Schedule rules (``Template``) and kernel templates (``KernelTemplate``), in the order tried.
-    templates: Sequence[Template | KernelTemplate]
+    # Schedule rules (``Template``) and kernel templates (``kernel_templates.KernelTemplate``), in
+    # the order tried.
+    templates: Sequence[Any]
     dtypes: Sequence[str] = ("float32",)
     num_outputs: int = 1
     relax_rules: Sequence[RelaxRule] = ()
@@ -422,7 +335,7 @@ class Pattern:
     def templates_for(self, target: Target, func: tirx.PrimFunc | None = None) -> list[Template]:
         """The pattern's own schedule rules for ``target``; on a GPU without one, ``DLIGHT``, and given
         ``func``, only when one of dlight's rules schedules it (a tuning space that raises on its
-        first sample would end the session). Kernel templates: ``kernel_templates_for``."""
+        first sample would end the session). Kernel templates: ``kernel_templates.kernel_templates_for``."""
         own = [t for t in self.templates if isinstance(t, Template) and t.applies_to(target)]
         if own or not DLIGHT.applies_to(target):
             return own
@@ -432,11 +345,6 @@ class Pattern:
             except ValueError:
                 return []
         return [DLIGHT]
-
-    def kernel_templates_for(self, shape: Shape, dtype: str, target: Target) -> list[KernelTemplate]:
-        """The pattern's kernel templates that compute ``shape`` in ``dtype`` on ``target``; where
-        one applies, it is tried before the schedule rules."""
-        return [t for t in self.templates if isinstance(t, KernelTemplate) and t.applies(shape, dtype, target)]
 
     def check(self, outputs, inputs, shape: Shape, dtype: str, func: tirx.PrimFunc | None = None) -> Check:
         """``outputs`` against the reference on ``inputs``, at the bound for ``dtype`` and the

@@ -13,10 +13,9 @@ from .errors import AutofuseError
 from .pattern import Pattern, Shape, shape_label
 from .progress import tuning_bar
 from .target import device_for
-from .kernel_templates import count as kernel_record_count
 from .kernel_templates import tune_kernels
 from .tune import Task, TuneStats, tune
-from .verify import build_kernel, choose, time_kernel, untuned
+from .verify import build_kernel, choose, device_measure, time_kernel, untuned
 
 
 @dataclasses.dataclass
@@ -53,7 +52,7 @@ def summarize(job: Job, db: TuningDatabase, target: Target, *, space: str, stats
         untuned_secs = time_kernel(job, build_kernel(untuned(job.func, target)[0].mod, target), dev, repeat)
     except ValueError:  # no dlight rule schedules it on this GPU
         untuned_secs = None
-    valid, total = (a + b for a, b in zip(db.count(job.func), kernel_record_count(job, db)))
+    valid, total = db.count_kernel(job)
     row = {
         "pattern": job.pattern.name, "shape": shape_label(job.shape), "dtype": job.dtype, "space": space,
         "trials": stats.trials.get(index, 0) if stats else 0, "records": total, "valid_records": valid,
@@ -96,7 +95,9 @@ def tune_jobs(jobs: list[Job], target: Target, db: TuningDatabase, *, trials: in
         # Kernel templates' spaces (the template space's other kind): up to ``trials`` configs each,
         # measured on this host's device.
         if space != "generic":
-            add_kernel_trials(stats, tune_kernels(jobs, target, db, trials=trials, on_phase=on_phase))
+            dev = device_for(target)
+            add_kernel_trials(stats, tune_kernels(jobs, target, db, trials=trials, dev=dev, measure=device_measure(dev),
+                                                  on_phase=on_phase))
     rows = []
     for index, job in enumerate(jobs):
         rows.append(summarize(job, db, target, space=space, stats=stats, index=index))

@@ -1,6 +1,6 @@
 """The one path from a kernel to what runs, for ``tune``, ``build`` and ``compare`` alike: its
-default schedules, building it, the numerical check every schedule passes before it is used, and
-the choice between the best checked record and the checked default.
+default schedules, the numerical check every schedule passes before it is used, and the choice
+between the best checked record and the checked default, with the kernel's records counted.
 
 A kernel here is anything with ``name``, ``func`` (the PrimFunc its schedules are made of),
 ``workload`` (what its tuning records are filed under) and ``pattern``, ``shape``, ``dtype`` (None
@@ -15,8 +15,9 @@ for a kernel no pattern made): a pattern workload (``tune_patterns.Job``) or a m
   where none applies or passes its check, the TensorIR as written.
 - What TVM runs as shipped (``stock``: the tvm-untuned and tvm-auto baselines): dlight on a GPU,
   the TensorIR as written on a CPU, built without ``fast_math``.
-- Building (``build_kernel``, and ``fast_math`` for a model): on a CPU, float32 exp/erf/tanh/
-  sigmoid calls become the vectorisable polynomials of ``search_spaces.lib.tir_math``.
+- Building (``autofuse.building``: ``build_kernel``, and ``fast_math`` for a model): on a CPU,
+  float32 exp/erf/tanh/sigmoid calls become the vectorisable polynomials of
+  ``search_spaces.lib.tir_math``.
 - The check: a pattern kernel against the pattern's numpy reference; any other kernel against what
   TVM runs for it as shipped, built with libm's math, on seeded data (reordered float sums and the
   polynomials differ a little); both by ``autofuse.accuracy.compare`` at the bound of the dtype
@@ -26,6 +27,7 @@ for a kernel no pattern made): a pattern workload (``tune_patterns.Job``) or a m
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from collections.abc import Callable
 from typing import Protocol
@@ -36,12 +38,12 @@ from tvm.target import Target
 
 from .accuracy import Check, compare, reduction_length
 from . import kernel_templates
+from .building import build_kernel
 from .database import TuningDatabase
-from .measure import empty_outputs, param_arrays, run_on, time_function, to_device
+from .measure import empty_outputs, param_arrays, run_on, time_function, timer_for, to_device
 from .pattern import DLIGHT, Pattern, Shape, Template
 
 from search_spaces.lib import cpu_rules  # noqa: E402 (the schedule library, no pattern)
-from search_spaces.lib.tir_math import fast_math as _fast_math  # noqa: E402
 
 # The untuned default of a CPU kernel, tried in order (each a dlight-shaped rule).
 CPU_RULES = tuple(Template(name, fn, target_kinds=("llvm",)) for name, fn in cpu_rules.RULES)
@@ -62,20 +64,6 @@ class Kernel(Protocol):
     pattern: Pattern | None
     shape: Shape | None
     dtype: str | None
-
-
-def fast_math(mod, target: Target):
-    """``mod`` as autofuse builds it for ``target``: on a CPU, the vectorisable polynomials in
-    place of libm's exp/erf/tanh/sigmoid (``search_spaces.lib.tir_math.fast_math``)."""
-    return _fast_math(mod) if target.kind.name == "llvm" else mod
-
-
-def build_kernel(mod: tvm.IRModule | tirx.PrimFunc, target: Target, *, stock: bool = False):
-    """A kernel template's kernel goes through the tirx pipeline, everything else through s_tir.
-    ``stock``: as TVM builds it (libm's math): references and the TVM baselines."""
-    if kernel_templates.has_tirx(mod):
-        return kernel_templates.build_tirx(mod, target)
-    return tvm.tirx.build(mod if stock else fast_math(mod, target), target=target)
 
 
 def stock_default(func: tirx.PrimFunc, target: Target) -> s_tir.Schedule:
@@ -185,6 +173,39 @@ def time_kernel(kernel: Kernel, rt, dev, repeat: int = 10, min_repeat_ms: int = 
     return time_function(rt, args, dev, repeat=repeat, min_repeat_ms=min_repeat_ms).median_secs
 
 
+def measure_on_device(job, rt, dev, timer=None, repeat: int = 20) -> tuple[bool, str, list]:
+    """Check ``rt`` (a kernel of ``job``'s pattern) against the reference; when it passes, time it
+    on the pattern's seeded inputs with compare's timer (``measure.timer_for``: CUDA events after an
+    L2 flush on a GPU, TVM's launches on torch's stream)."""
+    result = check_module(job.pattern, rt, job.func, job.shape, job.dtype, dev)
+    message = result.message or f"max abs error {result.max_abs_err:.2g}"
+    if not result.ok:
+        return False, message, []
+    args = (to_device(job.pattern.make_inputs(job.shape, job.dtype, 0), dev)
+            + empty_outputs(job.pattern.output_specs(job.func), dev))
+    timer = timer if timer is not None else timer_for(dev)
+    with _torch_stream(dev):
+        timing = timer.time(lambda: rt(*args), dev.sync, repeat=repeat)
+    return True, message, [float(s) for s in timing.samples_secs]
+
+
+@contextlib.contextmanager
+def _torch_stream(dev):
+    if dev.dlpack_device_type() != 2:  # kDLCUDA
+        yield
+        return
+    import tvm_ffi
+    with tvm_ffi.use_torch_stream():
+        yield
+
+
+def device_measure(dev):
+    """``kernel_templates.tune_kernels``' measure on ``dev`` (``measure_on_device``), its timer made
+    now: a missing torch is the user's to fix before any trial, not a failed record."""
+    timer = timer_for(dev)
+    return lambda job, rt, dev_: measure_on_device(job, rt, dev_, timer)
+
+
 @dataclasses.dataclass
 class Choice:
     """What runs for a kernel."""
@@ -204,6 +225,10 @@ class Choice:
     # for a record).
     knobs: dict | None = None
     default_source: str | None = None  # the checked default's source, also when a record won
+    # The kernel's tuning records in the database, of both kinds: all (failed trials included), and
+    # those that passed their check.
+    records: int = 0
+    valid_records: int = 0
 
     @property
     def is_record(self) -> bool:
@@ -224,27 +249,32 @@ def choose(kernel: Kernel, db: TuningDatabase | None, target: Target, dev, *, de
     when nothing may run, and one line per candidate not used."""
     check = checker(kernel, target, dev, stock) if dev is not None else None
     records, rejected = [], []
+    valid, total = 0, 0
     if db is not None:
         if check is None:
             raise ValueError("records are only used after their check, which needs a device")
         chosen, rejected = db.best(kernel.workload, check)
+        valid, total = db.count_kernel(kernel)
         if chosen is not None:
             records.append(Choice(chosen.schedule.mod, chosen.source, chosen.record.trace,
                                   record_source=chosen.source))
-        # A kernel record was checked when it was measured (its verdict is in the record).
-        found, module, passed_over = kernel_templates.best_record(kernel, db, target)
-        rejected = rejected + passed_over
-        if found is not None:
-            records.append(Choice(module, found.source, None, record_source=found.source, knobs=found.knobs))
+    # A kernel record was checked when it was measured (its verdict is in the record).
+    offered = kernel_templates.candidates(kernel, db, target)
+    rejected = rejected + offered.rejected
+    if offered.record is not None:
+        records.append(Choice(offered.module, offered.record.source, None, record_source=offered.record.source,
+                              knobs=offered.record.knobs))
     notes: list[str] = []
-    default = _checked_default(kernel, target, check, fallback, stock, notes) if defaults else None
+    default = _checked_default(kernel, offered, target, check, fallback, stock, notes) if defaults else None
     rejected = rejected + notes
     if default is not None:
         default.notes = notes
         default.default_source = default.source
     candidates = records + ([default] if default is not None else [])
-    if len(candidates) <= 1:
-        return (candidates[0] if candidates else None), rejected
+    if not candidates:
+        return None, rejected
+    if len(candidates) == 1:
+        return dataclasses.replace(candidates[0], records=total, valid_records=valid), rejected
     for candidate in candidates:
         candidate.secs = time_kernel(kernel, build_kernel(candidate.mod, target, stock=stock), dev, repeat,
                                      min_repeat_ms)
@@ -252,19 +282,21 @@ def choose(kernel: Kernel, db: TuningDatabase | None, target: Target, dev, *, de
     winner = record if default is None or record.secs <= default.secs else default
     return dataclasses.replace(winner, record_source=record.source, record_secs=record.secs,
                                default_secs=default.secs if default is not None else None,
-                               default_source=default.source if default is not None else None), rejected
+                               default_source=default.source if default is not None else None,
+                               records=total, valid_records=valid), rejected
 
 
-def _checked_default(kernel: Kernel, target: Target, check: CheckFn | None, fallback: bool, stock: bool,
-                     notes: list[str]) -> Choice | None:
+def _checked_default(kernel: Kernel, offered: kernel_templates.Candidates, target: Target, check: CheckFn | None,
+                     fallback: bool, stock: bool, notes: list[str]) -> Choice | None:
     """The first default schedule that applies and passes ``check``; each one passed over is
-    said in ``notes``. A kernel template that applies comes before the schedule rules."""
-    for template, knobs, mod in kernel_templates.default_choices(kernel, target):
+    said in ``notes``. The pattern's (``offered``) come first: a kernel template that applies at its
+    default knobs, then the schedule rules."""
+    for template, knobs, mod in offered.defaults:
         ok, message = check(mod) if check is not None else (True, "")
         if ok:
             return Choice(mod, TEMPLATE_DEFAULT, None, knobs=knobs)
         notes.append(f"template default failed the numerical check ({template.name}): {message}")
-    templates = kernel.pattern.templates_for(target) if kernel.pattern is not None else []
+    templates = offered.rules
     for template in templates:
         try:
             sch = template.apply(kernel.func, target, tunable=False)

@@ -242,7 +242,7 @@ def test_onnx_graph_marks_every_contender_running_the_graph(tmp_path):
 # --- provenance --------------------------------------------------------------------------------
 
 def test_the_commit_comes_from_the_flag_the_environment_or_this_checkout_never_a_guess(tmp_path, monkeypatch):
-    from autofuse import compare
+    from autofuse import compare, provenance
     from autofuse.errors import AutofuseError
 
     monkeypatch.setenv("AUTOFUSE_COMMIT", "ABCDEF1234")
@@ -255,7 +255,7 @@ def test_the_commit_comes_from_the_flag_the_environment_or_this_checkout_never_a
     outer = tmp_path / "outer"
     (outer / "copy").mkdir(parents=True)
     subprocess.run(["git", "init", "-q", str(outer)], check=True)
-    monkeypatch.setattr(compare, "ROOT", str(outer / "copy"))
+    monkeypatch.setattr(provenance, "ROOT", str(outer / "copy"))
     assert compare.code_commit()["commit"] == "unknown"
 
 

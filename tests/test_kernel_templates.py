@@ -15,6 +15,7 @@ import tvm
 from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 
+from autofuse import building as B
 from autofuse import kernel_templates as K
 from autofuse import verify
 from autofuse.database import TuningDatabase, check_folder, compact_folder
@@ -22,7 +23,7 @@ from autofuse.model import build as model_build
 from autofuse.model.fusion import PATTERN_ATTR
 from autofuse.model.jobs import prepare
 from autofuse.model.kernels import apply_database, kernels
-from autofuse.pattern import KernelTemplate, Template
+from autofuse.pattern import Template
 from autofuse.registry import get_pattern
 from autofuse.target import parse_target
 from autofuse.tune_patterns import Job
@@ -32,7 +33,7 @@ H200 = parse_target("h200")
 LLVM = parse_target("llvm")
 PATTERN = get_pattern("linear_bias_relu")
 SHAPE = {"m": 256, "n": 256, "k": 256}
-WGMMA = next(t for t in PATTERN.templates if isinstance(t, KernelTemplate))
+WGMMA = next(t for t in PATTERN.templates if isinstance(t, K.KernelTemplate))
 
 
 def _source(mod) -> str:
@@ -53,11 +54,11 @@ def test_configs_enumerate_default_first():
 
 
 def test_where_the_kernel_template_applies():
-    assert PATTERN.kernel_templates_for(SHAPE, "float16", H200) == [WGMMA]
-    assert PATTERN.kernel_templates_for(SHAPE, "bfloat16", H200) == [WGMMA]
-    assert PATTERN.kernel_templates_for(SHAPE, "float32", H200) == []          # wgmma: half types only
-    assert PATTERN.kernel_templates_for(PATTERN.small_shape(), "float16", H200) == []   # m=16: no tile fits
-    assert PATTERN.kernel_templates_for(SHAPE, "float16", LLVM) == []
+    assert K.kernel_templates_for(PATTERN, SHAPE, "float16", H200) == [WGMMA]
+    assert K.kernel_templates_for(PATTERN, SHAPE, "bfloat16", H200) == [WGMMA]
+    assert K.kernel_templates_for(PATTERN, SHAPE, "float32", H200) == []          # wgmma: half types only
+    assert K.kernel_templates_for(PATTERN, PATTERN.small_shape(), "float16", H200) == []   # m=16: no tile fits
+    assert K.kernel_templates_for(PATTERN, SHAPE, "float16", LLVM) == []
     assert not WGMMA.applies(SHAPE, "float16", parse_target('{"kind": "cuda", "arch": "sm_80"}'))
     # the schedule rules stay what MetaSchedule searches, CUDA's listed after the kernel template
     cuda = [t for t in PATTERN.templates if t.target_kinds == ("cuda",)]
@@ -68,9 +69,9 @@ def test_where_the_kernel_template_applies():
 
 def test_the_kernel_builds_for_sm90a_through_the_tirx_pipeline():
     func = K.build_cached(PATTERN, WGMMA, SHAPE, "float16", W.DEFAULT_KNOBS)
-    assert K.is_tirx(func) and func.attrs["global_symbol"] == "gemm_bias_relu"
-    assert str(K.tirx_target(K.kernel_module(func), H200).attrs["arch"]) == "sm_90a"
-    source = _source(K.kernel_module(func))
+    assert B.is_tirx(func) and func.attrs["global_symbol"] == "gemm_bias_relu"
+    assert str(B.tirx_target(B.kernel_module(func), H200).attrs["arch"]) == "sm_90a"
+    source = _source(B.kernel_module(func))
     assert "wgmma_f16_ss_mma_async_sync_aligned_m64n256k16_f32_f16_f16" in source
 
 
@@ -141,20 +142,20 @@ def test_records_replay_to_the_same_source(tuned):
         replayed = K.replay(record)
         fresh = W.gemm_bias_act(SHAPE, "float16", record.knobs, "relu")  # built anew, not from a cache
         assert K.func_hash(replayed) == record.func_hash == K.func_hash(WGMMA.build(SHAPE, "float16", record.knobs))
-        source = _source(K.kernel_module(replayed))
-        assert source == _source(K.kernel_module(fresh.with_attrs(dict(replayed.attrs))))
+        source = _source(B.kernel_module(replayed))
+        assert source == _source(B.kernel_module(fresh.with_attrs(dict(replayed.attrs))))
         assert f"m64n{record.knobs['block_n']}k16" in source
 
 
 def test_best_record_is_the_fastest_checked_one(tuned):
     _, db = tuned
-    record, module, rejected = K.best_record(Job(PATTERN, SHAPE, "float16"), db, H200)
-    assert record.secs == min(r.secs for r in db.kernels.all() if r.ok)
-    assert K.is_tirx(module["main"])
-    assert len(rejected) == 1 and "1 kernel record(s) failed the numerical check" in rejected[0]
+    found = K.candidates(Job(PATTERN, SHAPE, "float16"), db, H200)
+    assert found.record.secs == min(r.secs for r in db.kernels.all() if r.ok)
+    assert B.is_tirx(found.module["main"])
+    assert len(found.rejected) == 1 and "1 kernel record(s) failed the numerical check" in found.rejected[0]
     # another dtype, shape or target has none
-    assert K.best_record(Job(PATTERN, SHAPE, "bfloat16"), db, H200)[0] is None
-    assert K.best_record(Job(PATTERN, SHAPE, "float16"), db, LLVM)[0] is None
+    assert K.candidates(Job(PATTERN, SHAPE, "bfloat16"), db, H200).record is None
+    assert K.candidates(Job(PATTERN, SHAPE, "float16"), db, LLVM).record is None
 
 
 def test_a_crash_is_recorded_and_stops_the_search(tmp_path):
@@ -174,14 +175,14 @@ def test_the_device_measure_checks_then_times():
     import numpy as np
     job = Job(PATTERN, PATTERN.small_shape(), "float32")
     rt = verify.build_kernel(verify.default_schedule(job.func, LLVM, PATTERN).mod, LLVM)
-    ok, message, secs = K.measure_on_device(job, rt, tvm.cpu(), repeat=3)
+    ok, message, secs = verify.measure_on_device(job, rt, tvm.cpu(), repeat=3)
     assert ok and len(secs) == 3 and all(s > 0 for s in secs), message
 
     def wrong(*args):
         rt(*args)
         args[-1].copyfrom(np.zeros(args[-1].shape, "float32"))
 
-    ok, message, secs = K.measure_on_device(job, wrong, tvm.cpu())
+    ok, message, secs = verify.measure_on_device(job, wrong, tvm.cpu())
     assert not ok and secs == []
 
 
@@ -254,7 +255,7 @@ def stand_in_gpu(monkeypatch):
 
     def key(mod):
         func = mod["main"]
-        return K.func_hash(func) if K.is_tirx(func) else "stir"
+        return K.func_hash(func) if B.is_tirx(func) else "stir"
 
     monkeypatch.setattr(verify, "checker", lambda *args, **kwargs: lambda sch: (True, ""))
     monkeypatch.setattr(verify, "build_kernel", lambda mod, target, **kwargs: mod)
@@ -289,9 +290,9 @@ def test_never_worse_between_the_two_kinds_and_the_default(fastest, tmp_path, st
     assert choice.record_secs == min(secs[:2]) * 1e-3
     assert choice.record_source == ("kernel:cuda_wgmma" if secs[0] < secs[1] else "template:cuda_tiled_epilogue")
     if fastest == "kernel record":
-        assert choice.knobs == OTHER and K.is_tirx(choice.mod["main"])
+        assert choice.knobs == OTHER and B.is_tirx(choice.mod["main"])
     if fastest == "default":
-        assert choice.knobs == W.DEFAULT_KNOBS and K.is_tirx(choice.mod["main"])
+        assert choice.knobs == W.DEFAULT_KNOBS and B.is_tirx(choice.mod["main"])
     assert any("failed the numerical check" in line for line in rejected)
 
 
@@ -307,10 +308,10 @@ def test_a_stale_kernel_record_is_skipped(tmp_path, stand_in_gpu):
 
 def test_defaults_without_a_device():
     half, _ = verify.choose(Job(PATTERN, SHAPE, "float16"), None, H200, None)
-    assert half.source == verify.TEMPLATE_DEFAULT and half.knobs == W.DEFAULT_KNOBS and K.is_tirx(half.mod["main"])
+    assert half.source == verify.TEMPLATE_DEFAULT and half.knobs == W.DEFAULT_KNOBS and B.is_tirx(half.mod["main"])
     assert "wgmma" in _source(half.mod)
     single, _ = verify.choose(Job(PATTERN, SHAPE, "float32"), None, H200, None)
-    assert single.knobs is None and not K.has_tirx(single.mod)  # cuda_tiled_epilogue
+    assert single.knobs is None and not B.has_tirx(single.mod)  # cuda_tiled_epilogue
 
 
 # --- a model ------------------------------------------------------------------------------------
@@ -324,9 +325,9 @@ def test_a_float16_model_builds_for_h200_with_the_mixed_pipeline(tmp_path):
     (decision,) = [d for d in decisions if d.pattern == "linear_bias_relu"]
     assert decision.applied == "template-default" and "tirx kernel" in decision.note
     (kernel,) = [k for k in kernels(mod) if k.pattern is not None]  # still found as the pattern's kernel
-    assert K.is_tirx(kernel.original) and kernel.original.attrs[PATTERN_ATTR] == "linear_bias_relu"
-    options = K.relax_build_options(mod, H200)
-    assert options["tir_pipeline"] == K.MIXED_PIPELINE and str(options["target"].attrs["arch"]) == "sm_90a"
+    assert B.is_tirx(kernel.original) and kernel.original.attrs[PATTERN_ATTR] == "linear_bias_relu"
+    options = B.relax_build_options(mod, H200)
+    assert options["tir_pipeline"] == B.MIXED_PIPELINE and str(options["target"].attrs["arch"]) == "sm_90a"
     library = str(tmp_path / "model.so")
     model_build.build(mod, H200).export_library(library)
     data = open(library, "rb").read()
@@ -334,4 +335,4 @@ def test_a_float16_model_builds_for_h200_with_the_mixed_pipeline(tmp_path):
     # a float32 model has no tirx kernel: the plain build
     onnx.save(PATTERN.onnx_graph(SHAPE, "float32"), path)
     single, _ = apply_database(prepare(path, "patterns").mod, None, H200, dev=None)
-    assert K.relax_build_options(single, H200) == {"target": H200}
+    assert B.relax_build_options(single, H200) == {"target": H200}

@@ -10,6 +10,7 @@ import sys
 
 import pytest
 
+from autofuse import building as B
 from autofuse import kernel_templates as K
 from autofuse import verify
 from autofuse.database import TuningDatabase
@@ -44,18 +45,18 @@ IDS = [f"{name}-{dtype}-{'-'.join(str(v) for v in shape.values())}" for name, sh
 @pytest.mark.parametrize("name, shape, dtype", CASES, ids=IDS)
 def test_the_kernel_template_default_passes_its_check(name, shape, dtype):
     job = Job(get_pattern(name), shape, dtype)
-    (template,) = job.pattern.kernel_templates_for(shape, dtype, H200)
+    (template,) = K.kernel_templates_for(job.pattern, shape, dtype, H200)
     choice, rejected = verify.choose(job, None, H200, DEV)
     assert choice.source == verify.TEMPLATE_DEFAULT, rejected
     assert choice.knobs == template.default_for(shape, dtype), rejected  # not an S-TIR template's
-    assert K.is_tirx(choice.mod["main"])
+    assert B.is_tirx(choice.mod["main"])
 
 
 @pytest.mark.parametrize("name, shape, dtype", CASES[::2], ids=IDS[::2])
 def test_a_short_search_records_checked_configs_and_choose_is_never_worse(name, shape, dtype, tmp_path):
     db = TuningDatabase(str(tmp_path), H200)
     job = Job(get_pattern(name), shape, dtype)
-    stats = K.tune_kernels([job], H200, db, trials=3)
+    stats = K.tune_kernels([job], H200, db, trials=3, dev=DEV, measure=verify.device_measure(DEV))
     records = db.kernels.of(name, shape, dtype)
     assert stats[0].trials == len(records) == 3
     assert all(r.ok for r in records), [(r.label(), r.checked) for r in records if not r.ok]

@@ -26,7 +26,6 @@ class Autofuse:
     def _pattern(subject: Subject, ctx: Context) -> Prepared:
         from ..measure import empty_outputs, to_device
         from ..tune_patterns import Job
-        from ..kernel_templates import count
         from ..verify import build_kernel, choose
 
         job = Job(subject.pattern, subject.shape, subject.dtype)
@@ -37,11 +36,8 @@ class Autofuse:
         rt = build_kernel(choice.mod, ctx.target)  # a kernel template's tirx kernel: the tirx pipeline
         args = to_device(subject.inputs, ctx.dev)
         outs = empty_outputs(job.pattern.output_specs(job.func), ctx.dev)
-
-        valid, total = ctx.db.count(job.func) if ctx.db is not None else (0, 0)
-        kernel_valid, kernel_total = count(job, ctx.db)
-        valid, total = valid + kernel_valid, total + kernel_total
         return Prepared(lambda: rt(*args, *outs), ctx.dev.sync, lambda: [o.numpy() for o in outs],
-                        {"source": choice.source, "knobs": choice.knobs, "records": total, "valid_records": valid,
+                        {"source": choice.source, "knobs": choice.knobs, "records": choice.records,
+                         "valid_records": choice.valid_records,
                          "record_ms": choice.record_secs * 1e3 if choice.record_secs else None,
                          "rejected": rejected})

@@ -15,15 +15,13 @@ from tvm.target import Target
 
 from ..accuracy import Check, compare, reduction_length
 from ..errors import AutofuseError
-from ..kernel_templates import relax_build_options
+from ..building import fast_math, relax_build_options
 
 
 def build(mod: tvm.IRModule, target: Target, cuda_graph: bool = False, stock: bool = False):
     """``cuda_graph``: Relax's RewriteCUDAGraph captures the static parts of ``main`` into CUDA
     graphs on the first call and replays them after, one launch instead of one per kernel.
-    ``stock``: as TVM builds it; otherwise the kernels' math as ``verify.fast_math`` makes it."""
-    from ..verify import fast_math
-
+    ``stock``: as TVM builds it; otherwise the kernels' math as ``building.fast_math`` makes it."""
     if cuda_graph and target.kind.name != "cuda":
         raise AutofuseError(f"--cuda-graph needs a cuda target, not {target.kind.name}")
     config = {"relax.backend.use_cuda_graph": True} if cuda_graph else {}

@@ -18,6 +18,7 @@ from ..kernel_templates import tune_kernels
 from ..progress import tuning_bar
 from ..target import device_for
 from ..tune import TuneStats, tune
+from ..verify import device_measure
 from . import build as model_build
 from .fusion import fuse, kernel_names
 from .importer import (ImportNotes, captured_tvm_output, input_specs, load_onnx, random_feeds, random_inputs,
@@ -67,7 +68,9 @@ def tune_model(prepared: PreparedModel, target: Target, db: TuningDatabase, *, t
                      space=space, seed=seed, cost_model_path=db.cost_model_path, run_timeout=run_timeout,
                      runner=runner, on_progress=on_progress, on_phase=on_phase)
         if space != "generic":  # its pattern kernels' kernel templates, as ``tune --pattern`` searches them
-            tune_kernels(_pattern_jobs(prepared.mod), target, db, trials=trials, on_phase=on_phase)
+            dev = device_for(target)
+            tune_kernels(_pattern_jobs(prepared.mod), target, db, trials=trials, dev=dev, measure=device_measure(dev),
+                         on_phase=on_phase)
     return tasks, stats
 
 

@@ -13,7 +13,7 @@ from tvm import tirx
 from tvm.s_tir.analysis import estimate_tir_flops
 from tvm.target import Target
 
-from .. import kernel_templates
+from ..building import is_tirx
 from ..database import TuningDatabase
 from ..errors import AutofuseError
 from ..measure import param_bytes
@@ -94,12 +94,11 @@ def apply_database(mod: tvm.IRModule, db: TuningDatabase | None, target: Target,
             raise AutofuseError(f"{what} has nothing to run on {target.kind.name}: {'; '.join(rejected)}")
         if choice.source != UNSCHEDULED:  # the TensorIR as written stays as TVM lowers it
             mod[kernel.gv] = _as_kernel(choice.mod["main"], kernel)
-        records = db.count(kernel.workload)[1] + kernel_templates.count(kernel, db)[1] if db is not None else 0
-        decisions.append(_decision(kernel, choice, len(rejected) - len(choice.notes), records, db is not None))
+        decisions.append(_decision(kernel, choice, len(rejected) - len(choice.notes), db is not None))
     return mod, decisions
 
 
-def _decision(kernel: Kernel, choice, records_rejected: int, records: int, with_db: bool) -> KernelDecision:
+def _decision(kernel: Kernel, choice, records_rejected: int, with_db: bool) -> KernelDecision:
     notes = [f"{records_rejected} record(s) rejected by the numerical check"] if records_rejected else []
     if choice.record_source is None and with_db and not records_rejected:
         notes.append("no record")
@@ -113,7 +112,7 @@ def _decision(kernel: Kernel, choice, records_rejected: int, records: int, with_
     ms = (lambda secs: secs * 1e3 if secs is not None else None)
     return KernelDecision(kernel.name, kernel.pattern.name if kernel.pattern else None, applied,
                           choice.record_source, ms(choice.default_secs), ms(choice.record_secs), "; ".join(notes),
-                          records, choice.default_source)
+                          choice.records, choice.default_source)
 
 
 def _as_kernel(scheduled, kernel: Kernel):
@@ -121,7 +120,7 @@ def _as_kernel(scheduled, kernel: Kernel):
     func = scheduled.without_attr("global_symbol")
     if kernel.original.attrs and "global_symbol" in kernel.original.attrs:
         func = func.with_attr("global_symbol", kernel.original.attrs["global_symbol"])
-    if kernel_templates.is_tirx(func):  # a kernel template's kernel: still this pattern's kernel
+    if is_tirx(func):  # a kernel template's kernel: still this pattern's kernel
         for key in (PATTERN_ATTR, SHAPE_ATTR, DTYPE_ATTR, "op_pattern"):
             if key in kernel.original.attrs:
                 func = func.with_attr(key, kernel.original.attrs[key])

@@ -27,7 +27,8 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import (FLOAT_DTYPES, KernelTemplate, Pattern, RelaxRule, ShapeParam, constant_value, dtype_of,
+from autofuse.kernel_templates import KernelTemplate
+from autofuse.pattern import (FLOAT_DTYPES, Pattern, RelaxRule, ShapeParam, constant_value, dtype_of,
                               static_shape, template)
 from search_spaces.lib import cuda_attention
 from search_spaces.lib.attention import (BATCH, CUDA_LOAD_LANES, HEAD_DIM, annotate_read, attention_graph, gqa_heads,

@@ -19,7 +19,8 @@ import math
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import KernelTemplate, Pattern, ShapeParam, onnx_model, template
+from autofuse.kernel_templates import KernelTemplate
+from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
 from search_spaces.lib import cuda_attention
 from search_spaces.lib.attention import (HEAD_DIM, MAX_SEQ, cpu_softmax_tail, cuda_decode_attention, decode_vector,
                                          gqa_heads, softmax_stages)

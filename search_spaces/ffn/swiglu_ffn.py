@@ -16,7 +16,8 @@ import numpy as np
 from tvm import tirx
 from tvm.script import tirx as T
 
-from autofuse.pattern import (FLOAT_DTYPES, KernelTemplate, Pattern, RelaxRule, constant_value, dtype_of,
+from autofuse.kernel_templates import KernelTemplate
+from autofuse.pattern import (FLOAT_DTYPES, Pattern, RelaxRule, constant_value, dtype_of,
                               onnx_model, static_shape, template)
 from search_spaces.lib import cuda_wgmma
 from search_spaces.lib.cpu_gemm import schedule_gemm

@@ -17,7 +17,8 @@ reach.
 import numpy as np
 from tvm.script import tirx as T
 
-from autofuse.pattern import FLOAT_DTYPES, KernelTemplate, Pattern, RelaxRule, dtype_of, onnx_model, static_shape, template
+from autofuse.kernel_templates import KernelTemplate
+from autofuse.pattern import FLOAT_DTYPES, Pattern, RelaxRule, dtype_of, onnx_model, static_shape, template
 from search_spaces.lib import cuda_wgmma
 from search_spaces.lib.cpu_gemm import schedule_gemm
 from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_outputs_per_thread, cuda_pipeline,

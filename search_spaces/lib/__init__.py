@@ -7,7 +7,8 @@ knob, CPU register tiles), ``stages`` (the GEMM and row-sum blocks several patte
 ``cpu_gemm``, ``cuda_gemm`` and ``cuda_wgmma`` (GEMM schedules), ``attention`` and
 ``cuda_attention`` (softmax stages, attention kernels, the attention shape parameters),
 ``tirx_sequence`` (several tirx kernels as one PrimFunc), ``layernorm``, ``onnx_graphs`` (graphs
-with inputs of several dtypes, attention's nodes). A pattern imports this library and
-``autofuse.pattern``, never another pattern; the library imports no pattern, and of autofuse only
-its error type and ``autofuse.pattern`` (the shape parameters patterns share).
+with inputs of several dtypes, attention's nodes). A pattern imports this library,
+``autofuse.pattern`` and ``autofuse.kernel_templates`` (its ``KernelTemplate``), never another
+pattern; the library imports no pattern, and of autofuse only its error type and
+``autofuse.pattern`` (the shape parameters patterns share).
 """

@@ -48,7 +48,7 @@ import math
 from tvm.script import tirx as T
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
-# Where the Hopper kernels apply, as ``autofuse.pattern.KernelTemplate`` takes it: an sm_90 GPU; they
+# Where the Hopper kernels apply, as ``autofuse.kernel_templates.KernelTemplate`` takes it: an sm_90 GPU; they
 # are compiled for sm_90a (wgmma and TMA are its arch-specific instructions).
 HOPPER = {"target_kinds": ("cuda",), "archs": ("sm_90", "sm_90a"), "build_arch": "sm_90a"}
 SHARED_MEMORY_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum of dynamic shared memory

@@ -167,7 +167,7 @@ def _output_block(kernel):
 @pytest.mark.parametrize("activation", ["erf", "tanh", "sigmoid"])
 def test_a_gemm_kernel_runs_as_the_librarys_gemm_with_a_vectorised_polynomial_epilogue(graph_kernels, activation,
                                                                                       monkeypatch):
-    from autofuse.verify import fast_math
+    from autofuse.building import fast_math
     calls = []
     real = cpu_rules.schedule_gemm
     monkeypatch.setattr(cpu_rules, "schedule_gemm", lambda *a, **k: calls.append(k) or real(*a, **k))

@@ -10,9 +10,9 @@ import subprocess
 
 import pytest
 
+from autofuse import building as B
 from autofuse import kernel_templates as K
 from autofuse.measure import param_buffers
-from autofuse.pattern import KernelTemplate
 from autofuse.registry import get_pattern
 from autofuse.target import parse_target
 
@@ -49,7 +49,7 @@ LARGE = {
 
 
 def _template(name):
-    (template,) = [t for t in get_pattern(name).templates if isinstance(t, KernelTemplate)]
+    (template,) = [t for t in get_pattern(name).templates if isinstance(t, K.KernelTemplate)]
     return template
 
 
@@ -60,7 +60,7 @@ def _default(name, dtype="float16", shape=None):
 
 
 def _source(func) -> str:
-    return K.build_tirx(func, H200).imports[0].inspect_source()
+    return B.build_tirx(func, H200).imports[0].inspect_source()
 
 
 def _signature(func):
@@ -76,11 +76,11 @@ def test_where_it_applies_and_where_the_schedule_rules_take_over(name):
     pattern, template = get_pattern(name), _template(name)
     shape = CASES[name][0]
     for dtype in ("float16", "bfloat16"):
-        assert pattern.kernel_templates_for(shape, dtype, H200) == [template]
+        assert K.kernel_templates_for(pattern, shape, dtype, H200) == [template]
     for target in (A100, LLVM):
-        assert pattern.kernel_templates_for(shape, "float16", target) == []
+        assert K.kernel_templates_for(pattern, shape, "float16", target) == []
     for overrides, dtype in REFUSED[name]:
-        assert pattern.kernel_templates_for({**shape, **overrides}, dtype, H200) == [], (overrides, dtype)
+        assert K.kernel_templates_for(pattern, {**shape, **overrides}, dtype, H200) == [], (overrides, dtype)
     assert pattern.templates_for(H200), "a CUDA schedule rule stays for the shapes it refuses"
 
 
@@ -102,7 +102,7 @@ def test_the_kernel_takes_the_patterns_parameters(name):
     shape, launches, marker = CASES[name]
     for dtype in ("float16", "bfloat16"):
         func = _default(name, dtype)
-        assert K.is_tirx(func) and str(func.attrs[K.TIRX_ARCH_ATTR]) == "sm_90a"
+        assert B.is_tirx(func) and str(func.attrs[B.TIRX_ARCH_ATTR]) == "sm_90a"
         assert _signature(func) == _signature(pattern.build(shape, dtype))
     source = _source(_default(name))
     assert len(_kernels(source)) == launches
