@@ -144,8 +144,14 @@ class ArmsSearch(ms.search_strategy.PySearchStrategy):
 
     def _candidate(self, sch):
         """``sch`` after the postprocessors every sample gets, as a measure candidate; None when
-        one refuses it."""
-        sch = sch.copy()
+        one refuses it. Replayed from its trace onto the task's module: TVM 0.27's Schedule.copy
+        fails (unordered_map::at) on some schedules, int8_matmul_dequant's vnni default among them."""
+        replayed = tvm.s_tir.Schedule(self.context.mod)
+        try:
+            sch.trace.apply_to_schedule(replayed, remove_postproc=True)
+        except Exception:  # a seed that does not replay is not measured (the arms still search)
+            return None
+        sch = replayed
         if not all(post.apply(sch) for post in self.context.space_generator.postprocs):
             return None
         return ms.MeasureCandidate(sch, ms.arg_info.ArgInfo.from_entry_func(sch.mod, remove_preproc=True))

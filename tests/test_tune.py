@@ -251,3 +251,23 @@ def test_the_union_space_measures_both_arms_in_every_batch():
     for space in ("template", "generic"):
         alone = _context(Task("lbr", func, pattern.templates), space, target, ms.logging.get_logger("autofuse-test"), 1)
         assert isinstance(alone.search_strategy, ms.search_strategy.EvolutionarySearch)
+
+
+def test_the_union_measures_every_template_default_first():
+    """Each template default becomes a measure candidate, replayed from its trace: TVM 0.27's
+    Schedule.copy fails on int8_matmul_dequant's vnni default, which had ended its union search."""
+    import types
+
+    import tvm
+    from autofuse.tune import ArmsSearch, template_defaults
+
+    target = parse_target("llvm")
+    pattern = get_pattern("int8_matmul_dequant")
+    func = pattern.build(pattern.resolve_shape({}), pattern.dtypes[0])
+    seeds = template_defaults(pattern.templates_for(target, func), func, target)
+    search = ArmsSearch(seeds)
+    search.context = types.SimpleNamespace(mod=tvm.IRModule({"main": func}),
+                                           space_generator=types.SimpleNamespace(postprocs=[]))
+    candidates = [search._candidate(seed) for seed in seeds]
+    assert len(seeds) >= 2 and all(c is not None for c in candidates)
+    assert [str(c.sch.trace) for c in candidates] == [str(s.trace) for s in seeds]
