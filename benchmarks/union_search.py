@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"union_search: {err}", file=sys.stderr)
         return 2
     out = args.out or os.path.join(RESULTS, f"union-search-{target_key(target)}.json")
-    from autofuse.compare import code_commit
+    from autofuse.provenance import code_commit
     report = {"schema": SCHEMA, "code": code_commit(None), "command": ["benchmarks/union_search.py", *argv],
               "machine": machine_info(), "target": str(target), "trials": args.trials, "seeds": args.seed_list,
               "cases": []}
