@@ -24,6 +24,15 @@
 #             Everything lands in $OUT/kernels.tar.gz (the device returns at most 8 files) and the
 #             log in $OUT/kernels.log. KERNEL_STEPS (default compare,tests,model) picks the parts:
 #             compare alone takes at most 260 s
+#   parity    issue 20: the three patterns of gpu-large-float32.json timed by the old
+#             benchmarks/gpu.py (its tree at 46d2580, from OLD_TREE, default .gpuold/tree.tar.gz:
+#             `git archive 46d2580 autofuse search_spaces benchmarks/gpu.py | gzip`) and by `autofuse
+#             compare`, on one card in one call; then the float16 decoder_block (issue 23).
+#             Lands in $OUT/parity.tar.gz
+#   hopper-tune  the wgmma GEMM kernel template of linear_bias_relu (float16, 4096^3) searched
+#             (benchmarks/gpu_tune_kernels.py, every config of its space, resumable through $DB),
+#             then compared with its records against torch eager and torch.compile. Lands in
+#             $OUT/hopper-tune.tar.gz (the database included)
 # Every step has its own timeout, so a slow one cannot take the others' reports with it; a
 # compare rewrites its report.json after every pattern, so a cut one keeps what it measured.
 set -u
@@ -103,8 +112,36 @@ kernels)
     --baselines torch-eager,torch-compile --repeat 20 --report "$work/compare-decoder-block-float16"
   fi
   ;;
+parity)
+  work=$(mktemp -d) old=$(mktemp -d)
+  trap 'tar -C "$work" -czf "$OUT/parity.tar.gz" .' EXIT
+  exec > >(tee "$work/parity.log") 2>&1
+  commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  tar -C "$old" -xzf "${OLD_TREE:-.gpuold/tree.tar.gz}"
+  timeout 170 python3 "$old/benchmarks/gpu.py" --patterns linear_bias_relu,softmax_dropout,layernorm_residual \
+    --contenders autofuse,torch-eager,torch-compile --repeat 20 --shape "$LINEAR" "${ROWS[@]:0:4}" \
+    --out "$work/parity-gpu-py-float32.json"
+  timeout 170 "${COMPARE[@]}" "${commit[@]}" --db none --pattern linear_bias_relu,softmax_dropout,layernorm_residual \
+    --shape "$LINEAR" "${ROWS[@]:0:4}" --baselines torch-eager,torch-compile --repeat 20 \
+    --report "$work/parity-compare-float32"
+  models=$(mktemp -d)
+  python3 models/make_models.py --only decoder_block --dtype float16 --out "$models"
+  timeout 120 "${COMPARE[@]}" "${commit[@]}" --db none "$models/decoder_block-float16.onnx" \
+    --baselines torch-eager,torch-compile --repeat 20 --report "$work/compare-decoder-block-float16"
+  ;;
+hopper-tune)
+  work=$(mktemp -d)
+  trap 'cp -r "$DB" "$work/db"; tar -C "$work" -czf "$OUT/hopper-tune.tar.gz" .' EXIT
+  exec > >(tee "$work/hopper-tune.log") 2>&1
+  commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  GEMM=(--pattern linear_bias_relu --dtype float16 --shape m=4096,n=4096,k=4096)
+  timeout "${TUNE_SECS:-330}" python3 benchmarks/gpu_tune_kernels.py "${GEMM[@]}" "${commit[@]}" --db "$DB" \
+    --trials "${TRIALS:-48}" --out "$work/tune-linear-4096-float16.json"
+  timeout 120 "${COMPARE[@]}" "${commit[@]}" --db "$DB" "${GEMM[@]}" --baselines torch-eager,torch-compile \
+    --repeat 20 --report "$work/compare-tuned-linear-4096-float16"
+  ;;
 *)
-  echo "usage: $0 measure|tune|check|kernels" >&2
+  echo "usage: $0 measure|tune|check|kernels|parity|hopper-tune" >&2
   exit 2
   ;;
 esac
