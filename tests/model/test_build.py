@@ -137,6 +137,20 @@ def test_a_library_that_fails_verification_never_reaches_the_output_path(monkeyp
     assert sorted(os.listdir(tmp_path)) == ["m.so"], "nothing of the failed build is left behind"
 
 
+def test_the_check_bound_comes_from_the_models_own_reductions(monkeypatch, tmp_path):
+    """check_against reads the reductions of the model as imported, not of the kernels chosen for
+    it (a Hopper tirx kernel has no blocks; reading it raised in the float16 decoder_block build)."""
+    from autofuse.model import build as model_build
+
+    seen = []
+    real = model_build.check_against
+    monkeypatch.setattr(model_build, "check_against", lambda out, exp, mod: seen.append(mod) or real(out, exp, mod))
+    prepared = prepare(os.path.join(REPO, "models", "mlp.onnx"), "auto")
+    result = build_model(prepared, TARGET, None, str(tmp_path / "m.so"), repeat=1)
+    assert result.verified, result.message
+    assert seen == [prepared.mod]
+
+
 def test_a_template_default_that_fails_its_check_is_not_used_in_a_model(monkeypatch, tmp_path):
     """A deliberately broken template (the weights staged through float16) as linear_bias_relu's
     only one: each mlp kernel falls back to the untuned default (the CPU GEMM rule), the table
