@@ -212,7 +212,9 @@ def compare_markdown(report: dict) -> str:
                 lines.append(f"- {c['name']} does more work than ours (not in the ratio): {c['more_work']}")
         ours = subject["contenders"][0]
         if ours.get("info", {}).get("source"):
-            lines.append(f"- autofuse kernel from: {ours['info']['source']}")
+            info = ours["info"]
+            made_by = f" ({info['template']}, knobs {info.get('knobs')})" if info.get("template") else ""
+            lines.append(f"- autofuse kernel from: {info['source']}{made_by}")
         if subject.get("kernels"):
             lines += ["", "Per-kernel breakdown of the autofuse build:", "",
                       table(subject["kernels"], KERNEL_COLUMNS, markdown=True)]

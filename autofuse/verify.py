@@ -225,6 +225,7 @@ class Choice:
     # for a record).
     knobs: dict | None = None
     default_source: str | None = None  # the checked default's source, also when a record won
+    template: str | None = None  # the kernel template that made ``mod`` (a kernel-template default)
     # The kernel's tuning records in the database, of both kinds: all (failed trials included), and
     # those that passed their check.
     records: int = 0
@@ -294,7 +295,7 @@ def _checked_default(kernel: Kernel, offered: kernel_templates.Candidates, targe
     for template, knobs, mod in offered.defaults:
         ok, message = check(mod) if check is not None else (True, "")
         if ok:
-            return Choice(mod, TEMPLATE_DEFAULT, None, knobs=knobs)
+            return Choice(mod, TEMPLATE_DEFAULT, None, knobs=knobs, template=template.name)
         notes.append(f"template default failed the numerical check ({template.name}): {message}")
     templates = offered.rules
     for template in templates:

@@ -317,3 +317,17 @@ def test_report_markdown_shows_each_error_beside_its_time_and_labels_more_work()
     assert "invalid (3.0e-01 > 2.0e-03)" in markdown
     assert "valid up to 4.0e-03" in markdown and "torch-eager's own error 3.2e-03" in markdown
     assert "CUDA events" in markdown
+
+
+def test_report_markdown_names_the_kernel_template_that_made_our_kernel():
+    from autofuse.report import compare_markdown
+
+    ours = _row("autofuse", ms=0.5, err=6e-4)
+    ours["info"] = {"source": "template-default", "template": "cuda_wgmma_flash", "knobs": {"block_n": 128}}
+    report = {"created": "now", "machine": {"cpu_model": "Xeon"}, "device": "cuda", "threads": 16, "repeat": 20,
+              "warmup": 3, "trials_added": 0, "database": None, "code": {"commit": "abc1234", "source": "git"},
+              "command": ["autofuse", "compare"], "baselines": [], "rivals": [],
+              "subjects": [{"kind": "pattern", "name": "flash_attention", "shape": {}, "dtype": "float16",
+                            "reference": "numpy reference", "accumulation": 128, "dtype_bound": 2e-3,
+                            "bound": 2e-3, "contenders": [ours]}]}
+    assert "- autofuse kernel from: template-default (cuda_wgmma_flash, knobs {'block_n': 128})" in compare_markdown(report)

@@ -37,7 +37,8 @@ class Autofuse:
         args = to_device(subject.inputs, ctx.dev)
         outs = empty_outputs(job.pattern.output_specs(job.func), ctx.dev)
         return Prepared(lambda: rt(*args, *outs), ctx.dev.sync, lambda: [o.numpy() for o in outs],
-                        {"source": choice.source, "knobs": choice.knobs, "records": choice.records,
+                        {"source": choice.source, "template": choice.template, "knobs": choice.knobs,
+                         "records": choice.records,
                          "valid_records": choice.valid_records,
                          "record_ms": choice.record_secs * 1e3 if choice.record_secs else None,
                          "rejected": rejected})
