@@ -24,13 +24,13 @@
 #             Everything lands in $OUT/kernels.tar.gz (the device returns at most 8 files) and the
 #             log in $OUT/kernels.log. KERNEL_STEPS (default compare,tests,model) picks the parts:
 #             compare alone takes at most 260 s
-#   parity    issue 20: the three patterns of gpu-large-float32.json timed by the old
-#             benchmarks/gpu.py (its tree at 46d2580, from OLD_TREE, default .gpuold/tree.tar.gz:
-#             `git archive 46d2580 autofuse search_spaces benchmarks/gpu.py | gzip`) and by `autofuse
-#             compare`, on one card in one call; then the float16 decoder_block (issue 23).
-#             Lands in $OUT/parity.tar.gz
+#   parity    issue 20: three patterns of gpu-large2-float32.json timed by the old benchmarks/gpu.py
+#             (the code that measured it, e3eb7cd, from OLD_TREE, default .gpuold/tree.tar.gz:
+#             `git archive e3eb7cd autofuse search_spaces benchmarks/gpu.py | gzip`) and by `autofuse
+#             compare`, on one card in one call. Lands in $OUT/parity.tar.gz
 #   hopper-tune  the wgmma GEMM kernel template of linear_bias_relu (float16, 4096^3) searched
-#             (benchmarks/gpu_tune_kernels.py, every config of its space, resumable through $DB),
+#             (benchmarks/gpu_tune_kernels.py, every config of its space within TUNE_SECS, default
+#             330, resumable through $DB),
 #             then compared with its records against torch eager and torch.compile. Lands in
 #             $OUT/hopper-tune.tar.gz (the database included)
 # Every step has its own timeout, so a slow one cannot take the others' reports with it; a
@@ -124,10 +124,6 @@ parity)
   timeout 170 "${COMPARE[@]}" "${commit[@]}" --db none --pattern linear_bias_relu,softmax_dropout,layernorm_residual \
     --shape "$LINEAR" "${ROWS[@]:0:4}" --baselines torch-eager,torch-compile --repeat 20 \
     --report "$work/parity-compare-float32"
-  models=$(mktemp -d)
-  python3 models/make_models.py --only decoder_block --dtype float16 --out "$models"
-  timeout 120 "${COMPARE[@]}" "${commit[@]}" --db none "$models/decoder_block-float16.onnx" \
-    --baselines torch-eager,torch-compile --repeat 20 --report "$work/compare-decoder-block-float16"
   ;;
 hopper-tune)
   work=$(mktemp -d)
@@ -135,8 +131,8 @@ hopper-tune)
   exec > >(tee "$work/hopper-tune.log") 2>&1
   commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
   GEMM=(--pattern linear_bias_relu --dtype float16 --shape m=4096,n=4096,k=4096)
-  timeout "${TUNE_SECS:-330}" python3 benchmarks/gpu_tune_kernels.py "${GEMM[@]}" "${commit[@]}" --db "$DB" \
-    --trials "${TRIALS:-48}" --out "$work/tune-linear-4096-float16.json"
+  timeout $((${TUNE_SECS:-330} + 60)) python3 benchmarks/gpu_tune_kernels.py "${GEMM[@]}" "${commit[@]}" --db "$DB" \
+    --trials "${TRIALS:-48}" --budget-secs "${TUNE_SECS:-330}" --out "$work/tune-linear-4096-float16.json"
   timeout 120 "${COMPARE[@]}" "${commit[@]}" --db "$DB" "${GEMM[@]}" --baselines torch-eager,torch-compile \
     --repeat 20 --report "$work/compare-tuned-linear-4096-float16"
   ;;

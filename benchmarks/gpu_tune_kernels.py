@@ -8,8 +8,10 @@ and write what every configuration measured to one JSON file.
 before the kernel templates; this runs only the second part (``kernel_templates.tune_kernels``):
 each configuration is built, checked against the pattern's reference and timed on the device,
 and stored in --db's kernel records as soon as it is measured, so a later run (or ``autofuse
-compare --db``) resumes from and uses them. Records already in --db count towards the JSON.
-Without a CUDA GPU it prints one line and exits 2.
+compare --db``) resumes from and uses them. Records already in --db count towards the JSON, which
+is rewritten after every configuration; no configuration starts once --budget-secs is spent, and a
+kernel that crashes ends the search (its process's device may be unusable). Without a CUDA GPU it
+prints one line and exits 2.
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
         parents=[pattern_flags("one pattern with kernel templates", "shape parameter K=V"), db_flag()])
     parser.add_argument("--target", default="h200", help="a CUDA target (default h200)")
     parser.add_argument("--trials", type=int, default=48, help="configurations to add (default 48)")
+    parser.add_argument("--budget-secs", type=float, default=float("inf"),
+                        help="no configuration starts after this many seconds (default: no limit)")
     parser.add_argument("--out", required=True, help="results JSON")
     parser.add_argument("--commit", help="the commit of the code that runs (the GPU copy has no .git)")
     args = parser.parse_args(argv)
@@ -49,7 +53,7 @@ def run(args, argv: list[str]) -> int:
     from autofuse import kernel_templates as K
     from autofuse.database import TuningDatabase
     from autofuse.provenance import code_commit
-    from autofuse.report import gpu_info, write_json
+    from autofuse.report import gpu_info
     from autofuse.target import device_for, parse_target
     from autofuse.verify import device_measure
 
@@ -67,9 +71,35 @@ def run(args, argv: list[str]) -> int:
         raise AutofuseError("--trials must be 0 or more")
     dev = device_for(target)
     db = TuningDatabase(args.db, target)
+    measure = device_measure(dev)
+    header = {"schema": SCHEMA, "commit": code_commit(args.commit),
+              "command": shlex.join([os.path.basename(sys.argv[0]), *argv]), "machine": gpu_info(dev),
+              "pattern": job.pattern.name, "shape": dict(job.shape), "dtype": job.dtype}
     start = time.perf_counter()
-    stats = K.tune_kernels([job], target, db, trials=args.trials, dev=dev, measure=device_measure(dev),
-                           on_phase=lambda text: print(text, flush=True))
+    added = failed = 0
+    summary = _summary(db, job, header, added, failed, 0.0, args.out)
+    # One configuration per call, so the JSON follows every one and the budget is checked between them.
+    while added < args.trials and time.perf_counter() - start < args.budget_secs:
+        done = K.tune_kernels([job], target, db, trials=1, dev=dev, measure=measure,
+                              on_phase=lambda text: print(text, flush=True)).get(0)
+        if done is None:  # every configuration of the space is recorded
+            break
+        added, failed = added + done.trials, failed + done.failed
+        summary = _summary(db, job, header, added, failed, time.perf_counter() - start, args.out)
+        last = db.kernels.of(job.pattern.name, job.shape, job.dtype)[-1]
+        if last.checked.get("message", "").startswith("run failed"):
+            print(f"{last.label()} crashed; the search stops here", flush=True)
+            break
+    best = summary["best"]
+    best = f"best {best['median_ms']:.4f} ms {best['knobs']}" if best else "no valid record"
+    print(f"{job.label} {job.dtype}: {summary['records']} records ({summary['valid']} valid), {best}; wrote {args.out}")
+    return 0
+
+
+def _summary(db, job, header: dict, added: int, failed: int, secs: float, out: str) -> dict:
+    """Every record of the job in ``db`` (fastest valid first), written to ``out``."""
+    from autofuse.report import write_json
+
     rows = []
     for record in db.kernels.of(job.pattern.name, job.shape, job.dtype):
         median = statistics.median(record.run_secs) if record.ok and record.run_secs else None
@@ -77,18 +107,12 @@ def run(args, argv: list[str]) -> int:
                      "message": record.checked.get("message"), "median_ms": median and median * 1e3,
                      "samples_ms": [s * 1e3 for s in record.run_secs], "commit": record.commit,
                      "time": record.time})
-    ok = sorted((r for r in rows if r["ok"]), key=lambda r: r["median_ms"])
-    added = stats.get(0)
-    payload = {"schema": SCHEMA, "commit": code_commit(args.commit),
-               "command": shlex.join([os.path.basename(sys.argv[0]), *argv]),
-               "machine": gpu_info(dev), "pattern": job.pattern.name, "shape": dict(job.shape),
-               "dtype": job.dtype, "trials_added": added.trials if added else 0,
-               "failed_added": added.failed if added else 0, "secs": time.perf_counter() - start,
-               "records": len(rows), "valid": len(ok), "best": ok[0] if ok else None, "rows": rows}
-    write_json(args.out, payload)
-    best = f"best {ok[0]['median_ms']:.4f} ms {ok[0]['knobs']}" if ok else "no valid record"
-    print(f"{job.label} {job.dtype}: {len(rows)} records ({len(ok)} valid), {best}; wrote {args.out}")
-    return 0
+    rows.sort(key=lambda r: (not r["ok"], r["median_ms"] or 0.0))
+    valid = [r for r in rows if r["ok"]]
+    payload = {**header, "trials_added": added, "failed_added": failed, "secs": secs, "records": len(rows),
+               "valid": len(valid), "best": valid[0] if valid else None, "rows": rows}
+    write_json(out, payload)
+    return payload
 
 
 if __name__ == "__main__":
