@@ -16,14 +16,15 @@
 #             large shapes, then compared
 #   check     XLA on the GPU on the patterns it gained ops for; the templates changed since
 #             (uneven rows, padded keys); attention against torch SDPA
-#   kernels   the Hopper kernel templates (issues 22, 23), at most 8 minutes: compare in float16 of
+#   kernels   the Hopper kernel templates (issues 22, 23), at most 9.5 minutes: compare in float16 of
 #             linear_bias_relu 4096^3, swiglu_ffn 4096 x 4096 x 11008, flash_attention B8 H16
 #             S2048 D128 and gqa_decode_attention (batch 16, 32/8 heads, D128, cache 4000 of 4096)
-#             against torch eager, torch.compile and SDPA; their GPU tests
-#             (tests/test_kernel_templates_gpu.py); the float16 decoder_block against torch.compile.
-#             Everything lands in $OUT/kernels.tar.gz (the device returns at most 8 files) and the
-#             log in $OUT/kernels.log. KERNEL_STEPS (default compare,tests,model) picks the parts:
-#             compare alone takes at most 260 s
+#             against torch eager, torch.compile and SDPA, and int8_matmul_dequant 4096^3 (in its
+#             dtype, float32, so a compare of its own) against torch eager (cuBLAS int8) and
+#             torch.compile; their GPU tests (tests/test_kernel_templates_gpu.py); the float16
+#             decoder_block against torch.compile. Everything lands in $OUT/kernels.tar.gz (the
+#             device returns at most 8 files) and the log in $OUT/kernels.log. KERNEL_STEPS
+#             (default compare,tests,model) picks the parts: compare alone takes at most 330 s
 #   parity    issue 20: three patterns of gpu-large2-float32.json timed by the old benchmarks/gpu.py
 #             (the code that measured it, e3eb7cd, from OLD_TREE, default .gpuold/tree.tar.gz:
 #             `git archive e3eb7cd autofuse search_spaces benchmarks/gpu.py | gzip`) and by `autofuse
@@ -96,13 +97,16 @@ kernels)
   timeout 130 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern linear_bias_relu,swiglu_ffn \
     --shape linear_bias_relu:m=4096,n=4096,k=4096 --shape swiglu_ffn:tokens=4096,hidden=4096,inter=11008 \
     --baselines torch-eager,torch-compile,torch-sdpa --repeat 10 --report "$work/compare-kernels-gemm-float16"
+  timeout 70 "${COMPARE[@]}" "${commit[@]}" --db none --pattern int8_matmul_dequant \
+    --shape int8_matmul_dequant:m=4096,n=4096,k=4096 \
+    --baselines torch-eager,torch-compile --repeat 10 --report "$work/compare-kernels-gemm-int8-float32"
   timeout 130 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern flash_attention,gqa_decode_attention \
     --shape flash_attention:batch=8,heads=16,kv_heads=16,seq_q=2048,seq_kv=2048,head_dim=128,causal=0 \
     --shape gqa_decode_attention:batch=16,num_heads=32,num_kv_heads=8,head_dim=128,max_seq=4096,cache_len=4000 \
     --baselines torch-eager,torch-compile,torch-sdpa --repeat 10 --report "$work/compare-kernels-attention-float16"
   fi
   if [[ $steps == *,tests,* ]]; then
-  timeout 140 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_kernel_templates_gpu.py --durations=20 \
+  timeout 150 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_kernel_templates_gpu.py --durations=20 \
     --junitxml="$work/kernel-templates-gpu.xml"
   fi
   if [[ $steps == *,model,* ]]; then

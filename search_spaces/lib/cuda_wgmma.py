@@ -1,5 +1,5 @@
-"""Hopper (sm_90a) tensor-core GEMM kernels: C = act(A @ B^T + bias), the SwiGLU pair, and a GEMM
-with an elementwise epilogue on a residual.
+"""Hopper (sm_90a) tensor-core GEMM kernels: C = act(A @ B^T + bias), the SwiGLU pair, a GEMM
+with an elementwise epilogue on a residual, and an int8 GEMM with a dequantising epilogue.
 
 TVM 0.27's schedule primitives reach the H200's tensor cores only through WMMA / mma.sync, far from
 cuBLAS; the H200 needs TMA bulk copies into swizzled shared memory, mbarrier rings and asynchronous
@@ -24,8 +24,8 @@ The epilogue (bias, activation, cast) runs on the accumulator registers and stor
 
 Knobs (``KNOBS``; ``DEFAULT_KNOBS`` is the configuration measured best at 4096^3 on the H200):
 ``block_n`` BN (64, 128 or 256: the wgmma N), ``warpgroups`` (1 or 2: BM 64 or 128), ``stages`` (ring
-depth, 2-5), ``block_k`` BK (64 only: one 128-byte swizzle row of 2-byte elements per TMA box),
-``wait_depth`` (0 or 1). A configuration needs M % BM == N % BN == K % BK == 0 and at most
+depth, 2-5; 2-7 for int8), ``block_k`` BK (64 only: one 128-byte swizzle row of 2-byte elements per
+TMA box; 128 for int8), ``wait_depth`` (0 or 1). A configuration needs M % BM == N % BN == K % BK == 0 and at most
 ``SHARED_MEMORY_LIMIT`` bytes of shared memory; anything else raises ValueError (callers fall back).
 
 ``swiglu`` computes out = silu(A @ Wg^T) * (A @ Wu^T): both weight tiles of a slice share the A tile
@@ -36,6 +36,14 @@ and its barrier, and each warpgroup issues two wgmmas per k step into two accumu
 default, or any float32 expression of the accumulator, R's element and its (row, column) (a down
 projection's dropout mask and residual, say).
 
+``gemm_int8_dequant`` is the kernel on int8 operands (a quantised linear layer): y = [relu](float32(
+x_q @ w_q^T) * (x_scale * w_scale) + b), y float32. A 128-byte swizzle row is then 128 elements (BK
+128, ``INT8_KNOBS``), a k step of ``wgmma ... m64nNk32.s32.s8.s8`` is 32 elements (still 32 bytes
+along the descriptors), and the accumulators are int32 in uint32 registers, read as int32 by the
+epilogue. int8 wgmma reads both operands K-major (no transpose flag), so B is (N, K) only. TVM
+0.27 registers the s8 wgmma up to N 224, so a BN 256 tile issues two m64n128k32 per k step, into
+the two halves of the accumulators (the m64n256 fragment's column order).
+
 Functions carry ``autofuse.tirx`` = True (a mixed Relax pipeline sends them through the tirx
 lowering) and ``tirx.is_scheduled`` = True (dlight leaves them alone).
 """
@@ -45,6 +53,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import tvm
 from tvm.script import tirx as T
 
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -58,9 +67,18 @@ KNOBS = {"block_n": (64, 128, 256), "warpgroups": (1, 2), "stages": (2, 3, 4, 5)
 DEFAULT_KNOBS = {"block_n": 256, "warpgroups": 2, "stages": 4, "block_k": 64, "wait_depth": 1}
 SWIGLU_KNOBS = {**KNOBS, "block_n": (64, 128)}
 SWIGLU_DEFAULT_KNOBS = {**DEFAULT_KNOBS, "block_n": 128}
+# int8 operands: a 128-byte swizzle row is 128 elements, so BK 128; a slot of the 128 x 256 tile is
+# then 48 KiB as in float16, and the deeper rings fit only the smaller tiles
+INT8_KNOBS = {**KNOBS, "stages": (2, 3, 4, 5, 6, 7), "block_k": (128,)}
+INT8_DEFAULT_KNOBS = {**DEFAULT_KNOBS, "block_k": 128}
 
-# wgmma operand type per storage dtype
+# wgmma operand type per storage dtype: the float kernels', and the int8 GEMM's
 DTYPES = {"float16": "f16", "bfloat16": "bf16"}
+INT8_DTYPES = {"int8": "s8"}
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "int8": 1}
+# The widest N of TVM 0.27's s8 wgmma (its table, ``_WGMMA_N_S8``, stops at 224 although ptxas takes
+# 256): a BN 256 int8 tile is two m64n128k32 per k step, side by side in the accumulators.
+_INT8_MMA_N_MAX = 224
 # How B is stored: "nk" (N, K), K-major, a linear layer's W; "kn" (K, N), N-major, W as x @ W takes it.
 B_LAYOUTS = ("nk", "kn")
 
@@ -105,20 +123,21 @@ def tile_shape(knobs: dict) -> tuple[int, int, int]:
 
 
 def shared_memory_bytes(knobs: dict, dtype: str = "float16", weights: int = 1) -> int:
-    """Dynamic shared memory of a configuration: the ring of A and ``weights`` B tiles, plus a
-    barrier per slot."""
+    """Dynamic shared memory of a configuration: the ring of A and ``weights`` B tiles of ``dtype``
+    operands, plus a barrier per slot."""
     bm, bn, bk = tile_shape(knobs)
-    itemsize = 2  # both DTYPES
-    return knobs["stages"] * ((bm + weights * bn) * bk * itemsize + 8)
+    return knobs["stages"] * ((bm + weights * bn) * bk * _ITEMSIZE[dtype] + 8)
 
 
 def check(shape: dict, dtype: str, knobs: dict | None = None, *, space: dict = KNOBS,
-          default: dict = DEFAULT_KNOBS, weights: int = 1) -> tuple[int, int, int, dict]:
-    """(m, n, k, resolved knobs) when the kernel can compute ``shape`` ({"m", "n", "k"}) in
-    ``dtype`` with ``knobs``; ValueError saying why not otherwise."""
-    if dtype not in DTYPES:
-        raise ValueError(f"wgmma kernels take {' or '.join(DTYPES)}, not {dtype}")
+          default: dict = DEFAULT_KNOBS, weights: int = 1, dtypes: dict = DTYPES) -> tuple[int, int, int, dict]:
+    """(m, n, k, resolved knobs) when the kernel can compute ``shape`` ({"m", "n", "k"}) with
+    operands in ``dtype`` (one of ``dtypes``) and ``knobs``; ValueError saying why not otherwise."""
+    if dtype not in dtypes:
+        raise ValueError(f"wgmma kernels take {' or '.join(dtypes)}, not {dtype}")
     knobs = resolve_knobs(knobs, space, default)
+    if knobs["block_k"] * _ITEMSIZE[dtype] != 128:
+        raise ValueError(f"block_k={knobs['block_k']} of {dtype} is not one 128-byte swizzle row")
     try:
         m, n, k = (int(shape[key]) for key in ("m", "n", "k"))
     except (KeyError, TypeError):
@@ -138,26 +157,27 @@ def check(shape: dict, dtype: str, knobs: dict | None = None, *, space: dict = K
 
 
 def configs(shape: dict, dtype: str, space: dict = KNOBS, default: dict = DEFAULT_KNOBS,
-            weights: int = 1) -> list[dict]:
+            weights: int = 1, dtypes: dict = DTYPES) -> list[dict]:
     """Every configuration of ``space`` that ``check`` accepts for ``shape``, in product order."""
     out = []
     for values in itertools.product(*space.values()):
         knobs = dict(zip(space, values))
         try:
-            check(shape, dtype, knobs, space=space, default=default, weights=weights)
+            check(shape, dtype, knobs, space=space, default=default, weights=weights, dtypes=dtypes)
         except ValueError:
             continue
         out.append(knobs)
     return out
 
 
-def _tensor_map_args(rows: int, cols: int, box_rows: int, box_cols: int) -> list[int]:
+def _tensor_map_args(rows: int, cols: int, box_rows: int, box_cols: int, itemsize: int = 2) -> list[int]:
     """cuTensorMapEncodeTiled's arguments after (map, dtype, rank, pointer) for a row-major
-    (rows, cols) 2-byte matrix read in (box_rows, box_cols) boxes: dims and box innermost first."""
-    return [cols, rows, cols * 2, box_cols, box_rows, 1, 1, 0, _SWIZZLE_128B, 0, 0]
+    (rows, cols) matrix of ``itemsize``-byte elements read in (box_rows, box_cols) boxes: dims and
+    box innermost first."""
+    return [cols, rows, cols * itemsize, box_cols, box_rows, 1, 1, 0, _SWIZZLE_128B, 0, 0]
 
 
-def _b_operand(n: int, k: int, knobs: dict, weights: int, b_layout: str):
+def _b_operand(n: int, k: int, knobs: dict, weights: int, b_layout: str, itemsize: int = 2):
     """(shape of the B ring in shared memory, tensor-map arguments of one weight, the wgmma
     descriptor's leading byte offset in 16-byte units, transpose flag) for B stored as
     ``b_layout``. "nk": one BN x BK box per weight and slot, K-major (offset unused: 1). "kn": BN/64
@@ -167,7 +187,7 @@ def _b_operand(n: int, k: int, knobs: dict, weights: int, b_layout: str):
         raise ValueError(f"b_layout {b_layout!r} is not one of {', '.join(B_LAYOUTS)}")
     _, bn, bk = tile_shape(knobs)
     if b_layout == "nk":
-        return (knobs["stages"], weights * bn, bk), _tensor_map_args(n, k, bn, bk), 1, 0
+        return (knobs["stages"], weights * bn, bk), _tensor_map_args(n, k, bn, bk, itemsize), 1, 0
     return (knobs["stages"], weights * bn // 64, bk, 64), _tensor_map_args(k, n, bk, 64), bk * 64 * 2 // 16, 1
 
 
@@ -185,20 +205,25 @@ def _main_loop():
         for s in T.unroll(PROLOGUE):
             _load_slice(s, s)
     for i in T.serial(NACC):
-        acc[i] = T.float32(0)
+        acc[i] = ACC_ZERO
         if TWO_WEIGHTS:
-            acc_up[i] = T.float32(0)
+            acc_up[i] = ACC_ZERO
     for kt in T.serial(KT):
         T.cuda.mbarrier_wait(T.address_of(bars[kt % STAGES]), kt // STAGES % 2)
         T.ptx.wgmma.fence.sync.aligned()
-        for kk in T.unroll(BK // 16):
-            # 128-byte swizzle: stride 64 (8 rows of 128 B), in 16 B units; A K-major (leading offset 1)
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), As.ptr_to([kt % STAGES, wg * 64, kk * 16]), 1, 64, SWIZZLE)
+        for kk in T.unroll(BK // KSTEP):
+            # 128-byte swizzle: stride 64 (8 rows of 128 B), in 16 B units; A K-major (leading offset 1);
+            # a k step is 32 bytes (16 2-byte or 32 1-byte elements)
+            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), As.ptr_to([kt % STAGES, wg * 64, kk * KSTEP]), 1, 64, SWIZZLE)
             _b_descriptor(kt % STAGES, 0, kk)
-            T.ptx[MMA](*[acc[i] for i in range(NACC)], desc_a, desc_b, True, 1, 1, 0, TRANS_B)
+            T.ptx[MMA](*[acc[i] for i in range(MMA_NACC)], desc_a, desc_b, *MMA_FLAGS)
+            if PARTS == 2:
+                # BN wider than one wgmma: B's second MMA_N rows into the second half of acc
+                _b_descriptor(kt % STAGES, 0, kk, MMA_N)
+                T.ptx[MMA](*[acc[MMA_NACC + i] for i in range(MMA_NACC)], desc_a, desc_b, *MMA_FLAGS)
             if TWO_WEIGHTS:
                 _b_descriptor(kt % STAGES, 1, kk)
-                T.ptx[MMA](*[acc_up[i] for i in range(NACC)], desc_a, desc_b, True, 1, 1, 0, TRANS_B)
+                T.ptx[MMA](*[acc_up[i] for i in range(NACC)], desc_a, desc_b, *MMA_FLAGS)
         T.ptx.wgmma.commit_group.sync.aligned()
         if WAIT_DEPTH == 1:
             # slice kt's group stays in flight; slice kt-1's has retired in every warpgroup once
@@ -218,12 +243,12 @@ def _main_loop():
 
 
 @T.macro(hygienic=False)
-def _b_descriptor(slot, weight, kk):
-    # k step kk of weight `weight` (0: B, 1: Wu) in ring slot `slot`
+def _b_descriptor(slot, weight, kk, row=0):
+    # k step kk of weight `weight` (0: B, 1: Wu) in ring slot `slot`, from its row `row` on ("nk")
     if B_KN:
-        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), Bs.ptr_to([slot, weight * BN // 64, kk * 16, 0]), B_LEADING, 64, SWIZZLE)
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), Bs.ptr_to([slot, weight * BN // 64, kk * KSTEP, 0]), B_LEADING, 64, SWIZZLE)
     else:
-        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), Bs.ptr_to([slot, weight * BN, kk * 16]), 1, 64, SWIZZLE)
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), Bs.ptr_to([slot, weight * BN + row, kk * KSTEP]), 1, 64, SWIZZLE)
 
 
 @T.macro(hygienic=False)
@@ -259,39 +284,68 @@ def _mark(func, name: str):
             .with_attr("tirx.is_scheduled", True))
 
 
-def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout: str) -> dict:
-    """The constants a kernel binds before expanding ``_main_loop``, checked (``check``)."""
-    space, default = (KNOBS, DEFAULT_KNOBS) if weights == 1 else (SWIGLU_KNOBS, SWIGLU_DEFAULT_KNOBS)
-    m, n, k, knobs = check(shape, dtype, knobs, space=space, default=default, weights=weights)
+def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout: str, out_dtype: str | None = None,
+            space: dict | None = None, default: dict | None = None, dtypes: dict = DTYPES) -> dict:
+    """The constants a kernel binds before expanding ``_main_loop``, checked (``check``): operands
+    A and B in ``dtype``, one of ``dtypes`` (float16/bfloat16 of ``DTYPES`` with a float32
+    accumulator; int8 of ``INT8_DTYPES`` with an int32 one), C in ``out_dtype`` (``dtype`` when
+    None)."""
+    if space is None:
+        space, default = (KNOBS, DEFAULT_KNOBS) if weights == 1 else (SWIGLU_KNOBS, SWIGLU_DEFAULT_KNOBS)
+    m, n, k, knobs = check(shape, dtype, knobs, space=space, default=default, weights=weights, dtypes=dtypes)
+    integer = dtype in INT8_DTYPES
+    if integer and b_layout != "nk":
+        raise ValueError(f"int8 wgmma reads B K-major only (b_layout 'nk'), not {b_layout!r}")
     bm, bn, bk = tile_shape(knobs)
-    b_smem, b_box, b_leading, trans_b = _b_operand(n, k, knobs, weights, b_layout)
+    itemsize = _ITEMSIZE[dtype]
+    b_smem, b_box, b_leading, trans_b = _b_operand(n, k, knobs, weights, b_layout, itemsize)
+    # one wgmma covers BN columns, but an int8 BN 256 takes two (``_INT8_MMA_N_MAX``)
+    parts = 2 if integer and bn > _INT8_MMA_N_MAX else 1
+    mma_n = bn // parts
+    if integer:
+        # s32 accumulators in uint32 carrier registers; operands K-major, no scale or transpose flags
+        mma, flags, acc_dtype = f"wgmma.mma_async.sync.aligned.m64n{mma_n}k32.s32.s8.s8", (True,), "uint32"
+    else:
+        kind = DTYPES[dtype]
+        mma = f"wgmma.mma_async.sync.aligned.m64n{mma_n}k16.f32.{kind}.{kind}"
+        flags, acc_dtype = (True, 1, 1, 0, trans_b), "float32"
     return {"m": m, "n": n, "k": k, "bm": bm, "bn": bn, "bk": bk, "stages": knobs["stages"],
             "threads": 128 * knobs["warpgroups"], "wait_depth": knobs["wait_depth"],
-            "mma": f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{DTYPES[dtype]}.{DTYPES[dtype]}",
-            "a_box": _tensor_map_args(m, k, bm, bk), "b_box": b_box, "b_smem": b_smem, "b_leading": b_leading,
-            "trans_b": trans_b, "b_kn": b_layout == "kn", "b_shape": (n, k) if b_layout == "nk" else (k, n),
-            "stage_bytes": (bm + weights * bn) * bk * 2}
+            "dtype": dtype, "out_dtype": out_dtype or dtype, "acc_dtype": acc_dtype,
+            "mma": mma, "mma_flags": flags, "mma_n": mma_n, "parts": parts, "k_step": 32 // itemsize,
+            "a_box": _tensor_map_args(m, k, bm, bk, itemsize), "b_box": b_box, "b_smem": b_smem,
+            "b_leading": b_leading, "trans_b": trans_b, "b_kn": b_layout == "kn",
+            "b_shape": (n, k) if b_layout == "nk" else (k, n), "stage_bytes": (bm + weights * bn) * bk * itemsize}
 
 
-def _gemm(cfg: dict, dtype: str, name: str, operand_shape: tuple, epilogue, two_weights: bool):
-    """The tirx PrimFunc ``(A, B, X, C)``: the pipelined main loop (``_main_loop``) over A and B, and
-    with ``two_weights`` over A and X (a second weight stored as B is, its product in ``acc_up``),
-    then C[row, col] = epilogue(acc, acc_up, X, row, col) rounded once; X has ``operand_shape``."""
+def _accumulator(acc_dtype: str):
+    """An accumulator register as float32: itself, or the int32 in its uint32 carrier, converted."""
+    if acc_dtype == "float32":
+        return lambda value: value
+    return lambda value: T.Cast("float32", T.reinterpret("int32", value))
+
+
+def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
+    """The tirx PrimFunc ``(A, B, *X, C)``: the pipelined main loop (``_main_loop``) over A and B,
+    and with ``two_weights`` over A and the first X (a second weight stored as B is, its product in
+    ``acc_up``), then C[row, col] = epilogue(acc, acc_up, [X...], row, col) rounded once, acc as
+    float32. ``operands``: the epilogue's, as (name, shape, dtype), the PrimFunc's parameters
+    between B and C in that order (buffer ``name``, parameter ``name`` in lower case)."""
     m, n, k, bm, bn, bk, stages = (cfg[key] for key in ("m", "n", "k", "bm", "bn", "bk", "stages"))
+    dtype, acc_dtype = cfg["dtype"], cfg["acc_dtype"]
+    out_dtype = cfg["out_dtype"]
+    accumulator = _accumulator(acc_dtype)
+    store = (lambda value: value) if out_dtype == "float32" else (lambda value: T.Cast(out_dtype, value))
 
-    @T.prim_func
-    def gemm(a: T.handle, b: T.handle, x: T.handle, c: T.handle):
-        A = T.match_buffer(a, (m, k), dtype, align=16)
-        B = T.match_buffer(b, cfg["b_shape"], dtype, align=16)
-        X = T.match_buffer(x, operand_shape, dtype, align=16)
-        C = T.match_buffer(c, (m, n), dtype, align=16)
+    @T.macro
+    def kernel(A, B, XS, C):
         A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, dtype, 2, A.data, *cfg["a_box"])
         B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, dtype, 2, B.data, *cfg["b_box"])
         if two_weights:
             U_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-            T.call_packed("runtime.cuTensorMapEncodeTiled", U_map, dtype, 2, X.data, *cfg["b_box"])
+            T.call_packed("runtime.cuTensorMapEncodeTiled", U_map, dtype, 2, XS[0].data, *cfg["b_box"])
         T.device_entry()
         bx, by = T.cta_id([n // bn, m // bm])
         tx = T.thread_id([cfg["threads"]])
@@ -303,14 +357,16 @@ def _gemm(cfg: dict, dtype: str, name: str, operand_shape: tuple, epilogue, two_
         pool.commit()
         desc_a: T.uint64
         desc_b: T.uint64
-        acc = T.alloc_buffer((bn // 2,), "float32", scope="local")
+        acc = T.alloc_buffer((bn // 2,), acc_dtype, scope="local")
         if two_weights:
-            acc_up = T.alloc_buffer((bn // 2,), "float32", scope="local")
+            acc_up = T.alloc_buffer((bn // 2,), acc_dtype, scope="local")
         wg = T.meta_var(tx // 128)
         BM, BN, BK, KT, STAGES, NACC = T.meta_var((bm, bn, bk, k // bk, stages, bn // 2))
         PROLOGUE = T.meta_var(min(stages, k // bk))
         STAGE_BYTES, WAIT_DEPTH = T.meta_var((cfg["stage_bytes"], cfg["wait_depth"]))
         MMA, TMA, SWIZZLE = T.meta_var((cfg["mma"], _TMA_LOAD, _SWIZZLE_128B))
+        MMA_FLAGS, MMA_N, PARTS, KSTEP = T.meta_var((cfg["mma_flags"], cfg["mma_n"], cfg["parts"], cfg["k_step"]))
+        MMA_NACC, ACC_ZERO = T.meta_var((cfg["mma_n"] // 2, tvm.tirx.const(0, acc_dtype)))
         B_KN, B_LEADING, TRANS_B = T.meta_var((cfg["b_kn"], cfg["b_leading"], cfg["trans_b"]))
         TWO_WEIGHTS = T.meta_var(two_weights)
         _main_loop()
@@ -320,9 +376,24 @@ def _gemm(cfg: dict, dtype: str, name: str, operand_shape: tuple, epilogue, two_
                     row = T.meta_var(_row(by, bm, wg, tx, half))
                     col = T.meta_var(_col(bx, bn, j, tx, pair))
                     i = T.meta_var(j * 4 + half * 2 + pair)
-                    C[row, col] = T.Cast(dtype, epilogue(acc[i], acc_up[i] if two_weights else None, X, row, col))
+                    C[row, col] = store(epilogue(accumulator(acc[i]), acc_up[i] if two_weights else None, XS, row, col))
 
-    return _mark(gemm, name)
+    names = [op_name for op_name, _, _ in operands]
+    # The parameter list varies with the operands, which the script's signatures cannot: the
+    # signature and the buffers it matches are written out, the body is the macro above.
+    source = "\n".join([
+        "@T.prim_func",
+        f"def gemm(a: T.handle, b: T.handle, {''.join(f'{x.lower()}: T.handle, ' for x in names)}c: T.handle):",
+        "    A = T.match_buffer(a, (M, K), DTYPE, align=16)",
+        "    B = T.match_buffer(b, B_SHAPE, DTYPE, align=16)",
+        *[f"    {x} = T.match_buffer({x.lower()}, OPERANDS[{i}][1], OPERANDS[{i}][2], align=16)"
+          for i, x in enumerate(names)],
+        "    C = T.match_buffer(c, (M, N), OUT_DTYPE, align=16)",
+        f"    kernel(A, B, [{', '.join(names)}], C)", ""])
+    func = tvm.script.parse(source, extra_vars={
+        "T": T, "kernel": kernel, "M": m, "N": n, "K": k, "DTYPE": dtype, "OUT_DTYPE": out_dtype,
+        "B_SHAPE": cfg["b_shape"], "OPERANDS": operands})
+    return _mark(func, name)
 
 
 def gemm_bias_act(shape: dict, dtype: str = "float16", knobs: dict | None = None, act: str = "relu",
@@ -336,10 +407,10 @@ def gemm_bias_act(shape: dict, dtype: str = "float16", knobs: dict | None = None
     activation = ACTIVATIONS[act]
     cfg = _config(shape, dtype, knobs, 1, b_layout)
 
-    def bias_act(acc, _up, bias, _row, col):
-        return activation(acc + T.Cast("float32", bias[col]))
+    def bias_act(acc, _up, operands, _row, col):
+        return activation(acc + T.Cast("float32", operands[0][col]))
 
-    return _gemm(cfg, dtype, f"gemm_bias_{act}", (cfg["n"],), bias_act, False)
+    return _gemm(cfg, f"gemm_bias_{act}", [("X", (cfg["n"],), dtype)], bias_act, False)
 
 
 def swiglu(shape: dict, dtype: str = "float16", knobs: dict | None = None, b_layout: str = "nk"):
@@ -348,7 +419,8 @@ def swiglu(shape: dict, dtype: str = "float16", knobs: dict | None = None, b_lay
     ``gemm_swiglu``. Knobs from ``SWIGLU_KNOBS`` (BN at most 128). ValueError when the shape, dtype
     or knobs do not fit."""
     cfg = _config(shape, dtype, knobs, 2, b_layout)
-    return _gemm(cfg, dtype, "gemm_swiglu", cfg["b_shape"], lambda acc, up, _wu, _row, _col: _silu(acc) * up, True)
+    return _gemm(cfg, "gemm_swiglu", [("X", cfg["b_shape"], dtype)], lambda acc, up, _wu, _row, _col: _silu(acc) * up,
+                 True)
 
 
 def add_residual(acc, residual, row, col):
@@ -363,10 +435,34 @@ def gemm_residual(shape: dict, dtype: str = "float16", knobs: dict | None = None
     dropout mask, say); its result is rounded once into C. Global symbol ``name``."""
     cfg = _config(shape, dtype, knobs, 1, b_layout)
 
-    def residual(acc, _up, r, row, col):
-        return epilogue(acc, T.Cast("float32", r[row, col]), row, col)
+    def residual(acc, _up, operands, row, col):
+        return epilogue(acc, T.Cast("float32", operands[0][row, col]), row, col)
 
-    return _gemm(cfg, dtype, name, (cfg["m"], cfg["n"]), residual, False)
+    return _gemm(cfg, name, [("X", (cfg["m"], cfg["n"]), dtype)], residual, False)
+
+
+def int8_check(shape: dict, knobs: dict | None = None) -> tuple[int, int, int, dict]:
+    """``check`` of the int8 GEMM: int8 operands, knobs from ``INT8_KNOBS``."""
+    return check(shape, "int8", knobs, space=INT8_KNOBS, default=INT8_DEFAULT_KNOBS, dtypes=INT8_DTYPES)
+
+
+def gemm_int8_dequant(shape: dict, knobs: dict | None = None, relu: bool = True):
+    """The tirx PrimFunc ``(x_q, w_q, x_scale, w_scale, b, y)`` computing y = [relu](float32(x_q @
+    w_q^T) * (x_scale[0] * w_scale) + b) for ``shape`` {"m", "n", "k"}: x_q (m, k) and w_q (n, k)
+    int8, their products accumulated exactly in int32 by ``wgmma ... k32.s32.s8.s8``; x_scale (1,),
+    w_scale (n,), b (n,) and y (m, n) float32. Knobs from ``INT8_KNOBS`` (BK 128); global symbol
+    ``gemm_int8_dequant[_relu]``. ValueError when the shape or knobs do not fit."""
+    cfg = _config(shape, "int8", knobs, 1, "nk", "float32", INT8_KNOBS, INT8_DEFAULT_KNOBS, INT8_DTYPES)
+    n = cfg["n"]
+
+    def dequant(acc, _up, operands, _row, col):
+        x_scale, w_scale, bias = operands
+        # the scale product first, as the pattern (and ONNX's Mul(x_scale, w_scale)) computes it
+        value = acc * (x_scale[0] * w_scale[col]) + bias[col]
+        return T.max(value, T.float32(0)) if relu else value
+
+    operands = [("X_scale", (1,), "float32"), ("W_scale", (n,), "float32"), ("Bias", (n,), "float32")]
+    return _gemm(cfg, "gemm_int8_dequant_relu" if relu else "gemm_int8_dequant", operands, dequant, False)
 
 
 def build(func):

@@ -6,16 +6,20 @@ rounds; ``dtype`` is the output's (float32 only). Unfused (MatMulInteger, Cast, 
 int32 accumulator and float copies of it round-trip through memory; fused, the epilogue runs on the
 accumulator tile in registers. CPU: ``int8_dot`` (k innermost, for LLVM's VNNI dot product) and
 ``int8_tiled`` (a register tile along n over w_q transposed once). CUDA: ``cuda_tiled_dp4a``,
-linear_bias_relu's tiled scheme on int8 with ``__dp4a`` where k is a multiple of 4. The Relax rules
-match what the ONNX frontend makes of MatMulInteger -> Cast -> Mul -> Add [-> Relu]; zero points,
-uint8 operands, scales varying along m and symbolic shapes are left alone.
+linear_bias_relu's tiled scheme on int8 with ``__dp4a`` where k is a multiple of 4; on sm_90, at
+multiples of its tile, the kernel template ``cuda_wgmma_int8`` comes first: Hopper TMA + s8 wgmma
+into int32 accumulators, dequant + bias [+ ReLU] on them (``search_spaces.lib.cuda_wgmma``). The
+Relax rules match what the ONNX frontend makes of MatMulInteger -> Cast -> Mul -> Add [-> Relu];
+zero points, uint8 operands, scales varying along m and symbolic shapes are left alone.
 """
 
 import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
+from autofuse.kernel_templates import KernelTemplate
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, static_shape, template
+from search_spaces.lib import cuda_wgmma
 from search_spaces.lib.cpu_gemm import schedule_gemm
 from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_pipeline, cuda_split_k,
                                          cuda_tile_output, cuda_unroll, cuda_vector_lanes, dp4a_intrin)
@@ -57,8 +61,11 @@ def build(shape, dtype):
 
 
 def reference(x_q, w_q, x_scale, w_scale, b, shape):
-    acc = x_q.astype(np.int64) @ w_q.astype(np.int64).T
-    y = acc.astype(np.float64) * (np.float64(x_scale[0]) * w_scale.astype(np.float64)) + b
+    # The int32 accumulator exactly, through BLAS: every partial sum is an integer of magnitude at
+    # most k * 2**14, exact in float64 while k < 2**39 (numpy's int64 matmul has no BLAS, and takes
+    # about a minute at 4096^3).
+    acc = x_q.astype(np.float64) @ w_q.astype(np.float64).T
+    y = acc * (np.float64(x_scale[0]) * w_scale.astype(np.float64)) + b
     if _relu_flag(shape):
         y = np.maximum(y, 0.0)
     return y.astype(b.dtype)
@@ -160,6 +167,25 @@ def cuda_tiled_dp4a(sch, target, knobs):
     cuda_unroll(sch, knobs, bx)
 
 
+def _wgmma_check(shape, dtype, knobs):
+    if dtype != "float32":
+        raise ValueError(f"cuda_wgmma_int8 writes float32, not {dtype}")
+    if int(shape.get("relu", 1)) not in (0, 1):
+        raise ValueError(f"relu={shape['relu']} is not 0 or 1")
+    cuda_wgmma.int8_check(shape, knobs)
+
+
+def _wgmma_int8(shape, dtype, knobs):
+    """Hopper TMA + mbarrier ring + s8 wgmma (``search_spaces.lib.cuda_wgmma``), products summed
+    exactly in int32 accumulators, dequant + bias [+ ReLU] on them; float32 out, at multiples of
+    its tile (BK 128)."""
+    return cuda_wgmma.gemm_int8_dequant(shape, knobs, relu=bool(_relu_flag(shape)))
+
+
+cuda_wgmma_int8 = KernelTemplate("cuda_wgmma_int8", _wgmma_int8, cuda_wgmma.INT8_KNOBS, cuda_wgmma.INT8_DEFAULT_KNOBS,
+                                 _wgmma_check, **cuda_wgmma.HOPPER)
+
+
 def _relax_pattern(relu):
     def make():
         from tvm.relax.dpl import is_op, wildcard
@@ -231,7 +257,7 @@ PATTERN = Pattern.from_module(
     shape_params=[*gemm_shape((128, 16), (512, 32), (512, 32)),
                   ShapeParam("relu", 1, 1, "1: ReLU after the bias, 0: none", minimum=0)],
     dtypes=("float32",),
-    templates=[int8_packed, int8_dot, int8_tiled, cuda_tiled_dp4a],
+    templates=[int8_packed, int8_dot, int8_tiled, cuda_wgmma_int8, cuda_tiled_dp4a],
     # The ReLU rule first: the plain one would otherwise take the Add out from under it.
     relax_rules=[RelaxRule("matmulinteger_dequant_bias_relu", _relax_pattern(1), _relax_rewrite(1), priority=1),
                  RelaxRule("matmulinteger_dequant_bias", _relax_pattern(0), _relax_rewrite(0))],

@@ -2,7 +2,8 @@
 sm_90a with every knob configuration, keep the pipeline's invariants visible in that source (one
 barrier byte count equal to the bytes a slot's TMA copies bring, one load per ring slot and a
 refill, the wait depth asked for), refuse shapes and knobs they cannot compute, and compile with
-nvcc without spills. Nothing runs here (no GPU): benchmarks/gpu_gemm.py measures them on an H200."""
+nvcc without spills; the int8 GEMM likewise, with its s8 wgmma, BK 128 and int32 accumulators.
+Nothing runs here (no GPU): benchmarks/gpu_gemm.py measures them on an H200."""
 
 import re
 import shutil
@@ -12,6 +13,7 @@ import pytest
 
 from tvm.script import tirx as T
 
+from autofuse.measure import param_buffers
 from search_spaces.lib import cuda_wgmma as W
 
 SHAPE = {"m": 256, "n": 512, "k": 512}  # 8 K slices: more than any ring, so every config refills
@@ -150,10 +152,86 @@ def test_a_smaller_tile_takes_what_the_default_refuses():
     W.gemm_bias_act(shape, "float16", {"block_n": 128, "warpgroups": 1})
 
 
+# --- int8 operands --------------------------------------------------------------------------------
+
+INT8_SHAPE = {"m": 256, "n": 512, "k": 1024}  # 8 K slices of 128
+
+
+@pytest.mark.parametrize("knobs", [None, {"block_n": 128, "stages": 6}, {"block_n": 64, "warpgroups": 1, "stages": 7,
+                                                                          "wait_depth": 0}],
+                         ids=["default", "bn128-6stages", "bn64-1wg-7stages-wait0"])
+def test_int8_builds_with_its_pipeline(knobs):
+    resolved = {**W.INT8_DEFAULT_KNOBS, **(knobs or {})}
+    bm, bn, bk = W.tile_shape(resolved)
+    assert bk == 128
+    func = W.gemm_int8_dequant(INT8_SHAPE, knobs)
+    m, n, k = (INT8_SHAPE[key] for key in "mnk")
+    assert [(tuple(int(d) for d in p.shape), str(p.dtype)) for p in param_buffers(func)] == \
+        [((m, k), "int8"), ((n, k), "int8"), ((1,), "float32"), ((n,), "float32"), ((n,), "float32"), ((m, n), "float32")]
+    # the tensor maps: int8, rows of k bytes, boxes of 128 bytes (one swizzle row)
+    script = func.script()
+    assert f'"int8", 2, A.data, {k}, {m}, {k}, 128, {bm}, 1, 1, 0, 3, 0, 0' in script
+    assert f'"int8", 2, B.data, {k}, {n}, {k}, 128, {bn}, 1, 1, 0, 3, 0, 0' in script
+    body = _kernel_body(_source(func))
+    # BN 256 is two m64n128 (TVM's s8 wgmma stops at N 224), each k step 32 bytes further
+    mma_n, parts = (128, 2) if bn == 256 else (bn, 1)
+    calls = re.findall(r"wgmma_int_ss_mma_async_sync_aligned_m64n(\d+)k32_s32_s8_s8\(acc_ptr\[(\d+)\]", body)
+    assert calls == [(str(mma_n), str(part * mma_n // 2)) for _ in range(bk // 32) for part in range(parts)]
+    assert "acc_ptr[i] = (uint)0;" in body and f"uint acc_ptr[{bn // 2}]" in body
+    assert _expect_tx_bytes(body) == [(bm + bn) * bk] * (resolved["stages"] + 1)
+    assert body.count("cp_async_bulk_tensor_g2s") == 2 * (resolved["stages"] + 1)
+    assert ("wait_group_sync_aligned_1()" in body) == (resolved["wait_depth"] == 1)
+    # the epilogue: the int32 accumulator as float, scaled, biased, ReLU, stored float32
+    stores = [line for line in body.splitlines() if "C_ptr[" in line and "=" in line]
+    assert len(stores) == bn // 2
+    assert all("max(((((float)(*(int *)(&(v_" in line and "(X_scale_ptr[0] * W_scale_ptr[" in line
+               and "Bias_ptr[" in line for line in stores), stores[0]
+
+
+def test_int8_without_relu():
+    func = W.gemm_int8_dequant(INT8_SHAPE, {"block_n": 128}, relu=False)
+    assert func.attrs["global_symbol"] == "gemm_int8_dequant"
+    stores = [line for line in _kernel_body(_source(func)).splitlines() if "C_ptr[" in line and "=" in line]
+    assert stores and not any("max(" in line for line in stores)
+
+
+def test_int8_config_space():
+    configs = W.configs(INT8_SHAPE, "int8", W.INT8_KNOBS, W.INT8_DEFAULT_KNOBS, dtypes=W.INT8_DTYPES)
+    assert W.INT8_DEFAULT_KNOBS in configs and all(k["block_k"] == 128 for k in configs)
+    assert all(W.shared_memory_bytes(k, "int8") <= W.SHARED_MEMORY_LIMIT for k in configs)
+    # a 128 x 256 x 128 slot is 48 KiB, as float16's 128 x 256 x 64: 4 stages; 128 x 128 takes 7
+    assert W.shared_memory_bytes(W.INT8_DEFAULT_KNOBS, "int8") == W.shared_memory_bytes(W.DEFAULT_KNOBS, "float16")
+    assert {**W.INT8_DEFAULT_KNOBS, "stages": 5} not in configs
+    assert {**W.INT8_DEFAULT_KNOBS, "block_n": 128, "stages": 7} in configs
+
+
+@pytest.mark.parametrize("shape, knobs, message", [
+    ({**INT8_SHAPE, "m": 200}, None, "m=200 is not a positive multiple of the tile's 128"),
+    ({**INT8_SHAPE, "n": 384}, None, "n=384 is not a positive multiple of the tile's 256"),
+    ({**INT8_SHAPE, "k": 192}, None, "k=192 is not a positive multiple of the tile's 128"),
+    (INT8_SHAPE, {"block_k": 64}, r"block_k=64 is not one of \[128\]"),
+    (INT8_SHAPE, {"block_n": 128, "stages": 8}, r"stages=8 is not one of"),
+    (INT8_SHAPE, {"stages": 5}, "shared memory"),
+])
+def test_what_the_int8_kernel_cannot_compute_raises(shape, knobs, message):
+    with pytest.raises(ValueError, match=message):
+        W.gemm_int8_dequant(shape, knobs)
+
+
+def test_int8_operands_need_their_own_knobs_and_k_major_weights():
+    with pytest.raises(ValueError, match="block_k=64 of int8 is not one 128-byte swizzle row"):
+        W.check(INT8_SHAPE, "int8", W.DEFAULT_KNOBS, dtypes=W.INT8_DTYPES)
+    with pytest.raises(ValueError, match="float16 or bfloat16, not int8"):
+        W.gemm_bias_act(INT8_SHAPE, "int8")
+    with pytest.raises(ValueError, match="K-major only"):
+        W._config(INT8_SHAPE, "int8", None, 1, "kn", "float32", W.INT8_KNOBS, W.INT8_DEFAULT_KNOBS, W.INT8_DTYPES)
+
+
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
 @pytest.mark.parametrize("make", [lambda: W.gemm_bias_act({"m": 4096, "n": 4096, "k": 4096}, "float16"),
-                                  lambda: W.swiglu({"m": 4096, "n": 4096, "k": 4096}, "bfloat16")],
-                         ids=["gemm_default", "swiglu_default"])
+                                  lambda: W.swiglu({"m": 4096, "n": 4096, "k": 4096}, "bfloat16"),
+                                  lambda: W.gemm_int8_dequant({"m": 4096, "n": 4096, "k": 4096})],
+                         ids=["gemm_default", "swiglu_default", "int8_default"])
 def test_nvcc_compiles_without_spills(make, tmp_path):
     src = tmp_path / "kernel.cu"
     src.write_text(_source(make()))

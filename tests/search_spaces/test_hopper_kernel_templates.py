@@ -20,15 +20,21 @@ H200 = parse_target("h200")
 A100 = parse_target('{"kind": "cuda", "arch": "sm_80"}')
 LLVM = parse_target("llvm")
 
+F16_MMA = "wgmma_f16_ss_mma_async_sync_aligned_"
+S8_MMA = "wgmma_int_ss_mma_async_sync_aligned_"
 # pattern -> (a shape its kernel template takes, the kernels its PrimFunc launches, a wgmma marker)
 CASES = {
-    "linear_bias_relu": ({"m": 256, "n": 512, "k": 256}, 1, "m64n256k16"),
-    "swiglu_ffn": ({"tokens": 128, "hidden": 256, "inter": 384, "p_permille": 100}, 2, "m64n128k16"),
+    "linear_bias_relu": ({"m": 256, "n": 512, "k": 256}, 1, F16_MMA + "m64n256k16"),
+    "swiglu_ffn": ({"tokens": 128, "hidden": 256, "inter": 384, "p_permille": 100}, 2, F16_MMA + "m64n128k16"),
     "flash_attention": ({"batch": 1, "heads": 4, "kv_heads": 2, "seq_q": 128, "seq_kv": 256, "head_dim": 64,
-                         "causal": 1}, 1, "m64n128k16"),
+                         "causal": 1}, 1, F16_MMA + "m64n128k16"),
     "gqa_decode_attention": ({"batch": 2, "num_heads": 8, "num_kv_heads": 2, "head_dim": 128, "max_seq": 512,
                               "cache_len": 300}, 3, None),
+    # BN 256: two m64n128k32 per k step (TVM 0.27's s8 wgmma stops at N 224)
+    "int8_matmul_dequant": ({"m": 512, "n": 768, "k": 1024, "relu": 1}, 1, S8_MMA + "m64n128k32_s32_s8_s8"),
 }
+# The dtypes each kernel template computes: half types, but int8_matmul_dequant's is its output's
+DTYPES = {"int8_matmul_dequant": ("float32",)}
 # What each cannot take: (shape overrides, dtype)
 REFUSED = {
     "linear_bias_relu": [({"m": 100}, "float16"), ({}, "float32")],
@@ -36,9 +42,11 @@ REFUSED = {
     "flash_attention": [({"seq_q": 100}, "float16"), ({"head_dim": 96}, "float16"), ({}, "float32")],
     "gqa_decode_attention": [({"num_heads": 32, "num_kv_heads": 2}, "float16"), ({"head_dim": 80}, "float16"),
                              ({}, "float32")],
+    "int8_matmul_dequant": [({"m": 500}, "float32"), ({"n": 600}, "float32"), ({"k": 1000}, "float32"),
+                            ({}, "float16")],
 }
 # The shapes of compare's GPU session (benchmarks/gpu_session.sh kernels), compiled with nvcc
-# (linear_bias_relu's default at 4096^3 is tests/search_spaces/test_cuda_wgmma.py's).
+# (linear_bias_relu's and int8_matmul_dequant's defaults at 4096^3 are tests/search_spaces/test_cuda_wgmma.py's).
 LARGE = {
     "swiglu_ffn": {"tokens": 4096, "hidden": 4096, "inter": 11008, "p_permille": 100},
     "flash_attention": {"batch": 8, "heads": 16, "kv_heads": 16, "seq_q": 2048, "seq_kv": 2048, "head_dim": 128,
@@ -48,14 +56,18 @@ LARGE = {
 }
 
 
+def _dtypes(name):
+    return DTYPES.get(name, ("float16", "bfloat16"))
+
+
 def _template(name):
     (template,) = [t for t in get_pattern(name).templates if isinstance(t, K.KernelTemplate)]
     return template
 
 
-def _default(name, dtype="float16", shape=None):
+def _default(name, dtype=None, shape=None):
     """The kernel template's default kernel, built once per session (parsing takes about a second)."""
-    shape, template = shape or CASES[name][0], _template(name)
+    shape, template, dtype = shape or CASES[name][0], _template(name), dtype or _dtypes(name)[0]
     return K.build_cached(get_pattern(name), template, shape, dtype, template.default_for(shape, dtype))
 
 
@@ -75,10 +87,10 @@ def _kernels(source: str) -> list[str]:
 def test_where_it_applies_and_where_the_schedule_rules_take_over(name):
     pattern, template = get_pattern(name), _template(name)
     shape = CASES[name][0]
-    for dtype in ("float16", "bfloat16"):
+    for dtype in _dtypes(name):
         assert K.kernel_templates_for(pattern, shape, dtype, H200) == [template]
     for target in (A100, LLVM):
-        assert K.kernel_templates_for(pattern, shape, "float16", target) == []
+        assert K.kernel_templates_for(pattern, shape, _dtypes(name)[0], target) == []
     for overrides, dtype in REFUSED[name]:
         assert K.kernel_templates_for(pattern, {**shape, **overrides}, dtype, H200) == [], (overrides, dtype)
     assert pattern.templates_for(H200), "a CUDA schedule rule stays for the shapes it refuses"
@@ -86,28 +98,28 @@ def test_where_it_applies_and_where_the_schedule_rules_take_over(name):
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_configs_default_first_and_the_default_replays(name):
-    template, shape = _template(name), CASES[name][0]
-    configs = template.configs(shape, "float16")
-    assert configs[0] == template.default_for(shape, "float16")
+    template, shape, dtype = _template(name), CASES[name][0], _dtypes(name)[0]
+    configs = template.configs(shape, dtype)
+    assert configs[0] == template.default_for(shape, dtype)
     assert len({K._knobs_key(c) for c in configs}) == len(configs) > 1
     assert set(configs[0]) == set(template.space)
     # built anew from its knobs, the default is the kernel that was built before (a record replays)
-    assert K.func_hash(_default(name)) == K.func_hash(template.build(shape, "float16", configs[0]))
-    assert K.func_hash(_default(name)) != K.func_hash(template.build(shape, "float16", configs[1]))
+    assert K.func_hash(_default(name)) == K.func_hash(template.build(shape, dtype, configs[0]))
+    assert K.func_hash(_default(name)) != K.func_hash(template.build(shape, dtype, configs[1]))
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_the_kernel_takes_the_patterns_parameters(name):
     pattern = get_pattern(name)
     shape, launches, marker = CASES[name]
-    for dtype in ("float16", "bfloat16"):
+    for dtype in _dtypes(name):
         func = _default(name, dtype)
         assert B.is_tirx(func) and str(func.attrs[B.TIRX_ARCH_ATTR]) == "sm_90a"
         assert _signature(func) == _signature(pattern.build(shape, dtype))
     source = _source(_default(name))
     assert len(_kernels(source)) == launches
     if marker:
-        assert f"wgmma_f16_ss_mma_async_sync_aligned_{marker}" in source
+        assert marker in source
 
 
 def test_swiglu_down_projection_applies_dropout_and_the_residual():
@@ -122,6 +134,31 @@ def test_swiglu_down_projection_applies_dropout_and_the_residual():
     without = _source(_default("swiglu_ffn", shape={**shape, "p_permille": 0}))
     assert "(uint)" not in next(line for line in without.split('extern "C" __global__')[-1].splitlines()
                                 if "C_ptr[" in line)
+
+
+def test_int8_dequant_wgmma_kernel():
+    """int8_matmul_dequant on the H200: TMA copies of int8 tiles, s8 wgmma into int32 accumulators,
+    then dequant, bias and (with relu=1) ReLU on them, stored float32; shapes off its tile refused."""
+    pattern, template = get_pattern("int8_matmul_dequant"), _template("int8_matmul_dequant")
+    shape = CASES["int8_matmul_dequant"][0]
+    body = _source(_default("int8_matmul_dequant")).split('extern "C" __global__')[-1]
+    assert "cp_async_bulk_tensor_g2s" in body and body.count(S8_MMA + "m64n128k32_s32_s8_s8(") == 2 * 128 // 32
+    stores = [line for line in body.splitlines() if "C_ptr[" in line and "=" in line]
+    assert stores and all("max(" in line and "(float)(*(int *)" in line for line in stores), stores[:1]
+    # relu=0, BN 128 (n = 640 takes no BN 256 tile): one m64n128k32 per k step and no ReLU
+    plain = {**shape, "n": 640, "relu": 0}
+    assert template.default_for(plain, "float32") == {**template.default, "block_n": 128}
+    func = template.build(plain, "float32")
+    assert func.attrs["global_symbol"] == "gemm_int8_dequant" and _signature(func) == _signature(
+        pattern.build(plain, "float32"))
+    body = _source(func).split('extern "C" __global__')[-1]
+    assert body.count(S8_MMA + "m64n128k32_s32_s8_s8(") == 128 // 32
+    assert not any("max(" in line for line in body.splitlines() if "C_ptr[" in line)
+    for bad in ({**shape, "m": 500}, {**shape, "k": 1000}):
+        with pytest.raises(ValueError, match="not a positive multiple of the tile"):
+            template.build(bad, "float32", template.default)
+    with pytest.raises(ValueError, match="float32, not float16"):
+        template.build(shape, "float16", template.default)
 
 
 def test_decode_appends_then_attends_over_cache_len_plus_one():
