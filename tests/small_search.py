@@ -23,17 +23,17 @@ def _smaller_search_population():
 
 
 def _fewer_builder_processes():
-    """LocalBuilder starts a fresh pool of one process per core for every round of 8 candidates, and
-    each process first imports TVM (~5 s of CPU): on 2 cores, half a small session's CPU. One
-    builder process builds a round of the tests' small kernels in about the same time."""
-    from tvm.s_tir.meta_schedule.builder import LocalBuilder
+    """autofuse's builder keeps one process per core for a session, and each first imports TVM and
+    autofuse (~5 s of CPU): on 2 cores, a good part of a small session. One builder process builds
+    the tests' small kernels in about the same time."""
+    from autofuse.tune import PooledBuilder
 
-    default = LocalBuilder.__init__
+    default = PooledBuilder.__init__
 
     def init(self, *args, max_workers=None, **kwargs):
         default(self, *args, max_workers=BUILDER_WORKERS if max_workers is None else max_workers, **kwargs)
 
-    LocalBuilder.__init__ = init
+    PooledBuilder.__init__ = init
 
 
 def use_small_search():
