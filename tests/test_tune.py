@@ -271,3 +271,37 @@ def test_the_union_measures_every_template_default_first():
     candidates = [search._candidate(seed) for seed in seeds]
     assert len(seeds) >= 2 and all(c is not None for c in candidates)
     assert [str(c.sch.trace) for c in candidates] == [str(s.trace) for s in seeds]
+
+
+def _build_processes(builder) -> set:
+    return {worker._proc.pid for worker in builder._pool._worker_map.values() if worker._proc is not None}
+
+
+@pytest.mark.parametrize("uses, same", [(64, True), (1, False)])
+def test_the_builder_keeps_its_processes_across_batches_until_their_uses_run_out(uses, same):
+    """One pool for the session: the second batch is built by the processes of the first (no new
+    process importing TVM); with one use per process, by fresh ones."""
+    import tvm
+    from tvm.script import tirx as T
+
+    from autofuse.tune import PooledBuilder, fast_build
+
+    @T.prim_func(s_tir=True)
+    def add_one(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
+        for i in range(64):
+            with T.sblock("b"):
+                vi = T.axis.remap("S", [i])
+                b[vi] = a[vi] + T.float32(1)
+
+    target = parse_target("llvm")
+    builder = PooledBuilder(f_build=fast_build, max_workers=1, uses_per_process=uses)
+    try:
+        batch = [ms.builder.BuilderInput(tvm.IRModule({"main": add_one}), target)]
+        first = builder.build(batch)
+        before = _build_processes(builder)
+        second = builder.build(batch)
+        after = _build_processes(builder)
+    finally:
+        builder.shutdown()
+    assert [r.error_msg for r in first + second] == [None, None]
+    assert len(before) == 1 and (before == after) is same
