@@ -1,6 +1,8 @@
 """A tuning session with MetaSchedule's LocalBuilder (a fresh pool of build processes for every
-batch) against autofuse's PooledBuilder (one pool for the session): wall time of the session and
-time to its first measured trial, the same pattern, shape, trials and seed, alternating, each
+batch) against autofuse's PooledBuilder (one pool for the session): wall time of the session, time
+to its first measured trial and the seconds its batches waited on the builder (from MetaSchedule's
+log, whole seconds per batch; the rest of a session depends on which candidates the search picks
+to run), the same pattern, shape, trials and seed, alternating, each
 session in a fresh process with a fresh database.
 
     python benchmarks/builder_pool.py [--trials 32] [--shape m=512,n=1024,k=1024] [--repeat 2]
@@ -26,7 +28,7 @@ from autofuse.report import machine_info, write_json  # noqa: E402
 # One session, run in a child process: BUILDER is "local" (MetaSchedule's LocalBuilder, as autofuse
 # used before) or "pooled" (autofuse.tune.PooledBuilder); prints a JSON line.
 SESSION = """
-import json, sys, tempfile, time
+import datetime, glob, json, os, sys, tempfile, time
 from tvm.s_tir import meta_schedule as ms
 import autofuse.tune as tune
 from autofuse.commands.common import shape_overrides
@@ -45,11 +47,23 @@ if builder == "local":
 target = parse_target("llvm")
 p = get_pattern(pattern)
 job = Job(p, p.resolve_shape(shape_overrides([shape])), p.dtypes[0])
+root = tempfile.mkdtemp()
 start = time.perf_counter()
-rows, stats = tune_jobs([job], target, TuningDatabase(tempfile.mkdtemp(), target), trials=trials, space="union",
+rows, stats = tune_jobs([job], target, TuningDatabase(root, target), trials=trials, space="union",
                         seed=seed, progress=False)
-print(json.dumps({"session_secs": time.perf_counter() - start, "first_trial_secs": stats.first_trial_secs,
-                  "tune_secs": stats.total_secs, "best_ms": rows[0].get("best_ms")}))
+session = time.perf_counter() - start
+# Seconds between each batch's "to builder" and "to runner" lines of MetaSchedule's log: the builds.
+build = 0.0
+for log in glob.glob(os.path.join(root, "**", "*task_scheduler.log"), recursive=True):
+    sent = None
+    for line in open(log):
+        if line.startswith("20") and "to builder" in line:
+            sent = datetime.datetime.strptime(line[:19], "%Y-%m-%d %H:%M:%S")
+        elif line.startswith("20") and "to runner" in line and sent is not None:
+            build += (datetime.datetime.strptime(line[:19], "%Y-%m-%d %H:%M:%S") - sent).total_seconds()
+            sent = None
+print(json.dumps({"session_secs": session, "first_trial_secs": stats.first_trial_secs, "tune_secs": stats.total_secs,
+                  "build_secs": build, "best_ms": rows[0].get("best_ms")}))
 """
 
 
@@ -77,9 +91,10 @@ def main() -> int:
             run = {"builder": builder, "index": index, "loadavg": list(os.getloadavg()),
                    **json.loads(done.stdout.strip().splitlines()[-1])}
             runs.append(run)
-            print(f"{builder}: session {run['session_secs']:.1f} s, first trial {run['first_trial_secs']:.1f} s", flush=True)
+            print(f"{builder}: session {run['session_secs']:.1f} s, first trial {run['first_trial_secs']:.1f} s, "
+                  f"builds {run['build_secs']:.0f} s", flush=True)
     summary = {b: {key: statistics.median(r[key] for r in runs if r["builder"] == b)
-                   for key in ("session_secs", "first_trial_secs")} for b in ("local", "pooled")}
+                   for key in ("session_secs", "first_trial_secs", "build_secs")} for b in ("local", "pooled")}
     write_json(out, {"schema": "autofuse.builder-pool/1", "code": code_commit(),
                      "command": shlex.join([os.path.relpath(sys.argv[0], ROOT), *sys.argv[1:]]),
                      "machine": machine_info(), "pattern": args.pattern, "shape": args.shape, "trials": args.trials,
