@@ -371,6 +371,7 @@ class KernelTuneStats:
     failed: int = 0
     best_secs: float | None = None
     secs: float = 0.0       # wall time of the search
+    crashed: bool = False   # a kernel's run raised: the search stopped (the device may be unusable)
 
 
 class _Crashed(Exception):
@@ -408,6 +409,7 @@ def tune_kernels(jobs: Sequence, target: Target, db, *, trials: int, dev, measur
         except _Crashed as crash:
             job_stats.trials += 1
             job_stats.failed += 1
+            job_stats.crashed = True
             log.warning("%s; kernel-template search stopped (the device may need a fresh process)", crash)
             job_stats.secs = time.perf_counter() - start
             break

@@ -86,9 +86,8 @@ def run(args, argv: list[str]) -> int:
             break
         added, failed = added + done.trials, failed + done.failed
         summary = _summary(db, job, header, added, failed, time.perf_counter() - start, args.out)
-        last = db.kernels.of(job.pattern.name, job.shape, job.dtype)[-1]
-        if last.checked.get("message", "").startswith("run failed"):
-            print(f"{last.label()} crashed; the search stops here", flush=True)
+        if done.crashed:
+            print("a kernel crashed; the search stops here", flush=True)
             break
     best = summary["best"]
     best = f"best {best['median_ms']:.4f} ms {best['knobs']}" if best else "no valid record"

@@ -50,7 +50,7 @@ def script(monkeypatch):
         checked = {"ok": ms is not None, "message": "ok" if ms is not None else "run failed: illegal address"}
         db.kernels.append(K.KernelRecord(job.pattern.name, dict(job.shape), job.dtype, "cuda_wgmma", {"stages": done},
                                          [ms / 1e3] * 3 if ms else [], checked, "hash"))
-        return {0: K.KernelTuneStats(trials=1, failed=int(ms is None))}
+        return {0: K.KernelTuneStats(trials=1, failed=int(ms is None), crashed=ms is None)}
 
     monkeypatch.setattr(K, "tune_kernels", tune_kernels)
     return module, space

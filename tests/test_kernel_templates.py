@@ -166,7 +166,7 @@ def test_a_crash_is_recorded_and_stops_the_search(tmp_path):
 
     stats = K.tune_kernels([Job(PATTERN, SHAPE, "float16")], H200, db, trials=3, dev="h200", measure=crash)
     (record,) = db.kernels.all()  # later configurations are left for a fresh process, not failed
-    assert stats[0].trials == 1 and stats[0].failed == 1
+    assert stats[0].trials == 1 and stats[0].failed == 1 and stats[0].crashed
     assert not record.ok and "illegal memory access" in record.checked["message"]
 
 
