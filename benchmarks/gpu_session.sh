@@ -29,6 +29,11 @@
 #             (the code that measured it, e3eb7cd, from OLD_TREE, default .gpuold/tree.tar.gz:
 #             `git archive e3eb7cd autofuse search_spaces benchmarks/gpu.py | gzip`) and by `autofuse
 #             compare`, on one card in one call. Lands in $OUT/parity.tar.gz
+#   decode-grid  issue 23: gqa_decode_attention (GQA 32/8, D128, float16, the new token at the
+#             cache's last row: cache_len = CACHE - 1 of max_seq CACHE) at batch 1, 16, 64 x cache 1024,
+#             4096, 16384, 32768 through `autofuse compare` against torch SDPA (torch.compile with
+#             DECODE_BASELINES=torch-sdpa,torch-compile; its compiles cost minutes). Lands in
+#             $OUT/decode-grid.tar.gz, one report per shape
 #   hopper-tune  the wgmma GEMM kernel template of linear_bias_relu (float16, 4096^3) searched
 #             (benchmarks/gpu_tune_kernels.py, every config of its space within TUNE_SECS, default
 #             330, resumable through $DB),
@@ -129,6 +134,19 @@ parity)
     --shape "$LINEAR" "${ROWS[@]:0:4}" --baselines torch-eager,torch-compile --repeat 20 \
     --report "$work/parity-compare-float32"
   ;;
+decode-grid)
+  work=$(mktemp -d)
+  trap 'tar -C "$work" -czf "$OUT/decode-grid.tar.gz" .' EXIT
+  exec > >(tee "$work/decode-grid.log") 2>&1
+  commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  for cache in ${DECODE_CACHES:-1024 4096 16384 32768}; do
+    for batch in ${DECODE_BATCHES:-1 16 64}; do
+      timeout 90 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern gqa_decode_attention \
+        --shape batch=$batch,num_heads=32,num_kv_heads=8,head_dim=128,max_seq=$cache,cache_len=$((cache - 1)) \
+        --baselines "${DECODE_BASELINES:-torch-sdpa}" --repeat 20 --no-plots --report "$work/decode-b$batch-c$cache"
+    done
+  done
+  ;;
 hopper-tune)
   work=$(mktemp -d)
   trap 'cp -r "$DB" "$work/db"; tar -C "$work" -czf "$OUT/hopper-tune.tar.gz" .' EXIT
@@ -141,7 +159,7 @@ hopper-tune)
     --repeat 20 --report "$work/compare-tuned-linear-4096-float16"
   ;;
 *)
-  echo "usage: $0 measure|tune|check|kernels|parity|hopper-tune" >&2
+  echo "usage: $0 measure|tune|check|kernels|parity|decode-grid|hopper-tune" >&2
   exit 2
   ;;
 esac

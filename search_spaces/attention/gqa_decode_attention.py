@@ -10,8 +10,9 @@ Fused, each K/V row serves the whole query group while in cache: ``kv_head`` (CP
 (batch, K/V head), the copy in the same loop) and ``cuda_kv_head`` (the copy a kernel of its own,
 since TVM puts no barrier between a block's global writes and other threads' reads, then
 ``lib.attention.cuda_decode_attention``). float32 scores and accumulators in every dtype. On an
-sm_90 GPU in float16/bfloat16 the kernel template ``cuda_split_kv`` comes first: the copy, then
-flash-decoding's split and combine kernels (``lib.cuda_attention``), at any cache length.
+sm_90 GPU in float16/bfloat16 the kernel template ``cuda_split_kv`` comes first: flash-decoding's
+split kernel, copying the caches as it reads them, and its combine (``lib.cuda_attention``), at any
+cache length.
 """
 
 import math
@@ -214,14 +215,14 @@ def _split_kv_check(shape, dtype, knobs):
 
 
 def _split_kv(shape, dtype, knobs):
-    """Flash-decoding on Hopper (``lib.cuda_attention``), three kernels in one PrimFunc
-    (``lib.tirx_sequence``): the cache append (``append_kv``: both caches copied, the new rows at
-    cache_len), the split kernel over the cache_len + 1 positions of the copies (each K/V row read
-    once for its whole query group, a partial per key split) and the combine; no cache length
-    limit. float16/bfloat16, head_dim 64 or 128, at most 8 query heads per K/V head."""
+    """Flash-decoding on Hopper (``lib.cuda_attention``), two kernels in one PrimFunc
+    (``lib.tirx_sequence``): the split kernel over the cache_len + 1 positions, which appends as it
+    reads (row cache_len taken from k_new/v_new, every row it loads stored to the output caches,
+    the rows past cache_len copied by the CTAs in shares; each K/V row read once for its whole
+    query group, a partial per key split), then the combine; no cache length limit.
+    float16/bfloat16, head_dim 64 or 128, at most 8 query heads per K/V head."""
     nb, hq, hkv, _, hd, smax, length = _dims(shape)
-    append = cuda_attention.append_kv(shape, dtype)
-    split, combine = cuda_attention.decode_attention(shape, dtype, knobs)
+    split, combine = cuda_attention.decode_attention(shape, dtype, knobs, append=True)
     splits = cuda_attention.check_decode(shape, dtype, knobs)[1]["splits"]
     q, out = buffer("q", (nb, hq, hd), dtype), buffer("out", (nb, hq, hd), dtype)
     k_new, v_new = (buffer(name, (nb, hkv, hd), dtype) for name in ("k_new", "v_new"))
@@ -230,8 +231,7 @@ def _split_kv(shape, dtype, knobs):
     part_o = workspace("part_o", (nb, hq, splits, hd), "float32")
     part_ml = workspace("part_ml", (nb, hq, splits, 2), "float32")
     return sequence("gqa_decode_attention", [q, k_new, v_new, k_cache, v_cache, out, k_out, v_out],
-                    [(append, [k_new, v_new, k_cache, v_cache, k_out, v_out]),
-                     (split, [q, k_out, v_out, part_o, part_ml, length + 1]),
+                    [(split, [q, k_new, v_new, k_cache, v_cache, k_out, v_out, part_o, part_ml, length + 1]),
                      (combine, [part_o, part_ml, out])], [part_o, part_ml])
 
 

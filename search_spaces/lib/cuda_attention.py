@@ -55,8 +55,10 @@ Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new
     groups of the CTA merge through shared memory and the CTA writes one partial per query head.
     Lengths are unbounded: no buffer is sized by the cache length.
 
-    ``append_kv`` is a decode step's cache append as a kernel of its own (the caches copied with the
-    new token's rows at cache_len, 16-byte vectors), for patterns whose caches are outputs.
+    With ``append`` (patterns whose caches are outputs) the split kernel also appends: it reads row
+    length - 1 from the new token's k_new/v_new instead of the caches, stores every row it loads
+    to k_out/v_out, and the CTAs share out the copy of the rows from length on, so the copy adds
+    the writes and no second pass over the caches.
 
     Only a split's last step checks row bounds. Knobs (``DECODE_KNOBS``): ``warps`` per CTA (4, 8);
     ``keys`` rows per lane group and step (1, 2, 4, 8); ``splits`` (None: about one full wave of CTAs
@@ -488,6 +490,13 @@ def decode_key_range(split, length, splits: int, step: int):
     return split * chunk, split * chunk + chunk
 
 
+def decode_tail_range(split, length, splits: int, max_seq: int):
+    """[begin, end) of the cache rows past the attended ``length`` that key split ``split`` copies
+    (append), before clipping end to ``max_seq``: an equal share of the max_seq - length rows each."""
+    share = (max_seq - length + splits - 1) // splits
+    return length + split * share, length + split * share + share
+
+
 def decode_configs(shape: dict, dtype: str) -> list[dict]:
     """Every (warps, keys) configuration ``check_decode`` accepts, splits left to the default."""
     return _configs(DECODE_KNOBS, lambda knobs: check_decode(shape, dtype, knobs))
@@ -498,11 +507,16 @@ def decode_split_shared_memory_bytes(head_dim: int, group: int, knobs: dict) -> 
     return 4 * groups * group * (head_dim + 2)
 
 
-def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = None):
+def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = None, append: bool = False):
     """(split, combine) tirx PrimFuncs of split-KV decoding (module docstring) for ``shape``
     {batch, num_heads, num_kv_heads, head_dim, max_seq, scale (1/sqrt(head_dim))}; global symbols
-    ``attention_decode_split`` and ``attention_decode_combine``; the partials' split count is
-    ``check_decode(shape, dtype, knobs)[1]["splits"]``."""
+    ``attention_decode_split`` (``attention_decode_append_split`` with ``append``) and
+    ``attention_decode_combine``; the partials' split count is
+    ``check_decode(shape, dtype, knobs)[1]["splits"]``. With ``append`` the split kernel is
+    ``(q, k_new, v_new, k_cache, v_cache, k_out, v_out, part_o, part_ml, length)``: it attends over
+    the caches with row length - 1 replaced by the new token's rows and writes the whole appended
+    caches to k_out, v_out on the way (each row it attends as it loads it, rows from length on
+    shared out among the splits), so the copy costs no second read of the caches."""
     dims, knobs = check_decode(shape, dtype, knobs)
     nb, hq, hkv, hd, smax = (dims[key] for key in DECODE_SHAPE_KEYS)
     group, splits, keys, warps = dims["group"], knobs["splits"], knobs["keys"], knobs["warps"]
@@ -512,6 +526,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     vec = _LOAD_ELEMS
     outputs_per_thread = -(-group * hd // threads)
     chunks = -(-splits // COMBINE_UNROLL)
+    copy_rows = threads // lanes  # cache rows a CTA copies per pass
 
     @T.macro(hygienic=False)
     def _step(first, checked):
@@ -519,14 +534,28 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         # before any math; `checked` (the last, partial step only) masks rows from key_end on.
         # Expanded in `split`, whose names it uses.
         for u in T.unroll(keys):
-            if checked:
-                kv16[u] = T.if_then_else(first + u * rows_per_load < key_end, K16[b, hk, first + u * rows_per_load, sub],
-                                         T.Broadcast(T.uint32(0), 4))
-                kv16[keys + u] = T.if_then_else(first + u * rows_per_load < key_end,
-                                                V16[b, hk, first + u * rows_per_load, sub], T.Broadcast(T.uint32(0), 4))
+            row = T.meta_var(first + u * rows_per_load)
+            if append:  # row length - 1 is the new token's
+                k_vec = T.meta_var(T.if_then_else(row == length - 1, KN16[b, hk, sub], K16[b, hk, row, sub]))
+                v_vec = T.meta_var(T.if_then_else(row == length - 1, VN16[b, hk, sub], V16[b, hk, row, sub]))
             else:
-                kv16[u] = K16[b, hk, first + u * rows_per_load, sub]
-                kv16[keys + u] = V16[b, hk, first + u * rows_per_load, sub]
+                k_vec = T.meta_var(K16[b, hk, row, sub])
+                v_vec = T.meta_var(V16[b, hk, row, sub])
+            if checked:  # no load past key_end
+                kv16[u] = T.if_then_else(row < key_end, k_vec, T.Broadcast(T.uint32(0), 4))
+                kv16[keys + u] = T.if_then_else(row < key_end, v_vec, T.Broadcast(T.uint32(0), 4))
+            else:
+                kv16[u] = k_vec
+                kv16[keys + u] = v_vec
+        if append:
+            for u in T.unroll(keys):
+                if checked:
+                    if first + u * rows_per_load < key_end:
+                        KO16[b, hk, first + u * rows_per_load, sub] = kv16[u]
+                        VO16[b, hk, first + u * rows_per_load, sub] = kv16[keys + u]
+                else:
+                    KO16[b, hk, first + u * rows_per_load, sub] = kv16[u]
+                    VO16[b, hk, first + u * rows_per_load, sub] = kv16[keys + u]
         for u in T.unroll(keys):
             for g in T.unroll(group):
                 sc[u * group + g] = T.float32(0)
@@ -552,14 +581,9 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                 for e in T.unroll(vec):
                     acc[g * vec + e] = acc[g * vec + e] + sc[u * group + g] * T.Cast("float32", kv[(keys + u) * vec + e])
 
-    @T.prim_func
-    def split(q: T.handle, k_cache: T.handle, v_cache: T.handle, part_o: T.handle, part_ml: T.handle,
-              length: T.int32):
-        Q = T.match_buffer(q, (nb, hq, hd), dtype, align=16)
-        Kc = T.match_buffer(k_cache, (nb, hkv, smax, hd), dtype, align=16)
-        Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
-        PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
-        PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
+    @T.macro
+    def _split_body(Q, Kc, Vc, PO, PML, KN, VN, KO, VO, length):
+        # The split kernels' body (KN .. VO: the append buffers, or None).
         T.device_entry()
         sp, hk, b = T.cta_id([splits, hkv, nb])
         tx = T.thread_id([threads])
@@ -572,6 +596,11 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         Q16 = T.decl_buffer((nb, hq, hd // vec), "uint32x4", data=Q.data)
         K16 = T.decl_buffer((nb, hkv, smax, hd // vec), "uint32x4", data=Kc.data)
         V16 = T.decl_buffer((nb, hkv, smax, hd // vec), "uint32x4", data=Vc.data)
+        if append:
+            KN16 = T.decl_buffer((nb, hkv, hd // vec), "uint32x4", data=KN.data)
+            VN16 = T.decl_buffer((nb, hkv, hd // vec), "uint32x4", data=VN.data)
+            KO16 = T.decl_buffer((nb, hkv, smax, hd // vec), "uint32x4", data=KO.data)
+            VO16 = T.decl_buffer((nb, hkv, smax, hd // vec), "uint32x4", data=VO.data)
         O4 = T.decl_buffer((groups, group, hd // 4), "float32x4", data=merge_o.data, scope="shared.dyn")
         kv16 = T.alloc_buffer((2 * keys,), "uint32x4", scope="local")     # K rows, then V rows
         kv = T.decl_buffer((2 * keys * vec,), dtype, data=kv16.data, scope="local")
@@ -599,6 +628,16 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             l[g] = T.float32(0)
         for i in T.unroll(group * vec):
             acc[i] = T.float32(0)
+        if append:
+            # rows from length on are copied as they are, a share of them per split
+            tail_begin = T.meta_var(decode_tail_range(sp, length, splits, smax)[0])
+            tail_end = T.meta_var(T.min(decode_tail_range(sp, length, splits, smax)[1], smax))
+            for t in T.serial((tail_end - tail_begin + copy_rows - 1) // copy_rows):
+                if tail_begin + t * copy_rows + tx // lanes < tail_end:
+                    KO16[b, hk, tail_begin + t * copy_rows + tx // lanes, sub] = K16[
+                        b, hk, tail_begin + t * copy_rows + tx // lanes, sub]
+                    VO16[b, hk, tail_begin + t * copy_rows + tx // lanes, sub] = V16[
+                        b, hk, tail_begin + t * copy_rows + tx // lanes, sub]
         n_keys = T.meta_var(T.max(key_end - key_begin, 0))
         # this warp's rows of a step: keys * rows_per_load consecutive rows
         warp_first = T.meta_var(key_begin + warp * rows_per_load * keys + tx % 32 // lanes)
@@ -633,6 +672,33 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                     PML[b, hk * group + g, sp, 0] = merged[0]
                     PML[b, hk * group + g, sp, 1] = merged[1]
 
+
+    # a prim_func is parsed where it is defined: only the variant asked for
+    if append:
+        @T.prim_func
+        def split(q: T.handle, k_new: T.handle, v_new: T.handle, k_cache: T.handle, v_cache: T.handle,
+                  k_out: T.handle, v_out: T.handle, part_o: T.handle, part_ml: T.handle, length: T.int32):
+            Q = T.match_buffer(q, (nb, hq, hd), dtype, align=16)
+            KN = T.match_buffer(k_new, (nb, hkv, hd), dtype, align=16)
+            VN = T.match_buffer(v_new, (nb, hkv, hd), dtype, align=16)
+            Kc = T.match_buffer(k_cache, (nb, hkv, smax, hd), dtype, align=16)
+            Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
+            KO = T.match_buffer(k_out, (nb, hkv, smax, hd), dtype, align=16)
+            VO = T.match_buffer(v_out, (nb, hkv, smax, hd), dtype, align=16)
+            PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
+            PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
+            _split_body(Q, Kc, Vc, PO, PML, KN, VN, KO, VO, length)
+    else:
+        @T.prim_func
+        def split(q: T.handle, k_cache: T.handle, v_cache: T.handle, part_o: T.handle, part_ml: T.handle,
+                  length: T.int32):
+            Q = T.match_buffer(q, (nb, hq, hd), dtype, align=16)
+            Kc = T.match_buffer(k_cache, (nb, hkv, smax, hd), dtype, align=16)
+            Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
+            PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
+            PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
+            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, length)
+
     @T.prim_func
     def combine(part_o: T.handle, part_ml: T.handle, out: T.handle):
         PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
@@ -659,66 +725,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                     total[2] = total[2] + w[0] * PO[b, h, s0 * COMBINE_UNROLL + s1, d]
         O[b, h, d] = T.Cast(dtype, total[2] / total[1])
 
-    return _mark(split, "attention_decode_split"), _mark(combine, "attention_decode_combine")
-
-
-APPEND_THREADS = 256
-
-
-def append_kv(shape: dict, dtype: str = "float16"):
-    """The tirx PrimFunc ``(k_new, v_new, k_cache, v_cache, k_out, v_out)`` of a decode step's cache
-    append for ``shape`` {batch, num_kv_heads, head_dim, max_seq, cache_len}: k_out and v_out are
-    copies of the caches (batch, kv_heads, max_seq, head_dim) with row ``cache_len`` replaced by the
-    new token's rows k_new, v_new (batch, kv_heads, head_dim). One thread per 16-byte vector of a
-    row, both caches in the same thread (a copy at memory speed); global symbol
-    ``attention_append_kv``."""
-    nb, hkv, hd, smax = _ints(shape, ("batch", "num_kv_heads", "head_dim", "max_seq"))
-    try:
-        length = int(shape.get("cache_len", 0))
-    except (TypeError, ValueError):
-        raise AttentionShapeError(f"cache_len must be an integer; got {shape.get('cache_len')!r}") from None
-    if dtype not in DTYPES:
-        raise AttentionShapeError(f"attention kernels take {' or '.join(DTYPES)}, not {dtype}")
-    if hd % _LOAD_ELEMS or not 0 <= length < smax:
-        raise AttentionShapeError(f"head_dim={hd} must be a multiple of {_LOAD_ELEMS} and cache_len={length} "
-                                  f"in [0, max_seq={smax})")
-    row_vecs = hd // _LOAD_ELEMS
-    total = nb * hkv * smax * row_vecs
-    if total >= 1 << 31:
-        raise AttentionShapeError("the K/V cache has 2^31 16-byte vectors or more (int32 indices)")
-    blocks = -(-total // APPEND_THREADS)
-
-    @T.prim_func
-    def append(k_new: T.handle, v_new: T.handle, k_cache: T.handle, v_cache: T.handle, k_out: T.handle,
-               v_out: T.handle):
-        KN = T.match_buffer(k_new, (nb, hkv, hd), dtype, align=16)
-        VN = T.match_buffer(v_new, (nb, hkv, hd), dtype, align=16)
-        KC = T.match_buffer(k_cache, (nb, hkv, smax, hd), dtype, align=16)
-        VC = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
-        KO = T.match_buffer(k_out, (nb, hkv, smax, hd), dtype, align=16)
-        VO = T.match_buffer(v_out, (nb, hkv, smax, hd), dtype, align=16)
-        T.device_entry()
-        bx = T.cta_id([blocks])
-        tx = T.thread_id([APPEND_THREADS])
-        # 16-byte views: one element = 8 consecutive values of a row
-        KN16 = T.decl_buffer((nb * hkv * row_vecs,), "uint32x4", data=KN.data)
-        VN16 = T.decl_buffer((nb * hkv * row_vecs,), "uint32x4", data=VN.data)
-        KC16 = T.decl_buffer((total,), "uint32x4", data=KC.data)
-        VC16 = T.decl_buffer((total,), "uint32x4", data=VC.data)
-        KO16 = T.decl_buffer((total,), "uint32x4", data=KO.data)
-        VO16 = T.decl_buffer((total,), "uint32x4", data=VO.data)
-        i = T.meta_var(bx * APPEND_THREADS + tx)
-        row = T.meta_var(i // row_vecs)                      # (batch x kv head) x max_seq + position
-        new = T.meta_var(row // smax * row_vecs + i % row_vecs)
-        if i < total:
-            if row % smax == length:
-                KO16[i] = KN16[new]
-                VO16[i] = VN16[new]
-            else:
-                KO16[i] = KC16[i]
-                VO16[i] = VC16[i]
-
-    return _mark(append, "attention_append_kv")
+    name = "attention_decode_append_split" if append else "attention_decode_split"
+    return _mark(split, name), _mark(combine, "attention_decode_combine")
 
 
 def decode_kv_bytes(shape: dict, length: int, dtype: str = "float16") -> int:

@@ -144,8 +144,9 @@ def test_nvcc_compiles_prefill(tmp_path):
 
 
 @needs_nvcc
-def test_nvcc_compiles_decode(tmp_path):
-    split, combine = ca.decode_attention(DECODE, "float16")
+@pytest.mark.parametrize("append", [False, True])
+def test_nvcc_compiles_decode(tmp_path, append):
+    split, combine = ca.decode_attention(DECODE, "float16", append=append)
     for func in (split, combine):
         [(regs, spills)] = _ptxas(_source(func), tmp_path)
         assert spills == 0 and regs <= 255
@@ -233,6 +234,35 @@ def test_decode_key_ranges_cover_each_key_once(length, splits, step):
         assert (end - begin) % step == 0
         covered[begin:min(end, length)] += 1
     assert (covered == 1).all()
+
+
+@pytest.mark.parametrize("length,splits,step,max_seq", [(1, 7, 32, 1000), (1000, 16, 64, 1000), (4001, 33, 64, 4096),
+                                                        (97, 8, 64, 131072)])
+def test_append_writes_each_cache_row_once(length, splits, step, max_seq):
+    # the attended rows through the key ranges, the rest through the tail shares
+    written = np.zeros(max_seq, dtype=int)
+    for sp in range(splits):
+        begin, end = ca.decode_key_range(sp, length, splits, step)
+        written[begin:min(end, length)] += 1
+        begin, end = ca.decode_tail_range(sp, length, splits, max_seq)
+        assert begin >= length
+        written[begin:min(end, max_seq)] += 1
+    assert (written == 1).all()
+
+
+def test_append_split_reads_the_new_row_and_writes_the_caches():
+    split, combine = ca.decode_attention(DECODE, "float16", append=True)
+    source = _source(split)
+    assert "attention_decode_append_split_kernel" in source
+    assert "(length - 1)" in source                   # the new token's row comes from k_new / v_new
+    for name in ("KN_ptr", "VN_ptr"):
+        assert re.search(rf"\(\(uint4\*\){name}\)\[", source), name
+    for name in ("KO_ptr", "VO_ptr"):                 # 16-byte stores of the output caches
+        assert re.search(rf"\(\(uint4\*\){name}\)\[[^\]]*\] = ", source), name
+    assert len(split.params) == 10                    # q, k_new, v_new, the caches in and out, 2 partials, length
+    # without append, the split kernel has none of it
+    plain = _source(ca.decode_attention(DECODE, "float16")[0])
+    assert "KO_ptr" not in plain and "KN_ptr" not in plain
 
 
 @pytest.mark.parametrize("batch", [1, 3, 16, 64])
