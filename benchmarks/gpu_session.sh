@@ -117,7 +117,7 @@ kernels)
   if [[ $steps == *,model,* ]]; then
   models=$(mktemp -d)
   python3 models/make_models.py --only decoder_block --dtype float16 --out "$models"
-  timeout 80 "${COMPARE[@]}" "${commit[@]}" --db none "$models/decoder_block-float16.onnx" \
+  timeout 300 "${COMPARE[@]}" "${commit[@]}" --db none "$models/decoder_block-float16.onnx" \
     --baselines torch-eager,torch-compile --repeat 20 --report "$work/compare-decoder-block-float16"
   fi
   ;;
@@ -141,7 +141,7 @@ decode-grid)
   commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
   for cache in ${DECODE_CACHES:-1024 4096 16384 32768}; do
     for batch in ${DECODE_BATCHES:-1 16 64}; do
-      timeout 90 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern gqa_decode_attention \
+      timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern gqa_decode_attention \
         --shape batch=$batch,num_heads=32,num_kv_heads=8,head_dim=128,max_seq=$cache,cache_len=$((cache - 1)) \
         --baselines "${DECODE_BASELINES:-torch-sdpa}" --repeat 20 --no-plots --report "$work/decode-b$batch-c$cache"
     done
