@@ -34,6 +34,10 @@
 #             4096, 16384, 32768 through `autofuse compare` against torch SDPA (torch.compile with
 #             DECODE_BASELINES=torch-sdpa,torch-compile; its compiles cost minutes). Lands in
 #             $OUT/decode-grid.tar.gz, one report per shape
+#   prefill-grid  issue 23: flash_attention (float16, 16 heads, D128) at seq 1024 (batch 8), 2048
+#             (batch 8) and 4096 (batch 2), causal and not (PREFILL_SPECS: batch:seq:causal ...),
+#             through `autofuse compare` against torch SDPA (numpy's float64 reference bounds the
+#             shapes). Lands in $OUT/prefill-grid.tar.gz
 #   hopper-tune  the wgmma GEMM kernel template of linear_bias_relu (float16, 4096^3) searched
 #             (benchmarks/gpu_tune_kernels.py, every config of its space within TUNE_SECS, default
 #             330, resumable through $DB),
@@ -147,6 +151,18 @@ decode-grid)
     done
   done
   ;;
+prefill-grid)
+  work=$(mktemp -d)
+  trap 'tar -C "$work" -czf "$OUT/prefill-grid.tar.gz" .' EXIT
+  exec > >(tee "$work/prefill-grid.log") 2>&1
+  commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  for spec in ${PREFILL_SPECS:-8:1024:0 8:1024:1 8:2048:1 2:4096:0 2:4096:1}; do
+    IFS=: read -r batch seq causal <<< "$spec"
+    timeout 120 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern flash_attention \
+      --shape batch=$batch,heads=16,kv_heads=16,seq_q=$seq,seq_kv=$seq,head_dim=128,causal=$causal \
+      --baselines torch-sdpa --repeat 20 --no-plots --report "$work/prefill-b$batch-s$seq-c$causal"
+  done
+  ;;
 hopper-tune)
   work=$(mktemp -d)
   trap 'cp -r "$DB" "$work/db"; tar -C "$work" -czf "$OUT/hopper-tune.tar.gz" .' EXIT
@@ -159,7 +175,7 @@ hopper-tune)
     --repeat 20 --report "$work/compare-tuned-linear-4096-float16"
   ;;
 *)
-  echo "usage: $0 measure|tune|check|kernels|parity|decode-grid|hopper-tune" >&2
+  echo "usage: $0 measure|tune|check|kernels|parity|decode-grid|prefill-grid|hopper-tune" >&2
   exit 2
   ;;
 esac
