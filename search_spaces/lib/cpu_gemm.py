@@ -21,10 +21,11 @@ j and the reduction loop(s) k, fused into one; casts around the operands are fin
   body, as linear_bias_relu's ``acc``) is an output to TVM's schedule and is still stored once,
   from the registers.
 
-Rows (columns) that are not a multiple of MR (NR): ``pad_einsum`` pads the block's domain, so the
-micro-kernel has no predicate (one in its k loop costs 2-3x); x (W) is then copied once into the
-zero-padded buffer and only the epilogue is predicated; padded W columns are zeroed by the
-packing copy itself.
+Rows (columns) that are not a multiple of MR (NR), where no tile a row or two smaller divides
+them (``register_tile``): ``pad_einsum`` pads the block's domain, so the micro-kernel has no
+predicate (one in its k loop costs 2-3x); x (W) is then copied once into the zero-padded buffer
+(in parallel only when large) and only the epilogue is predicated; padded W columns are zeroed by
+the packing copy itself.
 
 Knobs (``autofuse.pattern.Knobs``): tiles of the MR-row and NR-column tile counts (MC, NC) and
 of k (KU). They only feed ``split``; every Python branch depends on shapes and the target.
@@ -81,15 +82,23 @@ class RegisterTile:
     lanes: int
 
 
+# Rows fewer than MR a tile may take to divide m instead of padding it: no copy of x into a padded
+# buffer and no predicated epilogue beat the two rows' FMAs (float32, 2-core znver4, interleaved:
+# 4 rows against 6 padded ones, 128 x 256 x 256 156 against 164 us, 32 x 256 x 64 16.4 against
+# 19.2, 512 x 1024 x 1024 9.46 against 9.66 ms).
+ROWS_BELOW_MR = 2
+
+
 def register_tile(unit: VectorUnit, m: int, n: int, pad: bool = True) -> RegisterTile:
     """MR x NR: NR of ``vectors`` registers (4 with 32 registers, 2 with 16), MR rows so that the
     MR * vectors accumulators, one row of W vectors and a broadcast fit the registers (6x64 on
     AVX-512, 6x16 on AVX2, 6x16 on NEON). Up to 8 rows (a row tile of moe_gate_topk's experts)
     take all of them, with as many vectors as then fit (8x48 or 8x32 on AVX-512). Where n is no
     multiple of NR, the widest smaller multiple of the lanes that divides n (with MR grown to
-    fill the registers again), else NR and n padded. Without ``pad`` (a block pad_einsum cannot
-    pad), MR divides m and NR divides n: where no multiple of the lanes does, NR is several
-    narrower vectors, else one partial vector."""
+    fill the registers again), else NR and n padded. Where m is no multiple of MR, up to
+    ``ROWS_BELOW_MR`` rows fewer if that divides m (4 of 6 for m = 128), else m padded. Without
+    ``pad`` (a block pad_einsum cannot pad), MR divides m and NR divides n: where no multiple of
+    the lanes does, NR is several narrower vectors, else one partial vector."""
     top = 4 if unit.registers >= 32 else 2
     if m <= 8:
         top = max(1, min(top, (unit.registers - 1) // (m + 1)))
@@ -112,6 +121,8 @@ def register_tile(unit: VectorUnit, m: int, n: int, pad: bool = True) -> Registe
             cols = _divisor_below(n, lanes)
     if not pad:
         rows = _divisor_below(m, rows)
+    elif m % rows:
+        rows = next((r for r in range(rows, max(1, rows - ROWS_BELOW_MR) - 1, -1) if m % r == 0), rows)
     return RegisterTile(rows=rows, cols=cols, lanes=lanes)
 
 
@@ -247,9 +258,20 @@ def _tile_loops(sch, block, tile: RegisterTile):
     _vectorize_cols(sch, cols, tile)
 
 
+# Copies of fewer elements run on one thread: waking the thread pool for a few KB (x's rows of a
+# short sequence padded to MR) took 6 of a 32 x 64 x 64 GEMM's 15 us here (with 32 rows padded to
+# 36, before ROWS_BELOW_MR).
+PARALLEL_COPY_MIN_ELEMENTS = 1 << 18
+
+
 def _parallel_copy(sch, block):
-    """A copy block (padding) parallel over its outer loop; LLVM vectorizes the rest."""
-    sch.parallel(sch.get_loops(block)[0])
+    """A copy block (padding) parallel over its outer loop where it is large enough; LLVM
+    vectorizes the rest."""
+    elements = 1
+    for iv in sch.get(block).iter_vars:
+        elements *= int(iv.dom.extent)
+    if elements >= PARALLEL_COPY_MIN_ELEMENTS:
+        sch.parallel(sch.get_loops(block)[0])
 
 
 def _reduction_count(sch, block) -> int:

@@ -60,8 +60,11 @@ def test_vector_unit_and_tile_follow_the_target():
     assert vector_unit(AVX2) == VectorUnit(8, 16)
     assert vector_unit(NEON) == VectorUnit(4, 32)
     assert vector_unit(Target({"kind": "llvm"})) == VectorUnit(4, 16)
-    assert register_tile(VectorUnit(16, 32), 512, 1024) == RegisterTile(6, 64, 16)
-    assert register_tile(VectorUnit(8, 16), 512, 1024) == RegisterTile(6, 16, 8)
+    assert register_tile(VectorUnit(16, 32), 516, 1024) == RegisterTile(6, 64, 16)
+    assert register_tile(VectorUnit(8, 16), 516, 1024) == RegisterTile(6, 16, 8)
+    # m = 512 is no multiple of 6: 4 rows divide it (no padding); 13 has no divisor near 6: padded
+    assert register_tile(VectorUnit(16, 32), 512, 1024) == RegisterTile(4, 64, 16)
+    assert register_tile(VectorUnit(16, 32), 13, 1024) == RegisterTile(6, 64, 16)
     # n = 1000: no multiple of 16 columns divides it, 8 does, and more rows fill the registers
     assert register_tile(VectorUnit(8, 16), 512, 1000) == RegisterTile(8, 8, 8)
     # n = 20 has no multiple of the lanes: full width, n padded; m = 3 < MR: 3 rows
@@ -117,6 +120,17 @@ def test_each_task_packs_its_own_panels():
     _, panels = default_blocking(-(-13 // tile.rows), 512 // tile.cols, tile, 2)
     assert panels == 2 and tile.cols == 64, "8 column panels, 4 tasks on 2 cores"
     assert alloc_at > parallel_at and f"T.alloc_buffer(({panels}, 24, {tile.cols})" in lowered, "a task's panels"
+
+
+def test_only_a_large_padding_copy_runs_in_parallel():
+    """x's rows padded to MR: a short sequence's copy is a few KB, not worth waking the thread pool
+    for (the GEMM itself stays parallel); a large one is split over the cores."""
+    for m, k, parallel in ((31, 64, False), (4099, 64, True)):
+        _, sch, tile = _schedule(_shape(m, 64, k), target=AVX512)
+        assert m % tile.rows, "the rows are padded"
+        kinds = [sch.get(loop).kind for loop in sch.get_loops(sch.get_sblock("x_pad"))]
+        assert (ForKind.PARALLEL in kinds) == parallel, (m, kinds)
+        assert ForKind.PARALLEL in [sch.get(loop).kind for loop in sch.get_loops(sch.get_sblock("matmul_update"))]
 
 
 def test_untuned_blocking_spreads_evenly_over_the_cores():
