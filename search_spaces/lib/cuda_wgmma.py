@@ -1,4 +1,4 @@
-"""Hopper (sm_90a) tensor-core GEMM kernels: C = act(A @ B^T + bias), the SwiGLU pair, a GEMM
+"""Hopper (sm_90a) tensor-core GEMM kernels: C = act(A @ B^T [+ bias]), the SwiGLU pair, a GEMM
 with an elementwise epilogue on a residual, and an int8 GEMM with a dequantising epilogue.
 
 TVM 0.27's schedule primitives reach the H200's tensor cores only through WMMA / mma.sync, far from
@@ -411,6 +411,17 @@ def gemm_bias_act(shape: dict, dtype: str = "float16", knobs: dict | None = None
         return activation(acc + T.Cast("float32", operands[0][col]))
 
     return _gemm(cfg, f"gemm_bias_{act}", [("X", (cfg["n"],), dtype)], bias_act, False)
+
+
+def gemm_act(shape: dict, dtype: str = "float16", knobs: dict | None = None, act: str = "none",
+             b_layout: str = "nk"):
+    """``gemm_bias_act`` without the bias: the tirx PrimFunc ``(A, B, C)`` computing C = act(A @ B^T);
+    global symbol ``gemm_<act>``."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation {act!r} is not one of {', '.join(ACTIVATIONS)}")
+    activation = ACTIVATIONS[act]
+    cfg = _config(shape, dtype, knobs, 1, b_layout)
+    return _gemm(cfg, f"gemm_{act}", [], lambda acc, _up, _operands, _row, _col: activation(acc), False)
 
 
 def swiglu(shape: dict, dtype: str = "float16", knobs: dict | None = None, b_layout: str = "nk"):
