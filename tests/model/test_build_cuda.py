@@ -83,18 +83,18 @@ def test_cuda_compare_without_a_gpu_is_one_line_before_any_work(tmp_path):
 
 @needs_nvcc
 def test_the_float16_decoder_block_runs_kernel_templates_and_compiles(tmp_path):
-    """flash_attention and swiglu_ffn get their Hopper kernel templates (tirx, sm_90a) inside the
-    model; the mixed tirx/s_tir pipeline compiles the whole library."""
+    """flash_attention, swiglu_ffn and the projections (linear) get their Hopper kernel templates
+    (tirx, sm_90a) inside the model; the mixed tirx/s_tir pipeline compiles the whole library."""
     import subprocess
     import sys
 
     subprocess.run([sys.executable, os.path.join(REPO, "models", "make_models.py"), "--out", str(tmp_path), "--only",
                     "decoder_block", "--dtype", "float16"], check=True, capture_output=True, timeout=300)
     prepared = prepare(str(tmp_path / "decoder_block-float16.onnx"), "patterns")
-    assert prepared.matches == {"flash_attention": 1, "layernorm_residual": 1, "swiglu_ffn": 1}
+    assert prepared.matches == {"flash_attention": 1, "layernorm_residual": 1, "swiglu_ffn": 1, "linear": 4}
     mod, decisions = apply_database(prepared.mod, None, H200, dev=None)
     tirx_kernels = {d.pattern for d in decisions if "tirx kernel" in d.note}
-    assert tirx_kernels == {"flash_attention", "swiglu_ffn"}
+    assert tirx_kernels == {"flash_attention", "swiglu_ffn", "linear"}
     with H200:
         model_build.build(mod, H200).export_library(str(tmp_path / "decoder.so"))
     library = (tmp_path / "decoder.so").read_bytes()

@@ -18,10 +18,12 @@ TARGET = parse_target("llvm")
 EXPECTED = {
     "mlp": {"linear_bias_relu": 2},
     "conv_block": {"conv2d_bn_relu": 2},
-    # The first LayerNorm reads the block input (no add before it): only the second matches.
-    "transformer_block": {"layernorm_residual": 1, "flash_attention": 1},
-    # RoPE stays an auto-fused elementwise kernel before the attention (see README).
-    "decoder_block": {"layernorm_residual": 1, "flash_attention": 1, "swiglu_ffn": 1},
+    # The first LayerNorm reads the block input (no add before it): only the second matches. The
+    # q/k/v/out projections and the FFN's second GEMM are linear_bias, its first linear_bias_gelu.
+    "transformer_block": {"layernorm_residual": 1, "flash_attention": 1, "linear_bias": 5, "linear_bias_gelu": 1},
+    # RoPE stays an auto-fused elementwise kernel before the attention (see README); the
+    # projections have no bias, the out projection's residual add is no bias either.
+    "decoder_block": {"layernorm_residual": 1, "flash_attention": 1, "swiglu_ffn": 1, "linear": 4},
 }
 
 

@@ -1,7 +1,8 @@
-"""The CUDA templates of the GEMM-like patterns (linear_bias_relu, swiglu_ffn, woq_matmul) compile for the H200
-through nvcc, with their fixed defaults and with random knob samples replayed the way MetaSchedule
-replays them, into kernels that stage tiles through shared memory and bind threads. Nothing runs
-here (no GPU): benchmarks/gpu_check_templates.py runs and checks them on one. Small shapes only."""
+"""The CUDA templates of the GEMM-like patterns (linear_bias_relu, swiglu_ffn, woq_matmul; the linear
+patterns' WMMA schedule) compile for the H200 through nvcc, with their fixed defaults and with random
+knob samples replayed the way MetaSchedule replays them, into kernels that stage tiles through shared
+memory and bind threads. Nothing runs here (no GPU): benchmarks/gpu_check_templates.py runs and
+checks them on one. Small shapes only."""
 
 import pytest
 from cuda_support import H200, cuda_source as _cuda_source, kernels as _kernels, replayed, require_nvcc
@@ -96,6 +97,23 @@ def test_wmma_uses_tensor_cores_for_float16_only():
         assert "wmma." not in ours.mod.script()  # no wmma.matrix_a/accumulator scopes, no tensorize
         simt = _template(pattern, "cuda_tiled_epilogue").apply(func, H200, tunable=False)
         assert ours.mod["main"].script().replace("cuda_wmma", "cuda_tiled_epilogue") == simt.mod["main"].script()
+
+
+def test_linear_wmma_reads_w_as_stored():
+    """The linear patterns' cuda_wmma (search_spaces/lib/linear.py): W (k, n) loaded row-major into
+    the matrix_b fragments, no transposed intrinsic; float32 falls back to its SIMT template.
+    Scheduled only (the WMMA compile costs a minute of nvcc on 2 cores)."""
+    pattern = get_pattern("linear_bias_gelu")
+    wmma = _template(pattern, "cuda_wmma")
+    shape = pattern.small_shape()
+    script = wmma.apply(pattern.build(shape, "float16"), H200, tunable=False).mod.script()
+    assert "wmma.matrix_b" in script and "T.tvm_mma_sync" in script
+    # linear_bias_relu's W (n, k) loads col_major (a transposed fragment); W (k, n) does not
+    assert '"col_major"' not in script and script.count('"row_major"') >= 2
+    func = pattern.build(shape, "float32")
+    simt = _template(pattern, "cuda_tiled_epilogue").apply(func, H200, tunable=False)
+    ours = wmma.apply(func, H200, tunable=False)
+    assert ours.mod["main"].script().replace("cuda_wmma", "cuda_tiled_epilogue") == simt.mod["main"].script()
 
 
 def test_vector_lanes_keep_rows_aligned():
