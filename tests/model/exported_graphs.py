@@ -78,3 +78,84 @@ def layernorm_residual(path, eps=1e-12, shape=(1, 8, 32), seed=0):
     nodes = [helper.make_node("Add", ["x", "r"], ["h"]),
              helper.make_node("LayerNormalization", ["h", "gamma", "beta"], ["y"], axis=-1, epsilon=eps)]
     return save(nodes, [("x", list(shape)), ("r", list(shape))], [("y", list(shape))], inits, path)
+
+
+# linear(): the forms torch.onnx writes an nn.Linear (and its activation) in. A weight is (k, n)
+# as MatMul reads it; Gemm's is (n, k) with transB.
+LINEAR_FORMS = ("bias", "bias_2d", "gemm", "plain", "gelu_erf", "gelu_op", "gelu_tanh", "gelu_tanh_op", "relu",
+                "gelu_bad_constant", "residual", "weight_input", "activations", "scores")
+
+
+def linear(path, form, rows=8, k=32, n=48, seed=0):
+    """x (1, rows, k) through one linear layer in ``form``:
+
+    - ``bias``: MatMul(x, W) then Add(b, .) (BERT's and ViT's operand order);
+    - ``bias_2d``: GPT-2's Conv1D: Reshape to (rows, k), MatMul, Add(., b), Reshape back;
+    - ``gemm``: Gemm(x (rows, k), W (n, k), b, transB=1), as nn.Linear on 2-D input;
+    - ``plain``: MatMul only (Llama's projections);
+    - ``gelu_erf``: ``bias`` then BERT's GELU: Div by sqrt 2, Erf, Add 1, Mul by the input, Mul 0.5;
+    - ``gelu_op``: ``bias`` then ONNX Gelu (opset 20);
+    - ``gelu_tanh``: ``bias_2d`` then GPT-2's gelu_new: Pow 3, Mul 0.044715, Add, Mul sqrt(2/pi),
+      Tanh, Mul 0.5 by the input, Add 1, Mul;
+    - ``gelu_tanh_op``: ``bias`` then ONNX Gelu(approximate="tanh") (opset 20);
+    - ``relu``: ``bias`` then Relu (linear_bias_relu's);
+    - ``gelu_bad_constant``: ``gelu_erf`` dividing by 2 instead of sqrt 2 (no GELU);
+    - ``residual``: MatMul then Add of a (1, rows, n) input (a residual, not a bias);
+    - ``weight_input``: ``bias`` with W a graph input (weights kept as inputs);
+    - ``activations``: MatMul of two computed activations (Relu(x) @ Relu(w), w an input): no weight;
+    - ``scores``: attention's batched Q K^T, (1, 4, rows, 16) @ Transpose(K): no weight.
+    """
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((k, n)) / np.sqrt(k)
+    inits = [_const("w", w.T if form == "gemm" else w), _const("b", rng.standard_normal(n))]
+    inputs, opset = [("x", [1, rows, k])], 17
+    out = [1, rows, n]
+    mm = [helper.make_node("MatMul", ["x", "w"], ["mm"])]
+    bias = mm + [helper.make_node("Add", ["b", "mm"], ["h"])]
+    if form in ("bias_2d", "gelu_tanh"):
+        inits += [_const("rows_shape", [rows, k], "int64"), _const("out_shape", out, "int64")]
+        bias = [helper.make_node("Reshape", ["x", "rows_shape"], ["x2"]), helper.make_node("MatMul", ["x2", "w"], ["mm"]),
+                helper.make_node("Add", ["mm", "b"], ["h2"]), helper.make_node("Reshape", ["h2", "out_shape"], ["h"])]
+    if form == "gemm":
+        inputs, out = [("x", [rows, k])], [rows, n]
+        nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["y"], transB=1)]
+    elif form == "plain":
+        nodes = [helper.make_node("MatMul", ["x", "w"], ["y"])]
+    elif form in ("bias", "bias_2d", "weight_input"):
+        nodes = bias
+        nodes[-1].output[0] = "y"
+        if form == "weight_input":
+            inits = inits[1:]
+            inputs.append(("w", [k, n]))
+    elif form in ("gelu_erf", "gelu_bad_constant"):
+        inits += [_const("sqrt2", 2.0 if form == "gelu_bad_constant" else np.sqrt(2.0)), _const("one", 1.0),
+                  _const("half", 0.5)]
+        nodes = bias + [helper.make_node("Div", ["h", "sqrt2"], ["s"]), helper.make_node("Erf", ["s"], ["e"]),
+                        helper.make_node("Add", ["e", "one"], ["e1"]), helper.make_node("Mul", ["h", "e1"], ["g"]),
+                        helper.make_node("Mul", ["g", "half"], ["y"])]
+    elif form in ("gelu_op", "gelu_tanh_op"):
+        opset = 20
+        nodes = bias + [helper.make_node("Gelu", ["h"], ["y"], approximate="tanh" if form == "gelu_tanh_op" else "none")]
+    elif form == "gelu_tanh":
+        inits += [_const("three", 3.0), _const("cubic", 0.044715), _const("c", np.sqrt(2.0 / np.pi)),
+                  _const("half", 0.5), _const("one", 1.0)]
+        nodes = bias + [helper.make_node("Pow", ["h", "three"], ["p"]), helper.make_node("Mul", ["p", "cubic"], ["pc"]),
+                        helper.make_node("Add", ["h", "pc"], ["i"]), helper.make_node("Mul", ["i", "c"], ["ic"]),
+                        helper.make_node("Tanh", ["ic"], ["t"]), helper.make_node("Mul", ["h", "half"], ["hh"]),
+                        helper.make_node("Add", ["t", "one"], ["t1"]), helper.make_node("Mul", ["hh", "t1"], ["y"])]
+    elif form == "relu":
+        nodes = bias + [helper.make_node("Relu", ["h"], ["y"])]
+    elif form == "residual":
+        inputs.append(("r", out))
+        nodes = mm + [helper.make_node("Add", ["mm", "r"], ["y"])]
+    elif form == "activations":
+        inits, inputs = [], inputs + [("w", [k, n])]
+        nodes = [helper.make_node("Relu", ["x"], ["rx"]), helper.make_node("Relu", ["w"], ["rw"]),
+                 helper.make_node("MatMul", ["rx", "rw"], ["y"])]
+    elif form == "scores":
+        inits, inputs, out = [], [("x", [1, 4, rows, 16]), ("k", [1, 4, rows, 16])], [1, 4, rows, rows]
+        nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+                 helper.make_node("MatMul", ["x", "kt"], ["y"])]
+    else:
+        raise ValueError(f"form {form!r} is not one of {', '.join(LINEAR_FORMS)}")
+    return save(nodes, inputs, [("y", out)], inits, path, opset)

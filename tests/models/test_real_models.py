@@ -72,6 +72,20 @@ def test_torchscript_export_builds_and_matches_onnxruntime(entry, tmp_path):
     assert result.verified, f"{entry['file']}: {result.message}"
 
 
+TRANSFORMERS = [m for m in EXPORTED if m["exporter"] == "torchscript" and m["axes"] == "fixed"
+                and m["architecture"] in ("bert", "gpt2", "llama", "vit")]
+
+
+@pytest.mark.parametrize("entry", TRANSFORMERS, ids=lambda m: m["architecture"])
+def test_most_of_a_transformers_flops_run_in_pattern_kernels(entry):
+    """The projections and FFN GEMMs are the linear patterns (with their bias and GELU), so at
+    least 80% of the FLOPs run in pattern kernels, counted as ``autofuse build`` reports them."""
+    from autofuse.model.kernels import pattern_share
+
+    share = pattern_share(prepare(_path(entry), "patterns").mod)
+    assert share["flop_fraction"] >= 0.8, share
+
+
 def test_dynamic_export_builds_and_runs_at_the_bound_shape(tmp_path):
     """--input-shape input_ids=2x16 on BERT with symbolic batch and sequence axes: attention_mask
     shares them and is bound too; the library runs at that shape (and only that one)."""
