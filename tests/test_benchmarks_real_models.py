@@ -67,7 +67,7 @@ def test_one_model_untuned(tmp_path):
     assert report["command"][1:] == flags and report["not_started"] == ["resnet18-torchscript-fixed"]
     (model,) = report["models"]
     assert model["status"] == "ok" and model["matches_onnxruntime"]
-    assert model["matches"] == {"softmax_dropout": 2, "layernorm_residual": 5, "linear_bias": 10, "linear_bias_gelu": 2}
+    assert model["matches"] == {"masked_attention": 2, "layernorm_residual": 5, "linear_bias": 10, "linear_bias_gelu": 2}
     assert model["folded"] > 0 and model["input_shapes"] == {"pixel_values": [1, 3, 32, 32]}
     rows = {c["name"]: c for c in model["contenders"]}
     assert list(rows) == ["autofuse-untuned", "autofuse-tuned", "tvm-auto", "onnxruntime", "xla"]
@@ -80,5 +80,5 @@ def test_one_model_untuned(tmp_path):
     assert model["tuning"] is None and model["tuned_over_onnxruntime"] is None
     markdown = out.with_suffix(".md").read_text()
     assert ("| vit-torchscript-fixed | torchscript | fixed | layernorm_residual x5, linear_bias x10, linear_bias_gelu x2, "
-            "softmax_dropout x2 |") in markdown
+            "masked_attention x2 |") in markdown
     assert "Not started" in markdown
