@@ -159,8 +159,10 @@ def _scale(matched):
 
 def _relax_rewrite(matched, kernel):
     """softmax(q @ kt * 1/sqrt(d) [+ mask]) @ v over (batch, heads, seq, head_dim) tensors of one
-    of the pattern's dtypes; the mask (any expression of the dtype) must broadcast to (batch, 1,
-    1 or seq_q, seq_kv), and the guard, when there, replace NaN by 0. Anything else is left alone."""
+    of the pattern's dtypes; the mask (an expression of the dtype; on the eager spelling not a
+    constant) must broadcast to (batch, 1, 1 or seq_q, seq_kv), and the guard, when there, replace
+    NaN by 0. Anything else is left alone."""
+    import tvm
     from tvm import relax
 
     q, kt, v = matched["q"], matched["kt"], matched["v"]
@@ -183,6 +185,10 @@ def _relax_rewrite(matched, kernel):
         return None
     if "mask" in matched:
         mask = matched["mask"]
+        # A constant mask on the eager spelling is flash_attention's causal one (its rule ran
+        # first) or none an exporter writes from attention_mask: left to the smaller rules.
+        if "q_scale" not in matched and isinstance(mask, tvm.ir.expr.Constant):
+            return None
         ms = static_shape(mask)
         if ms is None or len(ms) > 4 or dtype_of(mask) != dtype:
             return None

@@ -157,7 +157,7 @@ def _hf_graph(form, b=2, h=2, s=12, d=8, mask="padding", scale=None):
       mask, Softmax, IsNaN/Where guard, MatMul v (the TorchScript export of the SDPA path);
     - ``eager``: MatMul(q, K^T), Div by sqrt(d), Add mask, Softmax, MatMul v;
     mask ``padding`` (b, 1, 1, s) from a float input, ``rows`` (b, 1, s, s), ``heads`` (b, h, s, s:
-    not one the kernel takes), ``none`` (ViT)."""
+    not one the kernel takes), ``none`` (ViT), ``constant`` (s, s) shifted causal, an initializer."""
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     inits = {"root": np.array(math.sqrt(scale), np.float32), "div": np.array(1.0 / scale, np.float32),
              "zero": np.array(0.0, np.float32)}
@@ -169,9 +169,11 @@ def _hf_graph(form, b=2, h=2, s=12, d=8, mask="padding", scale=None):
         nodes += [helper.make_node("MatMul", ["q", "kt"], ["qk"]), helper.make_node("Div", ["qk", "div"], ["scores"])]
     logits = "scores"
     mask_shape = {"padding": (b, 1, 1, s), "rows": (b, 1, s, s), "heads": (b, h, s, s)}.get(mask)
-    if mask_shape:
+    if mask_shape or mask == "constant":
         nodes.append(helper.make_node("Add", ["scores", "mask"], ["masked"]))
         logits = "masked"
+    if mask == "constant":
+        inits["mask"] = np.where(np.arange(s)[None, :] <= np.arange(s)[:, None] + 1, 0.0, -1e9).astype(np.float32)
     nodes.append(helper.make_node("Softmax", [logits], ["probs"], axis=-1))
     probs = "probs"
     if form == "sdpa":
@@ -221,9 +223,11 @@ def test_rule_takes_the_exported_attention(form, mask):
     assert check.ok, check.message
 
 
-@pytest.mark.parametrize("why", ["per-head mask", "other scale"])
+@pytest.mark.parametrize("why", ["per-head mask", "other scale", "constant mask, eager"])
 def test_rule_leaves_other_attention_alone(why):
-    model = _hf_graph("sdpa", mask="heads") if why == "per-head mask" else _hf_graph("eager", scale=0.5 / math.sqrt(8))
+    model = {"per-head mask": lambda: _hf_graph("sdpa", mask="heads"),
+             "other scale": lambda: _hf_graph("eager", scale=0.5 / math.sqrt(8)),
+             "constant mask, eager": lambda: _hf_graph("eager", mask="constant")}[why]()
     matches, (out,), expected = _matches_and_run(model)
     assert "masked_attention" not in matches and matches.get("softmax_dropout") == 1
     np.testing.assert_allclose(out, expected, rtol=1e-4, atol=1e-5)
