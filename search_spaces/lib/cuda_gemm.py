@@ -224,6 +224,52 @@ def cuda_wmma_stage_out(sch, blk, frag_store, fj, intrin):
 _DP4A_MODULE = "tvm.s_tir.tensor_intrin.dot_product_common"
 
 
+def cuda_wmma_gemm(sch, knobs, epilogue: str, trans_b: bool) -> bool:
+    """The WMMA GEMM schedule of the matmul block ``matmul`` and its elementwise ``epilogue``
+    block (float16 tensor cores, 16x16x16, float32 accumulator fragments): warps of a block each
+    own (fragments x fragments) 16x16 output tiles, x and W k-tiles staged through padded shared
+    memory (software-pipelined through registers), each accumulator fragment staged through
+    shared memory for the epilogue. W is (n, k) with ``trans_b``, else (k, n). Defaults: 64x64
+    block of 2x2 warps, 2x2 fragments each, k tile 32. False, and nothing scheduled, where WMMA
+    does not apply (x not float16, a size not a multiple of 16): the caller's fallback then."""
+    mm = sch.get_sblock("matmul")
+    x, w = (r.source for r in sch.get(mm).reads[-2:])
+    n = w.shape[0] if trans_b else w.shape[1]
+    if str(x.dtype) != "float16" or any(int(d) % 16 for d in (*x.shape, n)):
+        return False
+    group = cuda_wmma_group(trans_b=trans_b)
+    epi = sch.get_sblock(epilogue)
+    wb = sch.reindex(mm, ("write", 0))
+    # Dynamic shared memory for the fragment staging: TVM's storage rewrite would otherwise fold
+    # it into the float16 operand tiles once they are dead, and then reject the float32 store.
+    sch.set_scope(mm, 0, "shared.dyn")
+    frag_store = sch.cache_write(mm, 0, "wmma.accumulator")
+    i, j, k = sch.get_loops(mm)
+    i, ii = sch.split(i, [None, 16])
+    j, jj = sch.split(j, [None, 16])
+    k, kk = sch.split(k, [None, 16])
+    sch.reorder(i, j, k, ii, jj, kk)
+    outer = sch.blockize(ii)
+    bx, _, wj, nwi, nwj, fi, fj = cuda_wmma_tile(sch, knobs, i, j)
+    k0, k1 = sch.split(k, knobs.tile(k, 2, [2], max_innermost_factor=4))
+    sch.reorder(k0, k1, fi, fj)
+    tx = cuda_wmma_stage_out(sch, wb, frag_store, fj, group["store"])
+    sch.reverse_compute_at(epi, tx, preserve_unit_loops=True)
+    cuda_drop_acc(sch, wb)
+    sch.vectorize(sch.get_loops(epi)[-1])
+    fetches = [cuda_wmma_fetch(sch, outer, index, k0, (nwi, nwj)) for index in (0, 1)]
+    for index, scope, name in ((0, "wmma.matrix_a", "load_a"), (1, "wmma.matrix_b", "load_b")):
+        frag = sch.cache_read(outer, index, scope)
+        sch.compute_at(frag, k1)
+        cuda_wmma_tensorize(sch, frag, group[name])
+    init = sch.decompose_reduction(outer, k0)
+    sch.tensorize(sch.get_loops(mm)[-3], group["compute"])
+    sch.tensorize(sch.get_loops(sch.get_child_blocks(init)[0])[-2], group["init"])
+    cuda_pipeline(sch, k0, fetches)
+    cuda_unroll(sch, knobs, bx)
+    return True
+
+
 def dp4a_intrin():
     """Name of TVM's ``dp4a_s8s8s32`` tensor intrinsic (int8x4 . int8x4 + int32 -> ``__dp4a``),
     registered by ``tvm.s_tir.tensor_intrin.dot_product_common``.

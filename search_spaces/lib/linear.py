@@ -43,9 +43,8 @@ from autofuse.pattern import FLOAT_DTYPES, RelaxRule, constant_value, dtype_of, 
 from search_spaces.lib import cuda_wgmma
 from search_spaces.lib.cpu_gemm import schedule_gemm
 from search_spaces.lib.cpu_rules import PARALLEL_MIN_ELEMENTS
-from search_spaces.lib.cuda_gemm import (cuda_drop_acc, cuda_fetch_shared, cuda_pipeline, cuda_split_k,
-                                         cuda_tile_output, cuda_unroll, cuda_vector_lanes, cuda_wmma_fetch,
-                                         cuda_wmma_group, cuda_wmma_stage_out, cuda_wmma_tensorize, cuda_wmma_tile)
+from search_spaces.lib.cuda_gemm import (cuda_fetch_shared, cuda_pipeline, cuda_split_k, cuda_tile_output,
+                                         cuda_unroll, cuda_vector_lanes, cuda_wmma_gemm)
 from search_spaces.lib.stages import matmul_stage
 from search_spaces.lib.tiling import epilogue_on_tile, parallel_register_tile, unroll
 from search_spaces.lib.tir_math import erf_f32, tanh_f32
@@ -363,44 +362,8 @@ def cuda_tiled_epilogue(sch, target, knobs):
 
 @template("cuda_wmma", target_kinds=("cuda",))
 def cuda_wmma(sch, target, knobs):
-    """float16: tensor cores through TVM's WMMA intrinsics (16x16x16, float32 accumulator
-    fragments, W row-major): warps of a block each own (fragments x fragments) 16x16 output
-    tiles, x and W k-tiles staged through padded shared memory (software-pipelined through
-    registers), each accumulator fragment staged through shared memory for the epilogue.
-    Defaults: 64x64 block of 2x2 warps, 2x2 fragments each, k tile 32. Other dtypes, and sizes
-    not multiples of 16: ``cuda_tiled_epilogue``."""
-    mm = sch.get_sblock("matmul")
-    x, w = (r.source for r in sch.get(mm).reads[-2:])
-    if str(x.dtype) != "float16" or any(int(d) % 16 for d in (*x.shape, w.shape[1])):
+    """float16: tensor cores through TVM's WMMA intrinsics (``lib.cuda_gemm.cuda_wmma_gemm``, W
+    row-major, each accumulator fragment staged through shared memory for the epilogue). Other
+    dtypes, and sizes not multiples of 16: ``cuda_tiled_epilogue``."""
+    if not cuda_wmma_gemm(sch, knobs, "epilogue", trans_b=False):
         cuda_tiled_epilogue.fn(sch, target, knobs)
-        return
-    group = cuda_wmma_group(trans_b=False)
-    epi = sch.get_sblock("epilogue")
-    wb = sch.reindex(mm, ("write", 0))
-    # Dynamic shared memory for the fragment staging: TVM's storage rewrite would otherwise fold
-    # it into the float16 operand tiles once they are dead, and then reject the float32 store.
-    sch.set_scope(mm, 0, "shared.dyn")
-    frag_store = sch.cache_write(mm, 0, "wmma.accumulator")
-    i, j, k = sch.get_loops(mm)
-    i, ii = sch.split(i, [None, 16])
-    j, jj = sch.split(j, [None, 16])
-    k, kk = sch.split(k, [None, 16])
-    sch.reorder(i, j, k, ii, jj, kk)
-    outer = sch.blockize(ii)
-    bx, _, wj, nwi, nwj, fi, fj = cuda_wmma_tile(sch, knobs, i, j)
-    k0, k1 = sch.split(k, knobs.tile(k, 2, [2], max_innermost_factor=4))
-    sch.reorder(k0, k1, fi, fj)
-    tx = cuda_wmma_stage_out(sch, wb, frag_store, fj, group["store"])
-    sch.reverse_compute_at(epi, tx, preserve_unit_loops=True)
-    cuda_drop_acc(sch, wb)
-    sch.vectorize(sch.get_loops(epi)[-1])
-    fetches = [cuda_wmma_fetch(sch, outer, index, k0, (nwi, nwj)) for index in (0, 1)]
-    for index, scope, name in ((0, "wmma.matrix_a", "load_a"), (1, "wmma.matrix_b", "load_b")):
-        frag = sch.cache_read(outer, index, scope)
-        sch.compute_at(frag, k1)
-        cuda_wmma_tensorize(sch, frag, group[name])
-    init = sch.decompose_reduction(outer, k0)
-    sch.tensorize(sch.get_loops(mm)[-3], group["compute"])
-    sch.tensorize(sch.get_loops(sch.get_child_blocks(init)[0])[-2], group["init"])
-    cuda_pipeline(sch, k0, fetches)
-    cuda_unroll(sch, knobs, bx)
