@@ -222,7 +222,9 @@ def _tuning_figures(space: str, trials: int, stats, start: float) -> dict:
     before = stats.start_secs - start  # import, fusion and task extraction
     return {"space": space, "trials": trials, "measured": stats.total_trials,
             "tune_secs": time.perf_counter() - start,
-            "first_batch_secs": before + stats.first_trial_secs if stats.first_trial_secs is not None else None}
+            "first_batch_secs": before + stats.first_trial_secs if stats.first_trial_secs is not None else None,
+            # kernels the space could not schedule: they ran their default schedule
+            "left_untuned": sorted(stats.skipped.values())}
 
 
 def _new_row(name: str, contender, subject: Subject) -> dict:

@@ -63,6 +63,9 @@ class TuneStats:
     start_secs: float = 0.0
     first_trial_secs: float | None = None
     total_secs: float = 0.0
+    # Tasks left out of a session of several (index -> why): MetaSchedule's generic space cannot
+    # schedule them, so they keep their default schedule.
+    skipped: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @property
     def total_trials(self) -> int:
@@ -304,13 +307,15 @@ def register_tensor_intrinsics(target: Target) -> float:
 
 @derived_object
 class _ProgressCallback(ms.measure_callback.PyMeasureCallback):
-    def __init__(self, stats: TuneStats, on_progress: ProgressFn | None):
+    def __init__(self, stats: TuneStats, on_progress: ProgressFn | None, task_ids: Sequence[int]):
         self.stats = stats
         self.on_progress = on_progress
         self.last_secs = 0.0
+        self.task_ids = list(task_ids)  # MetaSchedule's task index -> the caller's
 
     def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results):
         stats = self.stats
+        task_id = self.task_ids[task_id]
         now = time.perf_counter() - stats.start_secs
         if stats.first_trial_secs is None:
             stats.first_trial_secs = now
@@ -365,21 +370,32 @@ def tune(tasks: Sequence[Task], target: Target, database: ms.database.Database, 
     with _quiet_metaschedule(work_dir):
         loggers = ms.logging.get_loggers_from_work_dir(work_dir, [t.name for t in tasks])
         seeds = ms.utils.fork_seed(seed, n=len(tasks))
-        contexts = []
+        contexts, kept = [], []
         phase("generating design spaces")
-        for task, logger, rand_state in zip(tasks, loggers, seeds):
-            contexts.append(_context(task, task.space or space, target, logger, rand_state))
+        for index, (task, logger, rand_state) in enumerate(zip(tasks, loggers, seeds)):
+            try:
+                contexts.append(_context(task, task.space or space, target, logger, rand_state))
+                kept.append(index)
+            except AutofuseError as err:
+                # One kernel of a model that TVM's generic rules cannot schedule keeps its default;
+                # the rest of the model is still tuned (a lone task has nothing else to tune).
+                if len(tasks) == 1:
+                    raise
+                stats.skipped[index] = str(err)
+                logging.getLogger("autofuse").warning("%s; it keeps its default schedule", err)
+        if not contexts:
+            raise AutofuseError(next(iter(stats.skipped.values())))
         phase("measuring")
         builder = PooledBuilder(f_build=fast_build)
         try:
             ms.tune.tune_tasks(
-                tasks=contexts, task_weights=[t.weight for t in tasks], work_dir=work_dir,
-                max_trials_global=trials_total or trials_per_task * len(tasks), max_trials_per_task=trials_per_task,
-                num_trials_per_iter=_trials_per_round(num_trials_per_iter, trials_per_task, trials_total, len(tasks)),
+                tasks=contexts, task_weights=[tasks[i].weight for i in kept], work_dir=work_dir,
+                max_trials_global=trials_total or trials_per_task * len(kept), max_trials_per_task=trials_per_task,
+                num_trials_per_iter=_trials_per_round(num_trials_per_iter, trials_per_task, trials_total, len(kept)),
                 builder=builder, runner=runner or ms.runner.LocalRunner(timeout_sec=run_timeout),
                 database=database, cost_model=cost_model,
                 measure_callbacks=ms.measure_callback.MeasureCallback.create("default")
-                + [_ProgressCallback(stats, on_progress)],
+                + [_ProgressCallback(stats, on_progress, kept)],
                 task_scheduler="gradient" if trials_total else "round-robin")
         finally:
             builder.shutdown()

@@ -1,12 +1,14 @@
 """A tiny tuning run writes a database plain MetaSchedule reads; a rerun resumes it."""
 
 import json
+import logging
 
 import pytest
 
 from tvm.s_tir import meta_schedule as ms
 
 from autofuse.database import RECORDS, WORKLOADS, TuningDatabase
+from autofuse.errors import AutofuseError
 from autofuse.registry import get_pattern
 from autofuse.target import parse_target, target_key
 from conftest import run_cli
@@ -217,6 +219,37 @@ def test_a_generic_space_that_fails_on_the_tensorir_leaves_the_templates_tuning(
     assert len(context.generate_design_space()) == 1
     with pytest.raises(AutofuseError, match="generic space fails"):
         _context(Task("flash", func, pattern.templates), "generic", target, logger, 1)
+
+
+def test_a_kernel_the_generic_space_cannot_schedule_is_left_out_of_a_model_session(tmp_path, caplog):
+    """tvm-auto over a model: MetaSchedule's generic rules fail on one kernel (flash_attention's
+    online softmax here; fused_matmul1_where2_add4 of the BERT export in real_models). That kernel
+    keeps its default, the others are tuned, and the statistics keep the caller's task indices."""
+    from tvm.script import tirx as T
+
+    from autofuse.registry import get_pattern
+    from autofuse.tune import Task, tune
+
+    @T.prim_func(s_tir=True)
+    def healthy(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
+        for i in range(64):
+            with T.sblock("b"):
+                vi = T.axis.spatial(64, i)
+                b[vi] = a[vi] + T.float32(1)
+
+    pattern = get_pattern("flash_attention")
+    attention = pattern.build(pattern.default_shape(), "float32")
+    target = parse_target("llvm")
+    db = TuningDatabase(str(tmp_path), target)
+    with caplog.at_level(logging.WARNING, logger="autofuse"):
+        stats = tune([Task("attention", attention), Task("healthy", healthy)], target, db.ms, db.work_dir,
+                     trials_per_task=2, space="generic", seed=0)
+    assert list(stats.skipped) == [0] and "generic space fails on attention" in stats.skipped[0]
+    assert "keeps its default schedule" in caplog.text
+    assert stats.trials.get(1, 0) >= 1 and 0 not in stats.trials
+    assert db.count(healthy)[0] >= 1 and db.count(attention)[1] == 0
+    with pytest.raises(AutofuseError, match="generic space fails"):  # alone, nothing is left to tune
+        tune([Task("attention", attention)], target, db.ms, db.work_dir, trials_per_task=2, space="generic")
 
 
 def test_the_union_space_measures_both_arms_in_every_batch():
