@@ -119,6 +119,20 @@ def test_a_record_slower_than_the_template_default_is_not_what_runs(tmp_path):
     assert generic.is_record and generic.source == "generic" and generic.secs is None
 
 
+def _add_one():
+    """A kernel every space schedules and every build runs: b = a + 1 over 64 values."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def add_one(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
+        for i in range(64):
+            with T.sblock("b"):
+                vi = T.axis.spatial(64, i)
+                b[vi] = a[vi] + T.float32(1)
+
+    return add_one
+
+
 def test_candidates_that_crash_or_hang_are_stored_failed_and_tuning_goes_on(tmp_path):
     """A kernel that segfaults its runner and one that never ends: both are recorded as failed
     trials, and the healthy task in the same session still gets valid records."""
@@ -126,12 +140,7 @@ def test_candidates_that_crash_or_hang_are_stored_failed_and_tuning_goes_on(tmp_
 
     from autofuse.tune import Task, tune
 
-    @T.prim_func(s_tir=True)
-    def healthy(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
-        for i in range(64):
-            with T.sblock("b"):
-                vi = T.axis.spatial(64, i)
-                b[vi] = a[vi] + T.float32(1)
+    healthy = _add_one()
 
     @T.prim_func(s_tir=True)
     def crashes(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
@@ -225,18 +234,10 @@ def test_a_kernel_the_generic_space_cannot_schedule_is_left_out_of_a_model_sessi
     """tvm-auto over a model: MetaSchedule's generic rules fail on one kernel (flash_attention's
     online softmax here; fused_matmul1_where2_add4 of the BERT export in real_models). That kernel
     keeps its default, the others are tuned, and the statistics keep the caller's task indices."""
-    from tvm.script import tirx as T
-
     from autofuse.registry import get_pattern
     from autofuse.tune import Task, tune
 
-    @T.prim_func(s_tir=True)
-    def healthy(a: T.Buffer((64,), "float32"), b: T.Buffer((64,), "float32")):
-        for i in range(64):
-            with T.sblock("b"):
-                vi = T.axis.spatial(64, i)
-                b[vi] = a[vi] + T.float32(1)
-
+    healthy = _add_one()
     pattern = get_pattern("flash_attention")
     attention = pattern.build(pattern.default_shape(), "float32")
     target = parse_target("llvm")
