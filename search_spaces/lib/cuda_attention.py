@@ -532,7 +532,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     def _step(first, checked):
         # One step of this lane group: rows first + u * rows_per_load (u < keys), all loads issued
         # before any math; `checked` (the last, partial step only) masks rows from key_end on.
-        # Expanded in `split`, whose names it uses.
+        # Expanded in `_split_body`, whose names it uses.
         for u in T.unroll(keys):
             row = T.meta_var(first + u * rows_per_load)
             if append:  # row length - 1 is the new token's
