@@ -76,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command is None:
         parser.print_help()
         return 2
+    from .target import use_host_cores
+    use_host_cores()
     try:
         return args.handler(args)
     except AutofuseError as err:

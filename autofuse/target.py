@@ -27,6 +27,17 @@ def host_cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+def use_host_cores() -> int:
+    """Size TVM's CPU thread pool to this process's cores, as ``compare`` pins every contender,
+    unless ``TVM_NUM_THREADS`` is set; returns the count. Call before the first kernel runs; the
+    tuner's runner processes inherit it. TVM's own default on x86 is half the logical cores (it
+    assumes two hyper-threads a core), which on a VM of single-thread cores times every candidate
+    on half the machine."""
+    if not os.environ.get("TVM_NUM_THREADS"):
+        os.environ["TVM_NUM_THREADS"] = str(host_cores())
+    return int(os.environ["TVM_NUM_THREADS"])
+
+
 def host_llvm() -> dict:
     return {"kind": "llvm", "num-cores": host_cores(), "mcpu": codegen.llvm_get_system_cpu()}
 

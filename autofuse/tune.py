@@ -33,6 +33,7 @@ from .database import record_source
 from .errors import AutofuseError
 from .pattern import Template
 from .store import FAILED_RUN_SECS
+from .target import use_host_cores
 
 SPACES = ("template", "generic", "union")
 
@@ -122,7 +123,7 @@ class ArmsSearch(ms.search_strategy.PySearchStrategy):
     takes half its candidates from each. Both draw on the same database (each arm's population
     starts from the best records of either) and cost model. An arm that has nothing left to
     propose leaves the rest of the budget to the other. ``seeds`` (the templates' untuned
-    defaults) are measured first, so that the union ends no worse than them and both arms start
+    defaults) are the first batch, so that the union ends no worse than them and both arms start
     from them."""
 
     def __init__(self, seeds=()):
@@ -179,8 +180,13 @@ class ArmsSearch(ms.search_strategy.PySearchStrategy):
         left = self.max_trials - self.measured
         if left <= 0:
             return None
-        candidates, self.pending = self.pending[:left], []
-        self.owners = [-1] * len(candidates)
+        if self.pending:
+            # The seeds alone: measured while nothing has been bred yet, they are the first
+            # trial within seconds, and the arms' first populations start from their records.
+            candidates, self.pending = self.pending[:left], []
+            self.owners = [-1] * len(candidates)
+            return candidates
+        candidates, self.owners = [], []
         for index, arm in enumerate(self.arms):
             if index in self.done or len(candidates) >= left:
                 continue
@@ -363,6 +369,8 @@ def tune(tasks: Sequence[Task], target: Target, database: ms.database.Database, 
         return TuneStats()
     stats = TuneStats(start_secs=time.perf_counter())
     phase = on_phase or (lambda _msg: None)
+    if target.kind.name == "llvm":
+        use_host_cores()  # the runner's processes time candidates on the cores compare will use
     phase("registering tensor intrinsics")
     register_tensor_intrinsics(target)
     os.makedirs(work_dir, exist_ok=True)
@@ -412,7 +420,7 @@ def _context(task: Task, space: str, target: Target, logger, rand_state: int) ->
     def make(space_name):
         usable = [t for t in task.templates if t.applies_to(target)]
         strategy = (ArmsSearch(template_defaults(usable, task.func, target))
-                    if space_name == "union" and usable else "evolutionary")
+                    if space_name in ("union", "template") and usable else "evolutionary")
         return ms.TuneContext(mod=task.func, target=target, space_generator=make_space(task.templates, space_name, target),
                               search_strategy=strategy, task_name=task.name, rand_state=rand_state,
                               num_threads="physical", logger=logger).clone()

@@ -38,6 +38,8 @@ def _getmodule_without_a_futile_scan(real):
 inspect.getmodule = _getmodule_without_a_futile_scan(inspect.getmodule)
 
 use_small_search()
+# Two test workers share 2 cores: each runs TVM's kernels on one (autofuse would use them all).
+os.environ.setdefault("TVM_NUM_THREADS", "1")
 
 
 class CliProcess:

@@ -37,3 +37,14 @@ def test_cpu_tuning_skips_the_gpu_tensor_intrinsics():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "cpu-only"
+
+
+def test_tvm_runs_on_every_core_unless_told_otherwise():
+    """TVM's x86 default is half the logical cores: on a VM of single-thread cores, tuning timed
+    every candidate on half the machine. A subprocess: the test session pins TVM_NUM_THREADS."""
+    code = ("import os; os.environ.pop('TVM_NUM_THREADS', None)\n"
+            "from autofuse.target import host_cores, use_host_cores\n"
+            "assert use_host_cores() == host_cores() == int(os.environ['TVM_NUM_THREADS'])\n"
+            "os.environ['TVM_NUM_THREADS'] = '1'\n"
+            "assert use_host_cores() == 1\n")
+    subprocess.run([sys.executable, "-c", code], check=True)

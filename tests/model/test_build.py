@@ -175,3 +175,18 @@ def test_a_template_default_that_fails_its_check_is_not_used_in_a_model(monkeypa
         assert "template default failed the numerical check (fp16_weights)" in decision.note, decision
         assert decision.default == "cpu_gemm", decision
         assert "cpu_gemm used: no template default passed" in decision.note, decision
+
+
+def test_a_kernel_no_pattern_made_searches_from_its_default_rule():
+    """Its task's templates are the CPU rule that schedules it untuned, so the union search
+    measures that default first; tvm-auto's generic space stays generic."""
+    from autofuse.model.tuning import model_tasks
+    from autofuse.verify import untuned
+
+    prepared = prepare(os.path.join(REPO, "models", "conv_block.onnx"), "auto")
+    tasks = model_tasks(prepared.mod, TARGET, "union")
+    assert tasks and all(len(t.templates) == 1 and t.space == "union" for t in tasks), \
+        [(t.name, [r.name for r in t.templates]) for t in tasks]
+    for task in tasks:
+        assert task.templates[0].name == untuned(task.func["main"], TARGET)[1]
+    assert {t.space for t in model_tasks(prepared.mod, TARGET, "generic")} == {"generic"}
