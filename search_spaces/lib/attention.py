@@ -6,7 +6,8 @@ those stages; the shape parameters, and for attention over (batch, heads, seq, h
 with grouped K/V heads and an optional causal mask its reference, inputs, ONNX graph and torch-sdpa
 baseline; and the online-softmax kernel over key tiles (``flash_attention_func``, optionally with an
 additive mask input) with its templates ``flash_tiles`` and ``cuda_flash``, which flash_attention
-and masked_attention share."""
+and masked_attention share; and for Relax rules, a K/V head repeat recognised through the layout
+ops above an operand (``layout_chain``, ``unrepeated_heads``)."""
 
 import math
 
@@ -894,3 +895,104 @@ def cuda_flash(sch, target, knobs):
     for name in ("run_max", "run_sum", "run_acc"):
         sch.decompose_reduction(sch.get_sblock(name), t)
     unroll(sch, knobs, pc, explicit=0)
+
+
+# ---- Relax: K/V heads repeated for grouped-query attention --------------------------------------
+#
+# Exporters repeat each K/V head for its query group before the attention (ONNX Unsqueeze, Expand,
+# Reshape: expand_dims, broadcast_to, reshape in Relax), then often transpose or reshape the result
+# again. ``layout_chain`` matches a
+# run of such data-movement ops above an operand; ``unrepeated_heads`` finds the tensor under them
+# that a kernel indexing K/V head h // group can read instead, the repeat proved by running the chain
+# on an array of element indices (any other order or broadcast fails the comparison).
+
+LAYOUT_OPS = ("relax.reshape", "relax.expand_dims", "relax.squeeze", "relax.permute_dims", "relax.broadcast_to",
+              "relax.tile", "relax.repeat")
+LAYOUT_DEPTH = 6    # Llama's dynamo export has 5 between K^T and K, its TorchScript export 4
+
+
+def layout_chain(named, name, depth=LAYOUT_DEPTH):
+    """A ``tvm.relax.dpl`` pattern: up to ``depth`` LAYOUT_OPS calls over any expression, as many as
+    the graph has. Each level is named in ``named`` for ``layout_calls`` and ``chain_top``:
+    ``{name}.{level}.{op}`` a call, ``{name}.{level}`` the expression where the chain ends."""
+    from tvm.relax.dpl import is_op, wildcard
+
+    below = named[f"{name}.{depth}"] = wildcard()
+    for level in reversed(range(depth)):
+        # The calls before the wildcard: alternatives are tried left to right, and it takes anything.
+        level_pattern = named[f"{name}.{level}"] = wildcard()
+        for op in reversed(LAYOUT_OPS):
+            named[f"{name}.{level}.{op}"] = call = is_op(op)(below, varg_default_wildcard=True)
+            level_pattern = call | level_pattern
+        below = level_pattern
+    return below
+
+
+def layout_calls(matched, name, depth=LAYOUT_DEPTH):
+    """The calls ``layout_chain(named, name)`` matched, outermost first."""
+    calls = []
+    for level in range(depth):
+        call = next((matched[key] for key in (f"{name}.{level}.{op}" for op in LAYOUT_OPS) if key in matched), None)
+        if call is None:
+            break
+        calls.append(call)
+    return calls
+
+
+def chain_top(matched, name, depth=LAYOUT_DEPTH):
+    """The expression ``layout_chain(named, name)`` matched."""
+    calls = layout_calls(matched, name, depth)
+    return calls[0] if calls else matched[f"{name}.0"]
+
+
+def _apply_layout(call, x):
+    """numpy's version of a LAYOUT_OPS ``call`` on ``x``, or None where the shapes disagree."""
+    from autofuse.pattern import static_shape
+
+    out = static_shape(call)
+    if out is None:
+        return None
+    op, attrs = call.op.name, call.attrs
+    if op in ("relax.reshape", "relax.expand_dims", "relax.squeeze"):
+        # The same elements in row-major order.
+        y = x.reshape(out) if x.size == math.prod(out) else None
+    elif op == "relax.permute_dims":
+        y = np.transpose(x, None if attrs.axes is None else [int(a) for a in attrs.axes])
+    elif op == "relax.broadcast_to":
+        try:
+            y = np.broadcast_to(x, out)
+        except ValueError:
+            return None
+    elif op == "relax.tile":
+        y = np.tile(x, [int(r) for r in attrs.repeats])
+    else:
+        y = np.repeat(x, int(attrs.repeats), axis=None if attrs.axis is None else int(attrs.axis))
+    return y if y is not None and y.shape == out else None
+
+
+def unrepeated_heads(calls, batch, heads, seq, head_dim, transposed=False):
+    """``(source, kv_heads)``: the nearest tensor under ``calls`` (``layout_calls`` above K or V) of
+    shape (batch, kv_heads, seq, head_dim), kv_heads < heads, from which the calls make the operand
+    with K/V head h // group at query head h (group = heads // kv_heads), as the attention
+    kernels index it; ``transposed``: the operand is K^T, (batch, heads, head_dim, seq). None where
+    no tensor is one."""
+    from autofuse.pattern import static_shape
+
+    for depth, call in enumerate(calls):
+        source = call.args[0]
+        shape = static_shape(source)
+        if shape is None or len(shape) != 4:
+            continue
+        b, kv_heads, s, d = shape
+        if (b, s, d) != (batch, seq, head_dim) or kv_heads >= heads or heads % kv_heads:
+            continue
+        index = np.arange(math.prod(shape)).reshape(shape)
+        out = index
+        for step in reversed(calls[:depth + 1]):
+            out = _apply_layout(step, out)
+            if out is None:
+                break
+        want = np.repeat(index, heads // kv_heads, axis=1)
+        if out is not None and np.array_equal(out, want.swapaxes(2, 3) if transposed else want):
+            return source, kv_heads
+    return None
