@@ -4,7 +4,8 @@ exporters write it (Hugging Face's attention_mask turned into 0 / finfo.min and 
 scale = 1/sqrt(head_dim); ``mask`` is (batch, 1, mask_rows, seq_kv) in the dtype, added to the
 scaled scores of every head, and of every query row when ``mask_rows`` is 1 (padding masks; a row
 per query when seq_q: causal + padding as GPT-2 or BERT's SDPA path writes it). Grouped-query K/V
-heads as in flash_attention. The kernel is flash_attention's (``lib.attention.flash_attention_func``
+heads as in flash_attention; in a model, K/V that the graph repeats for the query groups (Llama's
+Unsqueeze/Expand/Reshape) reach the kernel unrepeated. The kernel is flash_attention's (``lib.attention.flash_attention_func``
 with the mask hook: key tiles, online softmax, scores and statistics in float32) and so are its
 templates ``flash_tiles`` and ``cuda_flash``.
 
@@ -21,8 +22,9 @@ import math
 import numpy as np
 
 from autofuse.pattern import FLOAT_DTYPES, Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, static_shape
-from search_spaces.lib.attention import (BATCH, HEAD_DIM, attention_inputs, cuda_flash, flash_attention_func,
-                                         flash_tiles, gqa_heads)
+from search_spaces.lib.attention import (BATCH, HEAD_DIM, attention_inputs, chain_top, cuda_flash,
+                                         flash_attention_func, flash_tiles, gqa_heads, layout_calls, layout_chain,
+                                         unrepeated_heads)
 from search_spaces.lib.onnx_graphs import typed_model
 
 # What a masked key gets, per dtype: its finfo.min, as torch's exporters write it.
@@ -119,24 +121,26 @@ def sdpa(torch, shape, q, k, v, mask):
 # q and K^T by sqrt(scale) each before the MatMul; eager attention multiplies or divides the
 # MatMul's result. Then an optional additive mask, Softmax, the optional IsNaN/Where guard and the
 # MatMul with v. K^T is taken as the graph has it (any permute/reshape chain: the rewrite
-# transposes it back, a copy FuseOps merges into the chain).
+# transposes it back, a copy FuseOps merges into the chain), unless the chains above K^T and V
+# repeat K/V heads for grouped-query attention: then the kernel reads the unrepeated heads.
 
 def _relax_pattern(spelling):
     def make():
         from tvm.relax.dpl import is_const, is_op, wildcard
 
-        named = {"q": wildcard(), "kt": wildcard(), "v": wildcard(), "mask": wildcard(), "zero": is_const()}
+        named = {"q": wildcard(), "mask": wildcard(), "zero": is_const()}
+        kt, v = layout_chain(named, "kt"), layout_chain(named, "v")
         if spelling == "sdpa":
             named.update(q_scale=is_const(), k_scale=is_const())
             scores = is_op("relax.matmul")(is_op("relax.multiply")(named["q"], named["q_scale"]),
-                                           is_op("relax.multiply")(named["kt"], named["k_scale"]))
+                                           is_op("relax.multiply")(kt, named["k_scale"]))
         else:
             named.update(mul_scale=is_const(), div_scale=is_const())
-            qk = is_op("relax.matmul")(named["q"], named["kt"])
+            qk = is_op("relax.matmul")(named["q"], kt)
             scores = is_op("relax.multiply")(qk, named["mul_scale"]) | is_op("relax.divide")(qk, named["div_scale"])
         named["probs"] = is_op("relax.nn.softmax")(is_op("relax.add")(scores, named["mask"]) | scores)
         named["guard"] = is_op("relax.where")(is_op("relax.isnan")(named["probs"]), named["zero"], named["probs"])
-        root = is_op("relax.matmul")(named["guard"] | named["probs"], named["v"])
+        root = is_op("relax.matmul")(named["guard"] | named["probs"], v)
         return root, named
     return make
 
@@ -161,11 +165,13 @@ def _relax_rewrite(matched, kernel):
     """softmax(q @ kt * 1/sqrt(d) [+ mask]) @ v over (batch, heads, seq, head_dim) tensors of one
     of the pattern's dtypes; the mask (an expression of the dtype; on the eager spelling not a
     constant) must broadcast to (batch, 1, 1 or seq_q, seq_kv), and the guard, when there, replace
-    NaN by 0. Anything else is left alone."""
+    NaN by 0. K^T and V repeated head by head from kv_heads < heads (query head h reads K/V head
+    h // group) give the kernel the unrepeated ones; a repeat in another order stays in the graph.
+    Anything else is left alone."""
     import tvm
     from tvm import relax
 
-    q, kt, v = matched["q"], matched["kt"], matched["v"]
+    q, kt, v = matched["q"], chain_top(matched, "kt"), chain_top(matched, "v")
     dtype = dtype_of(q)
     qs, kts, vs = static_shape(q), static_shape(kt), static_shape(v)
     if dtype not in FLOAT_DTYPES or qs is None or len(qs) != 4 or any(dtype_of(x) != dtype for x in (kt, v)):
@@ -199,8 +205,13 @@ def _relax_rewrite(matched, kernel):
     else:
         rows = 1
         mask = relax.const(np.zeros((batch, 1, 1, seq_kv), dtype), dtype)
-    k = relax.op.permute_dims(kt, [0, 1, 3, 2])
-    shape = {"batch": batch, "heads": heads, "kv_heads": heads, "seq_q": seq_q, "seq_kv": seq_kv,
+    k, kv_heads = relax.op.permute_dims(kt, [0, 1, 3, 2]), heads
+    # GQA: K/V read once per query group instead of the repeat's copies.
+    k_src = unrepeated_heads(layout_calls(matched, "kt"), batch, heads, seq_kv, head_dim, transposed=True)
+    v_src = unrepeated_heads(layout_calls(matched, "v"), batch, heads, seq_kv, head_dim)
+    if k_src and v_src and k_src[1] == v_src[1]:
+        (k, kv_heads), (v, _) = k_src, v_src
+    shape = {"batch": batch, "heads": heads, "kv_heads": kv_heads, "seq_q": seq_q, "seq_kv": seq_kv,
              "head_dim": head_dim, "mask_rows": rows}
     return kernel(shape, dtype, [q, k, v, mask])
 
