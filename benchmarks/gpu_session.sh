@@ -35,9 +35,13 @@
 #             DECODE_BASELINES=torch-sdpa,torch-compile; its compiles cost minutes). Lands in
 #             $OUT/decode-grid.tar.gz, one report per shape
 #   prefill-grid  issue 23: flash_attention (float16, 16 heads, D128) at seq 1024 (batch 8), 2048
-#             (batch 8) and 4096 (batch 2), causal and not (PREFILL_SPECS: batch:seq:causal ...),
+#             (batch 8) and 4096 (batch 2), causal and not (PREFILL_SPECS: batch:seq:causal[:head_dim] ...),
 #             through `autofuse compare` against torch SDPA (numpy's float64 reference bounds the
 #             shapes). Lands in $OUT/prefill-grid.tar.gz
+#   gemm-sweep  issue 22: linear_bias_relu at the issue's shapes (GEMM_SHAPES m:n:k ...) in
+#             GEMM_DTYPES (default float16 bfloat16), and the linear patterns (GEMM_PATTERNS) at
+#             4096^3 in float16, through `autofuse compare` against torch eager and torch.compile.
+#             Lands in $OUT/gemm-sweep.tar.gz, one report per shape
 #   hopper-tune  the wgmma GEMM kernel template of linear_bias_relu (float16, 4096^3) searched
 #             (benchmarks/gpu_tune_kernels.py, every config of its space within TUNE_SECS, default
 #             330, resumable through $DB),
@@ -156,12 +160,35 @@ prefill-grid)
   trap 'tar -C "$work" -czf "$OUT/prefill-grid.tar.gz" .' EXIT
   exec > >(tee "$work/prefill-grid.log") 2>&1
   commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  # batch:seq:causal[:head_dim (default 128)]
   for spec in ${PREFILL_SPECS:-8:1024:0 8:1024:1 8:2048:1 2:4096:0 2:4096:1}; do
-    IFS=: read -r batch seq causal <<< "$spec"
+    IFS=: read -r batch seq causal dim <<< "$spec"
+    dim=${dim:-128}
     timeout 120 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern flash_attention \
-      --shape batch=$batch,heads=16,kv_heads=16,seq_q=$seq,seq_kv=$seq,head_dim=128,causal=$causal \
-      --baselines torch-sdpa --repeat 20 --no-plots --report "$work/prefill-b$batch-s$seq-c$causal"
+      --shape batch=$batch,heads=16,kv_heads=16,seq_q=$seq,seq_kv=$seq,head_dim=$dim,causal=$causal \
+      --baselines "${PREFILL_BASELINES:-torch-sdpa}" --repeat 20 --no-plots \
+      --report "$work/prefill-b$batch-s$seq-c$causal-d$dim"
   done
+  ;;
+gemm-sweep)
+  work=$(mktemp -d)
+  trap 'tar -C "$work" -czf "$OUT/gemm-sweep.tar.gz" .' EXIT
+  exec > >(tee "$work/gemm-sweep.log") 2>&1
+  commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  for dtype in ${GEMM_DTYPES:-float16 bfloat16}; do
+    for spec in ${GEMM_SHAPES:-4096:4096:4096 8192:8192:8192 128:4096:4096 1024:4096:4096 4096:11008:4096 4096:4096:11008}; do
+      IFS=: read -r m n k <<< "$spec"
+      timeout 90 "${COMPARE[@]}" "${commit[@]}" --db none --dtype $dtype --pattern linear_bias_relu \
+        --shape m=$m,n=$n,k=$k --baselines torch-eager,torch-compile --repeat 10 --no-plots \
+        --report "$work/gemm-$dtype-$m-$n-$k"
+    done
+  done
+  patterns=${GEMM_PATTERNS:-linear,linear_bias,linear_bias_gelu,linear_bias_gelu_tanh}
+  if [[ -n $patterns ]]; then
+    shapes=(); for p in ${patterns//,/ }; do shapes+=(--shape "$p:m=4096,n=4096,k=4096"); done
+    timeout 240 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern "$patterns" "${shapes[@]}" \
+      --baselines torch-eager,torch-compile --repeat 10 --no-plots --report "$work/linear-patterns-float16"
+  fi
   ;;
 hopper-tune)
   work=$(mktemp -d)
@@ -175,7 +202,7 @@ hopper-tune)
     --repeat 20 --report "$work/compare-tuned-linear-4096-float16"
   ;;
 *)
-  echo "usage: $0 measure|tune|check|kernels|parity|decode-grid|prefill-grid|hopper-tune" >&2
+  echo "usage: $0 measure|tune|check|kernels|parity|decode-grid|prefill-grid|gemm-sweep|hopper-tune" >&2
   exit 2
   ;;
 esac

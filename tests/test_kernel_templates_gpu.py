@@ -38,6 +38,10 @@ CASES = [
                               "cache_len": 1500}, "float16"),
     ("gqa_decode_attention", {"batch": 2, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "max_seq": 512,
                               "cache_len": 0}, "bfloat16"),
+    ("linear", {"m": 512, "n": 768, "k": 1024}, "float16"),
+    ("linear_bias", {"m": 256, "n": 384, "k": 512}, "bfloat16"),
+    ("linear_bias_gelu", {"m": 512, "n": 768, "k": 1024}, "float16"),
+    ("linear_bias_gelu_tanh", {"m": 256, "n": 384, "k": 512}, "bfloat16"),
     ("int8_matmul_dequant", {"m": 512, "n": 768, "k": 1024, "relu": 1}, "float32"),   # BN 256: two m64n128k32
     ("int8_matmul_dequant", {"m": 256, "n": 640, "k": 512, "relu": 0}, "float32"),    # BN 128
 ]
