@@ -73,7 +73,7 @@ def attention_inputs(shape, dtype, seed):
 
 def attention_graph(name, shape, dtype, out="o"):
     """The ONNX model ``name`` of ``attention_reference`` as exporters write it: MatMul(q,
-    Transpose(k)) * scale [+ constant 0/-1e9 causal mask], Softmax, MatMul with v, the score matrix
+    Transpose(k)) * scale [+ constant 0/-1e9 (float16: -65504) causal mask], Softmax, MatMul with v, the score matrix
     materialised. With kv_heads < heads, K and V are first repeated to every query head of their
     group (``repeat_kv_heads``)."""
     b, h, sq, skv, d = (shape[k] for k in ("batch", "heads", "seq_q", "seq_kv", "head_dim"))
@@ -89,9 +89,10 @@ def attention_graph(name, shape, dtype, out="o"):
     if int(shape.get("causal", 0)):
         i = np.arange(sq)[:, None]
         j = np.arange(skv)[None, :]
-        # -1e9 rather than -inf: exp underflows to exactly 0 either way, and a finite mask is what
-        # exporters emit.
-        consts["mask"] = np.where(j <= i + (skv - sq), 0.0, -1e9).astype(dtype)
+        # Finite, as exporters write it (exp underflows to exactly 0 either way): -1e9, or float16's
+        # lowest, -65504, where -1e9 would round to -inf.
+        hidden = np.finfo(np.float16).min if dtype == "float16" else -1e9
+        consts["mask"] = np.where(j <= i + (skv - sq), 0.0, hidden).astype(dtype)
         mask = "mask"
     nodes += attention_nodes("q", k_in, v_in, out, mask)
     return onnx_model(name, nodes, [("q", (b, h, sq, d)), ("k", (b, kvh, skv, d)), ("v", (b, kvh, skv, d))],

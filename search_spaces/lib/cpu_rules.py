@@ -270,7 +270,7 @@ def _split_around(sch, matmul):
 def gemm(sch, target, knobs) -> None:
     """A GEMM whose W is shared by all rows (no batch axis), elementwise stages around it: on
     ``cpu_gemm``'s GEMM (W packed in panels, or read as stored for a few rows), the epilogue on
-    the register tile."""
+    the register tile; on one thread below PARALLEL_MIN_ELEMENTS multiply-adds."""
     matmul, batch = _gemm_block(sch)
     if batch:
         raise NotApplicable("both operands batched (no shared weight to pack)")
@@ -280,7 +280,9 @@ def gemm(sch, target, knobs) -> None:
     upstream, epilogue = _split_around(sch, matmul)
     for block in upstream:
         parallel_vectorize(sch, knobs, target, block)
-    schedule_gemm(sch, matmul, knobs, target, epilogue_blocks=epilogue, weight_read=1, weight_layout=layout)
+    work = _product(_extent(iv) for iv in sch.get(matmul).iter_vars)
+    schedule_gemm(sch, matmul, knobs, target, epilogue_blocks=epilogue, weight_read=1, weight_layout=layout,
+                  parallel=work >= PARALLEL_MIN_ELEMENTS)
 
 
 def _tile_in_registers(sch, block, epilogue, tile_loop, outer):

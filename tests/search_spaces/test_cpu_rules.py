@@ -175,14 +175,29 @@ def test_a_gemm_kernel_runs_as_the_librarys_gemm_with_a_vectorised_polynomial_ep
     assert len(calls) == 1 and calls[0]["weight_layout"] == "kn", "the GEMM of lib.cpu_gemm, W (k, n) as exported"
     update = sch.get_loops(sch.get_sblock("matmul_update"))
     epilogue = sch.get_loops(sch.get_sblock(_output_block(kernel)))
-    assert sch.get(update[0]).kind == tvm.tirx.ForKind.PARALLEL
-    # The epilogue (the activation) is on the register tile, inside the GEMM's parallel task
+    # 8 x 32 x 64 multiply-adds: too few to wake the thread pool for.
+    assert sch.get(update[0]).kind == tvm.tirx.ForKind.SERIAL
+    # The epilogue (the activation) is on the register tile, inside the GEMM's task loop
     # and right after its k loop, its columns in vectors.
     assert sch.get(epilogue[0]).same_as(sch.get(update[0]))
     assert sch.get(epilogue[-1]).kind == tvm.tirx.ForKind.VECTORIZED
     assert f"T.{activation}(" in sch.mod.script()
     built = fast_math(sch.mod, TARGET).script()
     assert not any(f"T.{op}(" in built for op in ("erf", "tanh", "sigmoid", "exp")), "libm calls are polynomials"
+
+
+@pytest.mark.parametrize("m, parallel", [(1, False), (256, True)])
+def test_a_gemm_runs_in_parallel_only_with_the_work_for_it(m, parallel):
+    from tvm import te
+    x, w = te.placeholder((m, 256), name="x"), te.placeholder((256, 512), name="w")
+    k = te.reduce_axis((0, 256), name="k")
+    y = te.compute((m, 512), lambda i, j: te.sum(x[i, k] * w[k, j], axis=k), name="matmul")
+    relu = te.compute((m, 512), lambda i, j: te.max(y[i, j], tvm.tirx.const(0.0, "float32")), name="relu")
+    sch = s_tir.Schedule(te.create_prim_func([x, w, relu]))
+    cpu_rules.gemm(sch, TARGET, Knobs(sch, False))
+    assert (m * 256 * 512 >= cpu_rules.PARALLEL_MIN_ELEMENTS) == parallel
+    kinds = {sch.get(loop).kind for loop in sch.get_loops(sch.get_sblock("matmul_update"))}
+    assert (tvm.tirx.ForKind.PARALLEL in kinds) == parallel
 
 
 def test_rules_refuse_what_they_do_not_describe(graph_kernels):
