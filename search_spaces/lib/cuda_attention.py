@@ -157,7 +157,8 @@ def prefill_shared_memory_bytes(head_dim: int, knobs: dict) -> int:
 
 def check_prefill(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[dict, dict]:
     """(dims, resolved knobs) when ``prefill_attention`` takes ``shape`` (keys PREFILL_SHAPE_KEYS,
-    optional ``causal`` 0/1 and ``scale``), ``dtype`` and ``knobs``; AttentionShapeError otherwise."""
+    optional ``causal`` 0/1, ``scale`` and ``mask_rows`` 0/1/seq_q), ``dtype`` and ``knobs``;
+    AttentionShapeError otherwise."""
     knobs = _resolve(knobs, PREFILL_KNOBS, PREFILL_DEFAULT_KNOBS)
     nb, hq, hkv, sq, skv, hd = _ints(shape, PREFILL_SHAPE_KEYS)
     _check_dtype_heads(dtype, hq, hkv, hd)
@@ -174,13 +175,20 @@ def check_prefill(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[d
     if causal and sq > skv:
         raise AttentionShapeError(f"causal attention needs seq_q={sq} <= seq_kv={skv} "
                                   "(the mask is aligned at the end: otherwise early queries see no key)")
-    if max(nb * hq * sq, nb * hkv * skv) * hd >= 1 << 31:
-        raise AttentionShapeError("q or k/v has 2^31 elements or more (int32 indices)")
+    mask_rows = shape.get("mask_rows", 0) or 0
+    if mask_rows not in (0, 1, sq):
+        raise AttentionShapeError(f"mask_rows={mask_rows} must be 0 (no mask), 1 or seq_q={sq}")
+    if mask_rows and causal:
+        raise AttentionShapeError("causal=1 with a mask (mask_rows > 0) is not supported: the mask can "
+                                  "carry the causal part")
+    if max(nb * hq * sq, nb * hkv * skv) * hd >= 1 << 31 or nb * mask_rows * skv >= 1 << 31:
+        raise AttentionShapeError("q, k/v or the mask has 2^31 elements or more (int32 indices)")
     smem = prefill_shared_memory_bytes(hd, knobs)
     if smem > SHARED_MEMORY_LIMIT:
         raise AttentionShapeError(f"{smem} bytes of shared memory (stages={knobs['stages']}, block_n={bn}, "
                                   f"head_dim={hd}) exceed the {SHARED_MEMORY_LIMIT} a CTA may have")
-    dims = dict(zip(PREFILL_SHAPE_KEYS, (nb, hq, hkv, sq, skv, hd)), causal=causal, scale=_scale(shape, hd))
+    dims = dict(zip(PREFILL_SHAPE_KEYS, (nb, hq, hkv, sq, skv, hd)), causal=causal, scale=_scale(shape, hd),
+                mask_rows=int(mask_rows))
     return dims, knobs
 
 
@@ -249,22 +257,64 @@ def _mask_above_diagonal(s, n_s, first_key, first_row, offset, lane):
         s[i] = T.if_then_else(key <= row + offset, s[i], T.min_value("float32"))
 
 
+def mask_word_index(batch, first_row, first_key, lane, mask_rows: int, seq_kv: int):
+    """Index of the 4-byte word of the (batch, 1, mask_rows, seq_kv) mask that holds this thread's
+    keys first_key + 2 (lane % 4), +1 of its first row (first_row + 16 (lane / 32) + (lane % 32) / 4
+    of the warpgroup's tile; row 0 when the mask has one row); its next 8-key group is 4 words on,
+    its row + 8 4 seq_kv words on (ints or the kernel's expressions)."""
+    row = 0 if mask_rows == 1 else first_row + lane // 32 * 16 + lane % 32 // 4
+    return (batch * mask_rows + row) * (seq_kv // 2) + first_key // 2 + lane % 4
+
+
 @T.macro
-def _online_softmax(s, p, n_s, o, n_o, m, l, m_new, alpha, tile_sum, c, dtype):
+def _add_mask(s, n_s, mask_words, mask_pair, mask_word, word0, half_words, scale):
+    """S = S scale + mask, in float32, the additive mask read straight from global memory (small,
+    and L2-resident across heads and query tiles): per 8-key group one 4-byte load of the thread's
+    two adjacent keys for row r, and for row r + 8 another (``half_words`` words on) unless the
+    mask has one row (``half_words`` 0: both rows add the same pair). Not scaled by log2(e) here:
+    a bfloat16 finfo.min times log2(e) overflows float32, which would turn a row of finfo.min keys
+    (the reference's uniform softmax) into one of -inf keys (0)."""
+    for j in T.unroll(n_s // 4):
+        mask_word[0] = mask_words[word0 + j * 4]
+        for e in T.unroll(2):
+            s[j * 4 + e] = s[j * 4 + e] * T.float32(scale) + T.Cast("float32", mask_pair[e])
+        if half_words > 0:
+            mask_word[0] = mask_words[word0 + j * 4 + half_words]
+        for e in T.unroll(2):
+            s[j * 4 + 2 + e] = s[j * 4 + 2 + e] * T.float32(scale) + T.Cast("float32", mask_pair[e])
+
+
+@T.macro
+def _online_softmax(s, p, n_s, o, n_o, m, l, m_new, alpha, tile_sum, c, dtype, masked):
     """Running max and sum of this thread's two rows over one more tile; P = 2^(S c - m') in the
-    dtype for the P V product; O rescaled by alpha = 2^(m - m')."""
+    dtype for the P V product; O rescaled by alpha = 2^(m - m').
+
+    ``masked``: S is already scaled with the mask added (``_add_mask``), in the natural-log
+    domain, and so are m and m'; P = 2^((S - m') log2(e)), alpha = 2^((m - m') log2(e)). m is
+    finite (the float32 minimum or more), so a -inf score gives P = 0 and a tile that leaves m
+    unchanged alpha = 1, never inf - inf."""
     for r in T.unroll(2):
         m_new[r] = m[r]
     for j in T.unroll(n_s // 4):
-        m_new[0] = T.max(m_new[0], T.max(s[j * 4], s[j * 4 + 1]) * T.float32(c))
-        m_new[1] = T.max(m_new[1], T.max(s[j * 4 + 2], s[j * 4 + 3]) * T.float32(c))
+        if masked:
+            m_new[0] = T.max(m_new[0], T.max(s[j * 4], s[j * 4 + 1]))
+            m_new[1] = T.max(m_new[1], T.max(s[j * 4 + 2], s[j * 4 + 3]))
+        else:
+            m_new[0] = T.max(m_new[0], T.max(s[j * 4], s[j * 4 + 1]) * T.float32(c))
+            m_new[1] = T.max(m_new[1], T.max(s[j * 4 + 2], s[j * 4 + 3]) * T.float32(c))
     for r in T.unroll(2):
         m_new[r] = T.cuda.warp_reduce(m_new[r], "max", 4)  # the quad shares the row
-        alpha[r] = T.exp2(m[r] - m_new[r])
+        if masked:
+            alpha[r] = T.exp2((m[r] - m_new[r]) * T.float32(LOG2E))
+        else:
+            alpha[r] = T.exp2(m[r] - m_new[r])
         m[r] = m_new[r]
         tile_sum[r] = T.float32(0)
     for i in T.unroll(n_s):
-        s[i] = T.exp2(s[i] * T.float32(c) - m[i % 4 // 2])
+        if masked:
+            s[i] = T.exp2((s[i] - m[i % 4 // 2]) * T.float32(LOG2E))
+        else:
+            s[i] = T.exp2(s[i] * T.float32(c) - m[i % 4 // 2])
         tile_sum[i % 4 // 2] = tile_sum[i % 4 // 2] + s[i]
         p[i] = T.Cast(dtype, s[i])
     for r in T.unroll(2):
@@ -290,11 +340,15 @@ def _accumulate_pv(o, n_o, p_regs, v_smem, slot, block_n, mma, v_box_units, desc
 
 def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = None):
     """The tirx PrimFunc ``(q, k, v, out)`` of the prefill forward (module docstring) for ``shape``
-    {batch, heads, kv_heads, seq_q, seq_kv, head_dim, causal (0), scale (1/sqrt(head_dim))};
-    global symbol ``attention_prefill``. AttentionShapeError when shape, dtype or knobs do not fit."""
+    {batch, heads, kv_heads, seq_q, seq_kv, head_dim, causal (0), scale (1/sqrt(head_dim)),
+    mask_rows (0)}; global symbol ``attention_prefill``. With ``mask_rows`` 1 or seq_q it is
+    ``(q, k, v, mask, out)``, the additive mask (batch, 1, mask_rows, seq_kv) in the dtype, global
+    symbol ``attention_prefill_masked``. AttentionShapeError when shape, dtype or knobs do not fit."""
     dims, knobs = check_prefill(shape, dtype, knobs)
     nb, hq, hkv, sq, skv, hd = (dims[key] for key in PREFILL_SHAPE_KEYS)
     causal = bool(dims["causal"])
+    mask_rows = dims["mask_rows"]
+    masked = mask_rows > 0
     bm, bn, stages = BLOCK_M, knobs["block_n"], knobs["stages"]
     group = hq // hkv
     offset = skv - sq                  # causal: query i sees keys <= i + offset
@@ -311,12 +365,9 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
     kv_tile_bytes = 2 * bn * hd * 2
     v_box_units = bn * 64 * 2 // 16    # one 64-column box of the V tile, in 16-byte units
 
-    @T.prim_func
-    def attention(q: T.handle, k: T.handle, v: T.handle, out: T.handle):
-        Q = T.match_buffer(q, (nb, hq, sq, hd), dtype, align=16)
-        K = T.match_buffer(k, (nb, hkv, skv, hd), dtype, align=16)
-        V = T.match_buffer(v, (nb, hkv, skv, hd), dtype, align=16)
-        O = T.match_buffer(out, (nb, hq, sq, hd), dtype, align=16)
+    # One body for both signatures (with and without the mask), spliced into each.
+    @T.macro
+    def body(Q, K, V, Mk, O):
         Q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", Q_map, dtype, 2, Q.data, *tma_q)
         K_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -348,6 +399,11 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         out_pair = T.alloc_buffer((2,), dtype, scope="local")
         out_word = T.decl_buffer((1,), "uint32", data=out_pair.data, scope="local")
         O_words = T.decl_buffer((q_rows, hd // 2), "uint32", data=O.data)
+        if masked:
+            # the mask as 4-byte words: a thread's two adjacent keys of a row in one load
+            M_words = T.decl_buffer((nb * mask_rows * skv // 2,), "uint32", data=Mk.data)
+            mask_pair = T.alloc_buffer((2,), dtype, scope="local")
+            mask_word = T.decl_buffer((1,), "uint32", data=mask_pair.data, scope="local")
         # Causal: the longest query tiles first, so the short ones fill the last wave.
         q_tile = T.meta_var(q_tiles - 1 - bx if causal else bx)
         q_first = T.meta_var(q_tile * bm)
@@ -385,7 +441,12 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
             for i in T.unroll(n_o):
                 o[i] = T.float32(0)
             for r in T.unroll(2):
-                m[r] = T.float32(_INIT_MAX)
+                if masked:
+                    # the float32 minimum: no finite score with its mask is below it (a bfloat16
+                    # finfo.min is about -3.39e38), and m stays finite through rows of -inf keys
+                    m[r] = T.min_value("float32")
+                else:
+                    m[r] = T.float32(_INIT_MAX)
                 l[r] = T.float32(0)
             T.cuda.mbarrier_wait(T.address_of(q_full[0]), 0)
             for j in T.serial(n_tiles):
@@ -395,18 +456,49 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                 if causal:
                     if j >= n_unmasked:
                         _mask_above_diagonal(s, n_s, j * bn, q_first + wg * 64, offset, lane)
-                _online_softmax(s, p, n_s, o, n_o, m, l, m_new, alpha, tile_sum, c, dtype)
+                if masked:
+                    _add_mask(s, n_s, M_words, mask_pair, mask_word,
+                              mask_word_index(by // hq, q_first + wg * 64, j * bn, lane, mask_rows, skv),
+                              4 * skv if mask_rows > 1 else 0, dims["scale"])
+                _online_softmax(s, p, n_s, o, n_o, m, l, m_new, alpha, tile_sum, c, dtype, masked)
                 _accumulate_pv(o, n_o, p_regs, Vs, st, bn, mma_o, v_box_units, desc_b)
                 if lane == 0:
                     T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[st]))
             for r in T.unroll(2):
-                l[r] = T.float32(1) / T.cuda.warp_reduce(l[r], "sum", 4)
+                if masked:
+                    # a row of -inf keys only has l = 0 (and O = 0): it stores 0, as the exports'
+                    # IsNaN/Where guard makes of the softmax's NaN
+                    m_new[r] = T.cuda.warp_reduce(l[r], "sum", 4)
+                    l[r] = T.if_then_else(m_new[r] > T.float32(0), T.float32(1) / m_new[r], T.float32(0))
+                else:
+                    l[r] = T.float32(1) / T.cuda.warp_reduce(l[r], "sum", 4)
             for i in T.unroll(n_o // 2):
                 # pair i: columns 8 (i // 2) + q, +1 of row half i % 2
                 row = T.meta_var(q_row0 + wg * 64 + lane // 32 * 16 + lane % 32 // 4 + i % 2 * 8)
                 out_pair[0] = T.Cast(dtype, o[i * 2] * l[i % 2])
                 out_pair[1] = T.Cast(dtype, o[i * 2 + 1] * l[i % 2])
                 O_words[row, i // 2 * 4 + lane % 4] = out_word[0]
+
+    # a prim_func is parsed where it is defined: only the variant asked for
+    if masked:
+        @T.prim_func
+        def attention_masked(q: T.handle, k: T.handle, v: T.handle, mask: T.handle, out: T.handle):
+            Q = T.match_buffer(q, (nb, hq, sq, hd), dtype, align=16)
+            K = T.match_buffer(k, (nb, hkv, skv, hd), dtype, align=16)
+            V = T.match_buffer(v, (nb, hkv, skv, hd), dtype, align=16)
+            Mk = T.match_buffer(mask, (nb, 1, mask_rows, skv), dtype, align=16)
+            O = T.match_buffer(out, (nb, hq, sq, hd), dtype, align=16)
+            body(Q, K, V, Mk, O)
+
+        return _mark(attention_masked, "attention_prefill_masked")
+
+    @T.prim_func
+    def attention(q: T.handle, k: T.handle, v: T.handle, out: T.handle):
+        Q = T.match_buffer(q, (nb, hq, sq, hd), dtype, align=16)
+        K = T.match_buffer(k, (nb, hkv, skv, hd), dtype, align=16)
+        V = T.match_buffer(v, (nb, hkv, skv, hd), dtype, align=16)
+        O = T.match_buffer(out, (nb, hq, sq, hd), dtype, align=16)
+        body(Q, K, V, None, O)
 
     return _mark(attention, "attention_prefill")
 
