@@ -21,10 +21,13 @@ import math
 
 import numpy as np
 
+from autofuse.kernel_templates import KernelTemplate
 from autofuse.pattern import FLOAT_DTYPES, Pattern, RelaxRule, ShapeParam, constant_value, dtype_of, static_shape
+from search_spaces.lib import cuda_attention
 from search_spaces.lib.attention import (BATCH, HEAD_DIM, attention_inputs, chain_top, cuda_flash,
                                          flash_attention_func, flash_tiles, gqa_heads, layout_calls, layout_chain,
                                          unrepeated_heads)
+from search_spaces.lib.cuda_wgmma import HOPPER
 from search_spaces.lib.onnx_graphs import typed_model
 
 # What a masked key gets, per dtype: its finfo.min, as torch's exporters write it.
@@ -77,6 +80,27 @@ def flops(shape):
 def nbytes(shape, dtype):
     b, h, kvh, sq, skv, d = (shape[k] for k in ("batch", "heads", "kv_heads", "seq_q", "seq_kv", "head_dim"))
     return np.dtype(dtype).itemsize * (b * d * (2 * h * sq + 2 * kvh * skv) + b * shape["mask_rows"] * skv)
+
+
+def _check_wgmma(shape, dtype, knobs):
+    """``lib.cuda_attention.check_prefill`` for a masked shape: mask_rows must be 1 or seq_q."""
+    if shape.get("mask_rows") not in (1, shape.get("seq_q")):
+        raise cuda_attention.AttentionShapeError(f"mask_rows={shape.get('mask_rows')!r} must be 1 or seq_q")
+    return cuda_attention.check_prefill(shape, dtype, knobs)
+
+
+def _wgmma_prefill(shape, dtype, knobs):
+    """FlashAttention with the additive mask on Hopper tensor cores (``lib.cuda_attention.prefill_attention``
+    with ``mask_rows``): flash_attention's ``cuda_wgmma_flash`` kernel, each score scaled and its mask
+    added in float32 before the row max, a row of -inf keys stored as 0; float16/bfloat16, head_dim
+    64 or 128, seq_q a multiple of 128 and seq_kv of the key tile (other shapes fall back to
+    ``cuda_flash``)."""
+    _check_wgmma(shape, dtype, knobs)
+    return cuda_attention.prefill_attention(shape, dtype, knobs)
+
+
+cuda_wgmma_masked = KernelTemplate("cuda_wgmma_masked", _wgmma_prefill, cuda_attention.PREFILL_KNOBS,
+                                   cuda_attention.PREFILL_DEFAULT_KNOBS, _check_wgmma, **HOPPER)
 
 
 def onnx_graph(shape, dtype):
@@ -223,7 +247,7 @@ PATTERN = Pattern.from_module(
     shape_params=[BATCH.with_sizes(2, 2), *gqa_heads((8, 2), (8, 2)), ShapeParam("seq_q", 128, 16, "query positions"),
                   ShapeParam("seq_kv", 128, 16, "key/value positions"), HEAD_DIM,
                   ShapeParam("mask_rows", 1, 1, "rows of the mask: 1 (one per batch, e.g. padding) or seq_q")],
-    templates=[flash_tiles, cuda_flash],
+    templates=[flash_tiles, cuda_wgmma_masked, cuda_flash],
     # After flash_attention's rule (10: its causal constant mask and unmasked forms), before
     # softmax_dropout's (0), which would otherwise take the softmax out of the attention.
     relax_rules=[RelaxRule("attention_sdpa_export", _relax_pattern("sdpa"), _relax_rewrite, priority=5),
