@@ -30,6 +30,8 @@ CASES = {
                          "causal": 1}, 1, F16_MMA + "m64n128k16"),
     "gqa_decode_attention": ({"batch": 2, "num_heads": 8, "num_kv_heads": 2, "head_dim": 128, "max_seq": 512,
                               "cache_len": 300}, 2, None),
+    "masked_attention": ({"batch": 2, "heads": 4, "kv_heads": 2, "seq_q": 128, "seq_kv": 256, "head_dim": 64,
+                          "mask_rows": 1}, 1, F16_MMA + "m64n128k16"),
     # BN 256: two m64n128k32 per k step (TVM 0.27's s8 wgmma stops at N 224)
     "int8_matmul_dequant": ({"m": 512, "n": 768, "k": 1024, "relu": 1}, 1, S8_MMA + "m64n128k32_s32_s8_s8"),
 }
@@ -42,6 +44,8 @@ REFUSED = {
     "flash_attention": [({"seq_q": 100}, "float16"), ({"head_dim": 96}, "float16"), ({}, "float32")],
     "gqa_decode_attention": [({"num_heads": 32, "num_kv_heads": 2}, "float16"), ({"head_dim": 80}, "float16"),
                              ({}, "float32")],
+    "masked_attention": [({"seq_q": 100, "mask_rows": 100}, "float16"), ({"seq_kv": 200}, "float16"),
+                         ({"head_dim": 96}, "float16"), ({"mask_rows": 2}, "float16"), ({}, "float32")],
     "int8_matmul_dequant": [({"m": 500}, "float32"), ({"n": 600}, "float32"), ({"k": 1000}, "float32"),
                             ({}, "float16")],
 }
@@ -53,6 +57,9 @@ LARGE = {
                         "causal": 0},
     "gqa_decode_attention": {"batch": 16, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "max_seq": 4096,
                              "cache_len": 4000},
+    # not in the session: flash_attention's shape with a mask row per query (causal + padding)
+    "masked_attention": {"batch": 8, "heads": 16, "kv_heads": 16, "seq_q": 2048, "seq_kv": 2048, "head_dim": 128,
+                         "mask_rows": 2048},
 }
 
 
@@ -159,6 +166,27 @@ def test_int8_dequant_wgmma_kernel():
             template.build(bad, "float32", template.default)
     with pytest.raises(ValueError, match="float32, not float16"):
         template.build(shape, "float16", template.default)
+
+
+def test_masked_attention_kernel_adds_the_mask_per_batch_or_per_query():
+    """masked_attention's cuda_wgmma_masked: flash_attention's prefill kernel with the mask buffer
+    read per (batch, key) or per (batch, query, key), taken for either mask_rows; the unmasked
+    flash_attention template is not offered for it, nor the masked one for flash_attention."""
+    pattern, template = get_pattern("masked_attention"), _template("masked_attention")
+    shape = CASES["masked_attention"][0]
+    per_query = {**shape, "mask_rows": shape["seq_q"]}
+    assert K.kernel_templates_for(pattern, per_query, "bfloat16", H200) == [template]
+    assert template is not _template("flash_attention")
+    assert pattern.templates.index(template) < [t.name for t in pattern.templates].index("cuda_flash")
+    for rows in (1, shape["seq_q"]):
+        func = template.build({**shape, "mask_rows": rows}, "float16")
+        assert func.attrs["global_symbol"] == "attention_prefill_masked"
+        assert _signature(func) == _signature(pattern.build({**shape, "mask_rows": rows}, "float16"))
+        assert _signature(func)[3] == ((shape["batch"], 1, rows, shape["seq_kv"]), "float16")
+        body = _source(func).split('extern "C" __global__')[-1]
+        loads = re.findall(r"\(\(uint\*\)Mk_ptr\)\[", body)
+        assert len(loads) == 128 // 8 * (1 if rows == 1 else 2)   # default BN 128: a word per 8 keys (and row half)
+        assert "condval" in body                                    # the l == 0 guard: a row of -inf keys stores 0
 
 
 def test_decode_appends_while_it_attends_over_cache_len_plus_one():
