@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import tvm
 
 from autofuse import building as B
 from autofuse import kernel_templates as K
@@ -44,6 +45,11 @@ CASES = [
     ("linear_bias_gelu_tanh", {"m": 256, "n": 384, "k": 512}, "bfloat16"),
     ("int8_matmul_dequant", {"m": 512, "n": 768, "k": 1024, "relu": 1}, "float32"),   # BN 256: two m64n128k32
     ("int8_matmul_dequant", {"m": 256, "n": 640, "k": 512, "relu": 0}, "float32"),    # BN 128
+    # a padding mask (one row, seeded lengths) over GQA heads; then causal + padding, a row per query
+    ("masked_attention", {"batch": 2, "heads": 8, "kv_heads": 2, "seq_q": 256, "seq_kv": 512, "head_dim": 128,
+                          "mask_rows": 1}, "float16"),
+    ("masked_attention", {"batch": 2, "heads": 4, "kv_heads": 4, "seq_q": 384, "seq_kv": 384, "head_dim": 64,
+                          "mask_rows": 384}, "bfloat16"),
 ]
 IDS = [f"{name}-{dtype}-{'-'.join(str(v) for v in shape.values())}" for name, shape, dtype in CASES]
 
@@ -69,6 +75,48 @@ def test_a_short_search_records_checked_configs_and_choose_is_never_worse(name, 
     choice, _ = verify.choose(job, db, H200, DEV)
     assert choice.record_source.startswith(K.SOURCE_PREFIX)
     assert choice.secs == min(choice.record_secs, choice.default_secs)
+
+
+@pytest.mark.parametrize("dtype,rows", [("bfloat16", 256), ("float16", 1)])
+def test_the_masked_kernel_on_rows_without_a_visible_key(dtype, rows):
+    """cuda_wgmma_masked where make_inputs' masks never go: a row (or, with one mask row, a batch)
+    of -inf keys only stores 0, a row of finfo.min keys the average of V (bfloat16: its finfo.min
+    times log2(e) would overflow float32), and leading key tiles with no visible key leave no NaN."""
+    import numpy as np
+
+    from autofuse.measure import to_device
+    from search_spaces.attention.masked_attention import MASKED
+
+    pattern = get_pattern("masked_attention")
+    shape = {"batch": 2, "heads": 4, "kv_heads": 2, "seq_q": 256, "seq_kv": 384, "head_dim": 64, "mask_rows": rows}
+    (template,) = K.kernel_templates_for(pattern, shape, dtype, H200)
+    rt = B.build_tirx(template.build(shape, dtype), H200)
+    q, k, v, mask = pattern.make_inputs(shape, dtype, 3)
+    mask = mask.copy()
+    if rows == 1:
+        mask[1, 0, 0, :] = -np.inf                   # batch 1: every row 0
+        mask[0, 0, 0, :300] = -np.inf                # batch 0: the first two 128-key tiles hidden
+        mask[0, 0, 0, 300:] = 0
+    else:
+        mask[0, 0, 5, :] = -np.inf
+        mask[0, 0, 6, :] = MASKED[dtype]
+        mask[1, 0, 130, :] = -np.inf
+        mask[1, 0, 130, 300:310] = 0
+        mask[1, 0, 131, :128] = MASKED[dtype]
+        mask[1, 0, 131, 128:] = 0
+    inputs = [q, k, v, mask]
+    func = pattern.build(shape, dtype)
+    (out_shape, out_dtype), = pattern.output_specs(func)
+    out = tvm.runtime.tensor(np.full(out_shape, np.nan, dtype=out_dtype), DEV)  # rows left unwritten stay NaN
+    rt(*to_device(inputs, DEV), out)
+    got = out.numpy()
+    assert not np.isnan(got.astype(np.float32)).any()
+    result = pattern.check([got], inputs, shape, dtype, func)
+    assert result.ok, result.message
+    if rows == 1:
+        assert not got[1].astype(np.float32).any()
+    else:
+        assert not got[0, :, 5].astype(np.float32).any()
 
 
 def test_the_float16_decoder_block_builds_with_kernel_templates_and_matches_onnxruntime(tmp_path):
