@@ -7,7 +7,11 @@ per query when seq_q: causal + padding as GPT-2 or BERT's SDPA path writes it). 
 heads as in flash_attention; in a model, K/V that the graph repeats for the query groups (Llama's
 Unsqueeze/Expand/Reshape) reach the kernel unrepeated. The kernel is flash_attention's (``lib.attention.flash_attention_func``
 with the mask hook: key tiles, online softmax, scores and statistics in float32) and so are its
-templates ``flash_tiles`` and ``cuda_flash``.
+templates ``flash_tiles`` and ``cuda_flash``. On an sm_90 GPU in float16/bfloat16 the kernel template
+``cuda_wgmma_masked`` comes first where its tiles fit (seq_q a multiple of 128, seq_kv of the key
+tile, head_dim 64 or 128; elsewhere ``cuda_flash``): flash_attention's ``cuda_wgmma_flash``
+(``lib.cuda_attention.prefill_attention``, TMA + wgmma) with ``mask_rows``, each thread adding the
+mask words of its accumulator's (row, key) pairs to the scaled scores in float32 before the row max.
 
 A query row whose keys are all masked, as onnxruntime computes the exported graphs: with finfo.min
 (BERT's padding mask) every score of the row rounds to the same value, the softmax is uniform and

@@ -8,13 +8,23 @@ Functions carry ``autofuse.tirx`` = True (a mixed Relax pipeline sends them thro
 lowering) and ``tirx.is_scheduled`` = True (dlight leaves them alone). Any shape, dtype or knob a
 kernel cannot take raises ``AttentionShapeError`` (a ValueError) naming the rule.
 
-Prefill: ``prefill_attention`` -> ``(q, k, v, out)``
+Prefill: ``prefill_attention`` -> ``(q, k, v, out)``, or ``(q, k, v, mask, out)`` with ``mask_rows``
     q, out (batch, heads, seq_q, head_dim); k, v (batch, kv_heads, seq_kv, head_dim); float16 or
     bfloat16, head_dim 64 or 128. out = softmax(q k^T * scale [+ causal mask]) v, float32
     accumulation, out rounded once. Grouped-query: query head h reads K/V head h // (heads /
     kv_heads). Causal masking is aligned at the end as in the flash_attention pattern (key j is
     visible to query i when j <= i + seq_kv - seq_q, so seq_q <= seq_kv); equal lengths give the
     usual lower triangle.
+
+    With ``mask_rows`` 1 or seq_q (masked_attention; not with causal) an additive mask (batch, 1,
+    mask_rows, seq_kv) in the dtype: out = softmax(q k^T * scale + mask) v. Each thread reads the
+    mask at its accumulator's (row, key) pairs straight from global memory (one 4-byte load per
+    two adjacent keys) and adds it to S * scale in float32 before the row max; the softmax then
+    stays in the natural-log domain (P = 2^((S - m') log2 e)), since a bfloat16 finfo.min times
+    log2 e overflows float32. m starts at the float32 minimum, so -inf keys give P = 0 without
+    inf - inf, a row of finfo.min keys the average of V (as the reference), and a row of -inf keys
+    (l = 0) stores 0, as the exports' IsNaN/Where guard makes it. mask_rows 0 is the unmasked
+    kernel, unchanged.
 
     The FlashAttention-3 layout without its ping-pong: one CTA per (128-row query tile, batch x
     head), three warpgroups. Warpgroup 0 is the producer: one thread issues the TMA copies (128-byte
