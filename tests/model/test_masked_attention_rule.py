@@ -180,3 +180,30 @@ def test_llama_attention_reads_unrepeated_kv_heads(model):
     assert _kv_param_heads(prepared.mod) == [2, 2]
     names = kernel_names(prepared.mod)
     assert not any("expand_dims" in name for name in names), names
+
+
+def test_float16_graph_on_hopper_gets_the_masked_kernel_template(tmp_path):
+    """On an sm_90 target a float16 masked_attention at a shape the Hopper kernel takes (GQA, a
+    mask row per query) is the tirx kernel template cuda_wgmma_masked (its call passes q, k, v and
+    the mask in the PrimFunc's order), and the model's library holds its CUDA source; no GPU needed."""
+    import onnx
+
+    from autofuse.model.kernels import apply_database
+
+    h200 = parse_target("h200")
+    shape = {"batch": 2, "heads": 8, "kv_heads": 2, "seq_q": 256, "seq_kv": 256, "head_dim": 64, "mask_rows": 256}
+    path = str(tmp_path / "masked.onnx")
+    onnx.save(ma.onnx_graph(shape, "float16"), path)
+    prepared = prepare(path, "patterns")
+    assert prepared.matches == {"masked_attention": 1}, prepared.matches
+    mod, decisions = apply_database(prepared.mod, None, h200, dev=None)
+    (decision,) = [d for d in decisions if d.pattern == "masked_attention"]
+    assert "tirx kernel" in decision.note, decision
+    (func,) = [f for _, f in mod.functions_items()
+               if isinstance(f, tvm.tirx.PrimFunc) and f.attrs and f.attrs.get(PATTERN_ATTR) == "masked_attention"]
+    assert [tuple(int(d) for d in b.shape) for b in param_buffers(func)] == [
+        (2, 8, 256, 64), (2, 2, 256, 64), (2, 2, 256, 64), (2, 1, 256, 256), (2, 8, 256, 64)]
+    with h200:
+        model_build.build(mod, h200).export_library(str(tmp_path / "masked.so"))
+    library = (tmp_path / "masked.so").read_bytes()
+    assert b"wgmma.mma_async" in library and b"Mk_ptr" in library
