@@ -76,6 +76,8 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=2, help="sessions per builder, alternating")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    from autofuse.target import use_host_cores
+    use_host_cores()  # before any kernel runs: every core, as compare times
     from autofuse.target import parse_target, target_key
 
     out = args.out or os.path.join(ROOT, "benchmarks", "results", f"builder-pool-{target_key(parse_target('llvm'))}.json")

@@ -36,6 +36,8 @@ def main() -> int:
     parser.add_argument("--sizes", default=DEFAULT_SIZES, help="seq_qxseq_kv pairs, comma-separated")
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
+    from autofuse.target import use_host_cores
+    use_host_cores()  # before any kernel runs: every core, as compare times
 
     target = parse_target("llvm")
     dev = device_for(target)

@@ -32,6 +32,8 @@ def main() -> int:
     parser.add_argument("--models", default="mlp,transformer_block,conv_block")
     parser.add_argument("--target", default="llvm")
     args = parser.parse_args()
+    from autofuse.target import use_host_cores
+    use_host_cores()  # before any kernel runs: every core, as compare times
     target = parse_target(args.target)
     results = {"machine": machine_info(), "target": str(target), "trials_per_model": args.trials, "models": {}}
     rows = []

@@ -46,6 +46,8 @@ def main() -> int:
     parser.add_argument("--target", default="llvm")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    from autofuse.target import use_host_cores
+    use_host_cores()  # before any kernel runs: every core, as compare times
 
     target = parse_target(args.target)
     patterns = list(all_patterns().values())

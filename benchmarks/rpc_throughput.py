@@ -41,6 +41,8 @@ def main() -> int:
     parser.add_argument("--trials", type=int, default=48)
     parser.add_argument("--pattern", default="linear_bias_relu")
     args = parser.parse_args()
+    from autofuse.target import use_host_cores
+    use_host_cores()  # before any kernel runs: every core, as compare times
 
     results = {"pattern": args.pattern, "trials": args.trials, "runs": {}}
     with tempfile.TemporaryDirectory(prefix="autofuse-rpc-bench-") as scratch:

@@ -55,6 +55,8 @@ def main() -> int:
     parser.add_argument("--max-secs", type=float, default=45.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
+    from autofuse.target import use_host_cores
+    use_host_cores()  # before any kernel runs: every core, as compare times
     rng = random.Random(args.seed)
     key = target_key(parse_target("llvm"))
     result = {"machine": machine_info(), "pattern": args.pattern, "kills": [], "seed": args.seed}

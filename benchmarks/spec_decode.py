@@ -213,6 +213,8 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeat", type=int, default=3, help="timed generations of each kind (best kept)")
     args = parser.parse_args()
+    from autofuse.target import use_host_cores
+    use_host_cores()  # before any kernel runs: every core, as compare times
 
     target_spec = parse_target("llvm")
     draft_w, target_w = make_models(args.seed)

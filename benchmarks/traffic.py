@@ -54,6 +54,8 @@ def main() -> int:
     parser.add_argument("--patterns", default="all")
     parser.add_argument("--small", action="store_true")
     args = parser.parse_args()
+    from autofuse.target import use_host_cores
+    use_host_cores()  # before any kernel runs: every core, as compare times
     rows = []
     for pattern in resolve_patterns(args.patterns):
         if pattern.onnx_graph is None:

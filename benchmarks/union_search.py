@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(argv)
+        from autofuse.target import use_host_cores
+        use_host_cores()  # before any kernel runs: every core, as compare times
         from autofuse.registry import resolve_patterns
         from autofuse.report import machine_info, write_json
         from autofuse.target import parse_target, target_key
