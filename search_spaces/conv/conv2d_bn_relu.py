@@ -13,6 +13,7 @@ import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.pattern import Pattern, RelaxRule, ShapeParam, dtype_of, onnx_model, static_shape, template
+from search_spaces.lib import cpu_rules
 from search_spaces.lib.cpu_gemm import schedule_packed_gemm
 from search_spaces.lib.cuda_gemm import cuda_unroll
 from search_spaces.lib.tiling import unroll
@@ -120,6 +121,25 @@ def gemm_direct(sch, target, knobs):
                          weight_read=[str(r.source.name) for r in sch.get(conv).reads].index("xp"),
                          weight_layout="kn", pack=False)
     sch.compute_at(sch.get_sblock("pad"), sch.get_loops(sch.get_sblock("conv_update"))[0], preserve_unit_loops=True)
+
+
+@template("channel_tile")
+def channel_tile(sch, target, knobs):
+    """The untuned CPU rule's dense convolution (``cpu_rules.channel_tile_conv``): a register tile
+    of F vectors of output channels x P output positions along the row, W repacked so that one
+    window point's channels load as one vector, every input value broadcast; row tiles of channel
+    blocks in parallel, batch norm + ReLU on the tile. With fewer than two vectors of output
+    channels, ``tiled_direct``'s schedule instead: there, at 28x28-56x56, its row vectors ran
+    1.2-2x faster (the tile stores position by position; a half-width channel vector does half
+    the work per FMA); from 32 channels this tile ran 0.7-0.8x ``tiled_direct``'s time (resnet18/50,
+    ShuffleNetV2's kernels, 2-core znver4, one thread, interleaved)."""
+    pad, conv, epi = sch.get_sblock("pad"), sch.get_sblock("conv"), sch.get_sblock("bn_relu")
+    channels = int(sch.get(conv).iter_vars[1].dom.extent)
+    if channels < 2 * cpu_rules.lanes_for(target, "float32"):
+        tiled_direct.fn(sch, target, knobs)
+        return
+    cpu_rules.parallel_vectorize(sch, knobs, target, pad)
+    cpu_rules.channel_tile_conv(sch, conv, [epi], 1, knobs, target)
 
 
 @template("tiled_direct")
@@ -356,7 +376,7 @@ PATTERN = Pattern.from_module(
                   ShapeParam("w", 56, 8, "input width"),
                   ShapeParam("c_out", 64, 8, "output channels"),
                   ShapeParam("kernel", 3, 3, "kernel size (square); padding is kernel // 2")],
-    templates=[tiled_direct, gemm_direct, cuda_direct],
+    templates=[channel_tile, tiled_direct, gemm_direct, cuda_direct],
     relax_rules=[RelaxRule("conv2d_batch_norm_relu", _relax_pattern, _relax_rewrite),
                  RelaxRule("conv2d_bias_relu", _folded_relax_pattern, _folded_relax_rewrite)],
 )
