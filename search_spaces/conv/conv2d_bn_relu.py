@@ -138,7 +138,10 @@ def channel_tile(sch, target, knobs):
     if channels < 2 * cpu_rules.lanes_for(target, "float32"):
         tiled_direct.fn(sch, target, knobs)
         return
-    cpu_rules.parallel_vectorize(sch, knobs, target, pad)
+    if int(sch.get(conv).iter_vars[5].dom.extent) == 1:
+        sch.compute_inline(pad)  # a 1x1 kernel pads nothing: read x where the copy would
+    else:
+        cpu_rules.parallel_copy(sch, pad)
     cpu_rules.channel_tile_conv(sch, conv, [epi], 1, knobs, target)
 
 

@@ -386,7 +386,10 @@ def conv(sch, target, knobs) -> None:
         raise NotApplicable("a strided window without channel vectors")
     upstream, epilogue = _split_around(sch, block)
     for producer in upstream:
-        parallel_vectorize(sch, knobs, target, producer)
+        if channel_vectors and _guarded(sch, producer):
+            parallel_copy(sch, producer)
+        else:
+            parallel_vectorize(sch, knobs, target, producer)
     if channel_vectors:
         # A dense convolution: channel vectors (any stride; at unit stride 0.6-0.9x the row
         # vectors' time on resnet18/50's kernels with residual epilogues, 8-256 channels, and
@@ -403,6 +406,20 @@ def conv(sch, target, knobs) -> None:
     _vectorize_tile(sch, block, reduce[0], chain)
 
 
+# A copy before a convolution that runs in parallel (the padded input, the repacked W) runs in
+# parallel from this many elements: the thread pool is awake for the convolution anyway.
+PARALLEL_COPY_MIN_ELEMENTS = 1 << 13
+
+
+def parallel_copy(sch, block) -> None:
+    """A copy feeding a parallel convolution (padding, W repacked): its two outer loops fused and
+    parallel from ``PARALLEL_COPY_MIN_ELEMENTS``, the rest left to LLVM's vectorizer (which
+    masks a padding copy's condition, see ``_guarded``)."""
+    if _product(_extent(iv) for iv in sch.get(block).iter_vars) >= PARALLEL_COPY_MIN_ELEMENTS:
+        loops = sch.get_loops(block)
+        sch.parallel(sch.fuse(*loops[:2]))
+
+
 def channel_vector(target, dtype, channels: int):
     """Lanes of the output-channel vector of ``channel_tile_conv``: the target's vector where it
     divides ``channels``, else half of it (on AVX-512 a ymm FMA does as many flops per cycle as a
@@ -411,16 +428,23 @@ def channel_vector(target, dtype, channels: int):
     return next((v for v in (lanes, lanes // 2) if v >= 4 and channels % v == 0), None)
 
 
-def channel_tile_shape(unit, vectors: int, width: int) -> tuple[int, int]:
+# Bytes of the largest accumulator tile: TVM puts a local buffer of more than this
+# (runtime::kMaxStackAlloca) in a workspace it allocates from the heap in every parallel task,
+# which is slow and serialises the threads (a 48 x 7 tile ran 2.4x slower on 2 threads than on 1).
+MAX_STACK_BYTES = 1024
+
+
+def channel_tile_shape(unit, vectors: int, lanes: int, width: int, itemsize: int = 4) -> tuple[int, int]:
     """(F, P): F channel vectors (a divisor of ``vectors``, the output channels over the lanes) by
     P output positions (a divisor of the output row ``width``), F * P accumulators and F weight
-    vectors within the registers (a broadcast input is an FMA's memory operand), as many
-    accumulators as fit, then the fewest loads per FMA ((F + P) / (F * P))."""
-    budget = unit.registers - 4
+    vectors within the registers (a broadcast input is an FMA's memory operand) and the tile on
+    the stack (``MAX_STACK_BYTES``): as many accumulators as fit, then the fewest loads per FMA
+    ((F + P) / (F * P))."""
+    budget = min(unit.registers - 4, MAX_STACK_BYTES // (lanes * itemsize))
     best = None
     for f in (d for d in range(1, min(vectors, 4) + 1) if vectors % d == 0):
         for p in (d for d in range(1, width + 1) if width % d == 0):
-            if f * p + f > budget:
+            if f * p > budget or f * p + f > unit.registers - 4:
                 continue
             key = (f * p, -(f + p) / (f * p))
             if best is None or key > best[0]:
@@ -441,12 +465,12 @@ def channel_tile_conv(sch, block, epilogue, weight: int, knobs, target) -> None:
     lanes = channel_vector(target, _write_dtype(sch, block), channels)
     if lanes is None:
         raise NotApplicable("output channels are no multiple of a vector")
-    vectors, positions = channel_tile_shape(vector_unit(target), channels // lanes, width)
+    vectors, positions = channel_tile_shape(vector_unit(target), channels // lanes, lanes, width,
+                                            DataType(_write_dtype(sch, block)).bits // 8)
     packed = sch.cache_read(block, weight, "global")
     sch.transform_layout(block, ("read", weight), index_map=lambda co, *window: (
         co // lanes, *window, co % lanes))
-    if _product(_extent(iv) for iv in sch.get(packed).iter_vars) >= PARALLEL_MIN_ELEMENTS // 16:
-        sch.parallel(sch.get_loops(packed)[0])
+    parallel_copy(sch, packed)
     n, f, y, x, *reduce = sch.get_loops(block)
     fo, f2 = sch.split(f, [None, lanes])
     f0, f1 = sch.split(fo, knobs.tile(fo, 2, [vectors], max_innermost_factor=4))
