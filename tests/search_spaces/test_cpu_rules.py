@@ -91,17 +91,21 @@ def _attention():
 
 
 def _conv():
-    """A 3x3 'same' conv with bias and ReLU, a depthwise one, a strided one, and a strided
-    depthwise one big enough to run in parallel."""
+    """A 3x3 'same' conv with bias and ReLU, a depthwise one, a strided one, a strided
+    depthwise one big enough to run in parallel, a 5x5 strided depthwise one over rows of 7
+    (MobileNetV3's), and a strided dense one with 48 output channels (three vectors)."""
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c"], ["y"]),
              helper.make_node("Conv", ["y", "wd"], ["d"], pads=[1, 1, 1, 1], group=8),
              helper.make_node("Conv", ["y", "ws"], ["s"], pads=[1, 1, 1, 1], strides=[2, 2]),
-             helper.make_node("Conv", ["big", "wsd"], ["sd"], pads=[1, 1, 1, 1], strides=[2, 2], group=16)]
-    return _model(nodes, [("x", [1, 4, 8, 8]), ("big", [1, 16, 128, 128])],
-                  [("d", [1, 8, 8, 8]), ("s", [1, 8, 4, 4]), ("sd", [1, 16, 64, 64])],
+             helper.make_node("Conv", ["big", "wsd"], ["sd"], pads=[1, 1, 1, 1], strides=[2, 2], group=16),
+             helper.make_node("Conv", ["small", "wsn"], ["sn"], pads=[2, 2, 2, 2], strides=[2, 2], group=24),
+             helper.make_node("Conv", ["small", "wwide"], ["sw"], pads=[1, 1, 1, 1], strides=[2, 2])]
+    return _model(nodes, [("x", [1, 4, 8, 8]), ("big", [1, 16, 128, 128]), ("small", [1, 24, 14, 14])],
+                  [("d", [1, 8, 8, 8]), ("s", [1, 8, 4, 4]), ("sd", [1, 16, 64, 64]), ("sn", [1, 24, 7, 7]),
+                   ("sw", [1, 48, 7, 7])],
                   [_const("w", 8, 4, 3, 3), _const("b", 8), _const("wd", 8, 1, 3, 3), _const("ws", 8, 8, 3, 3),
-                   _const("wsd", 16, 1, 3, 3)])
+                   _const("wsd", 16, 1, 3, 3), _const("wsn", 24, 1, 5, 5), _const("wwide", 48, 24, 3, 3)])
 
 
 @pytest.fixture(scope="module")
@@ -141,7 +145,9 @@ EXPECTED = [
     (("conv:", "conv2d_add_relu"), "cpu_conv"),
     (("conv:", "conv2d1"), "cpu_conv"),          # depthwise
     (("conv:", "conv2d2"), "cpu_conv"),          # stride 2: channel vectors, W repacked
-    (("conv:", "conv2d3"), "cpu_parallel"),      # stride 2, depthwise
+    (("conv:", "conv2d3"), "cpu_parallel"),      # stride 2, depthwise, rows wider than a vector
+    (("conv:", "conv2d4"), "cpu_conv"),          # stride 2, depthwise, rows of 7: columns deinterleaved
+    (("conv:", "conv2d5"), "cpu_conv"),          # stride 2, 48 channels: channel vectors
 ]
 
 
@@ -212,7 +218,8 @@ def test_rules_refuse_what_they_do_not_describe(graph_kernels):
 
 
 @pytest.mark.parametrize("needles", [("ffn:", "erf"), ("attention:", "matmul", "multiply"), ("attention:", "softmax"),
-                                     ("conv:", "conv2d_add_relu"), ("conv:", "conv2d2")])
+                                     ("conv:", "conv2d_add_relu"), ("conv:", "conv2d2"), ("conv:", "conv2d4"),
+                                     ("conv:", "conv2d5")])
 def test_a_knob_sample_replays_and_still_matches(graph_kernels, needles):
     """As MetaSchedule replays a rule's trace with new decisions: sampled, replayed on a fresh
     schedule, checked."""
@@ -224,3 +231,123 @@ def test_a_knob_sample_replays_and_still_matches(graph_kernels, needles):
     sampled.trace.apply_to_schedule(replayed, remove_postproc=False)
     ok, message = checker(kernel, TARGET, DEV)(replayed)
     assert ok, message
+
+
+# --- convolutions: the channel-vector tile, deinterleaved columns ----------------------------------
+
+def _allocs(sch):
+    """name -> (shape, scope) of every buffer the scheduled function allocates."""
+    root = sch.get(sch.get_sblock("root"))
+    return {b.name: ([int(d) for d in b.shape], b.scope()) for b in root.alloc_buffers}
+
+
+def _update_loops(sch):
+    """The conv's update block (after decompose_reduction) and its loops."""
+    blocks = [b for b in _all_blocks(sch) if sch.get(b).name_hint.endswith("_update")]
+    assert len(blocks) == 1
+    return blocks[0], sch.get_loops(blocks[0])
+
+
+def _all_blocks(sch):
+    found = []
+
+    def walk(block):
+        for child in sch.get_child_blocks(block):
+            found.append(child)
+            walk(child)
+
+    walk(sch.get_sblock("root"))
+    return found
+
+
+@pytest.mark.parametrize("needles,channels,lanes", [(("conv:", "conv2d2"), 8, 8), (("conv:", "conv2d5"), 48, 16),
+                                                    (("conv:", "conv2d_add_relu"), 8, 8)],
+                         ids=["stride2-8ch", "stride2-48ch", "same-8ch"])
+def test_dense_convs_run_on_the_channel_vector_tile_with_W_repacked(graph_kernels, needles, channels, lanes):
+    """W repacked to [f / V][window][V], the accumulators channel-innermost ([.., x, f]) in a local
+    tile within TVM's stack limit, the update's innermost loop a vector of V output channels, the
+    positions before it unrolled; and the kernel matches the unscheduled one."""
+    source, sch, kernel = _rule_of(graph_kernels, *needles)
+    assert source == "cpu_conv"
+    allocs = _allocs(sch)
+    packed = [shape for name, (shape, _) in allocs.items() if name.endswith("_global")]
+    assert len(packed) == 1 and packed[0][0] == channels // lanes and packed[0][-1] == lanes, allocs
+    local = [shape for shape, scope in allocs.values() if scope == "local"]
+    assert len(local) == 1 and local[0][-1] == channels, "accumulators channel-innermost"
+    _, loops = _update_loops(sch)
+    assert sch.get(loops[-1]).kind == tvm.tirx.ForKind.VECTORIZED and int(sch.get(loops[-1]).extent) == lanes
+    assert sch.get(loops[-3]).kind == tvm.tirx.ForKind.UNROLLED, "positions unrolled"
+    vectors, positions = int(sch.get(loops[-2]).extent), int(sch.get(loops[-3]).extent)
+    assert vectors * positions * lanes * 4 <= cpu_rules.MAX_STACK_BYTES
+    ok, message = checker(kernel, TARGET, DEV)(sch)
+    assert ok, message
+
+
+def test_the_channel_vector_tile_takes_the_targets_vectors():
+    """Vectors of 16 channels on AVX-512, 8 on AVX2 (half a vector where a whole one does not divide
+    the channels), none below 4; tiles within the registers and the stack limit."""
+    from tvm.target import Target
+    from search_spaces.lib.cpu_gemm import vector_unit
+    avx2 = Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
+    assert cpu_rules.channel_vector(TARGET, "float32", 48) == 16
+    assert cpu_rules.channel_vector(TARGET, "float32", 24) == 8
+    assert cpu_rules.channel_vector(avx2, "float32", 24) == 8
+    assert cpu_rules.channel_vector(avx2, "float32", 12) == 4
+    assert cpu_rules.channel_vector(TARGET, "float32", 12) is None
+    for target in (TARGET, avx2):
+        unit = vector_unit(target)
+        for lanes in (8, unit.lanes):
+            for vectors in (1, 2, 3, 4, 64):
+                for width in (7, 14, 28, 56, 112):
+                    f, p = cpu_rules.channel_tile_shape(unit, vectors, lanes, width)
+                    assert vectors % f == 0 and width % p == 0
+                    assert f * p + f <= unit.registers - 4 and f * p * lanes * 4 <= cpu_rules.MAX_STACK_BYTES
+
+
+def test_an_avx2_target_gets_eight_channel_vectors_and_still_matches(graph_kernels):
+    from tvm.target import Target
+    avx2 = Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
+    _, _, kernel = _rule_of(graph_kernels, "conv:", "conv2d5")
+    sch = s_tir.Schedule(kernel.func)
+    cpu_rules.conv(sch, avx2, Knobs(sch, False))
+    _, loops = _update_loops(sch)
+    assert int(sch.get(loops[-1]).extent) == 8
+    ok, message = checker(kernel, avx2, DEV)(sch)
+    assert ok, message
+
+
+def test_a_narrow_strided_depthwise_conv_reads_deinterleaved_columns(graph_kernels):
+    """The padded input stored [.., row, column % 2, column // 2] (written in that order), so the
+    5x5 stride-2 window's row vectors are contiguous: the update's innermost loop a vector along
+    the output row; the padding copy's loops left to LLVM (not TVM vectors)."""
+    source, sch, kernel = _rule_of(graph_kernels, "conv:", "conv2d4")
+    assert source == "cpu_conv"
+    allocs = _allocs(sch)
+    assert allocs["pad_temp"][0] == [1, 24, 18, 2, 9], allocs
+    _, loops = _update_loops(sch)
+    assert sch.get(loops[-1]).kind == tvm.tirx.ForKind.VECTORIZED and int(sch.get(loops[-1]).extent) == 7
+    pad = sch.get_loops(sch.get_sblock("pad_temp"))
+    assert not any(sch.get(loop).kind == tvm.tirx.ForKind.VECTORIZED for loop in pad)
+    assert "pad_temp[" in sch.mod.script() and "% T.int64(2), v_rx // T.int64(2) + v_xx]" in sch.mod.script()
+    ok, message = checker(kernel, TARGET, DEV)(sch)
+    assert ok, message
+
+
+@pytest.mark.parametrize("c_out,packed", [(32, True), (8, False)])
+def test_conv2d_bn_relus_first_template_is_the_channel_tile_from_two_vectors(c_out, packed):
+    """conv2d_bn_relu's CPU default: the channel-vector tile (W repacked) at 32 output channels,
+    tiled_direct's row vectors at 8; both match the reference, a 1x1 one too."""
+    from autofuse.registry import get_pattern
+    from autofuse.verify import check_module
+    pattern = get_pattern("conv2d_bn_relu")
+    first = pattern.templates_for(TARGET)[0]
+    assert first.name == "channel_tile"
+    for kernel in (3, 1):
+        shape = pattern.resolve_shape({"n": 1, "c_in": 16, "h": 14, "w": 14, "c_out": c_out, "kernel": kernel})
+        func = pattern.build(shape, "float32")
+        sch = first.apply(func, TARGET, tunable=False)
+        assert ("weight_global" in _allocs(sch)) == packed
+        if packed and kernel == 1:
+            assert "pad" not in [sch.get(b).name_hint for b in _all_blocks(sch)], "a 1x1 kernel reads x itself"
+        result = check_module(pattern, tvm.tirx.build(sch.mod, target=TARGET), func, shape, "float32", DEV)
+        assert result.ok, result.message
