@@ -441,13 +441,20 @@ def channel_vector(target, dtype, channels: int):
 MAX_STACK_BYTES = 1024
 
 
+# At most this many accumulator vectors in a channel tile: with half-width (8-lane) channel vectors
+# the stack limit allows 28, and fewer ran faster (ShuffleNetV2's stem, 24 channels: 1 x 16
+# positions 0.88x the time of 3 x 8; ResNet-50's 1x1 stride-2 conv 0.81x; the rest of the four
+# CNNs' convs 0.9-1.08x, one thread, interleaved).
+CHANNEL_TILE_ACCUMULATORS = 16
+
+
 def channel_tile_shape(unit, vectors: int, lanes: int, width: int, itemsize: int = 4) -> tuple[int, int]:
     """(F, P): F channel vectors (a divisor of ``vectors``, the output channels over the lanes) by
     P output positions (a divisor of the output row ``width``), F * P accumulators and F weight
-    vectors within the registers (a broadcast input is an FMA's memory operand) and the tile on
-    the stack (``MAX_STACK_BYTES``): as many accumulators as fit, then the fewest loads per FMA
-    ((F + P) / (F * P))."""
-    budget = min(unit.registers - 4, MAX_STACK_BYTES // (lanes * itemsize))
+    vectors within the registers (a broadcast input is an FMA's memory operand), the tile on the
+    stack (``MAX_STACK_BYTES``) and at most ``CHANNEL_TILE_ACCUMULATORS``: as many accumulators
+    as fit, then the fewest loads per FMA ((F + P) / (F * P))."""
+    budget = min(unit.registers - 4, MAX_STACK_BYTES // (lanes * itemsize), CHANNEL_TILE_ACCUMULATORS)
     best = None
     for f in (d for d in range(1, min(vectors, 4) + 1) if vectors % d == 0):
         for p in (d for d in range(1, width + 1) if width % d == 0):

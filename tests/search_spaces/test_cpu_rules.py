@@ -302,6 +302,7 @@ def test_the_channel_vector_tile_takes_the_targets_vectors():
                     f, p = cpu_rules.channel_tile_shape(unit, vectors, lanes, width)
                     assert vectors % f == 0 and width % p == 0
                     assert f * p + f <= unit.registers - 4 and f * p * lanes * 4 <= cpu_rules.MAX_STACK_BYTES
+                    assert f * p <= cpu_rules.CHANNEL_TILE_ACCUMULATORS
 
 
 def test_an_avx2_target_gets_eight_channel_vectors_and_still_matches(graph_kernels):
