@@ -18,10 +18,11 @@ kernel's default (``autofuse.verify`` checks it against the unscheduled kernel).
   reads are contiguous.
 - ``conv``: an NCHW convolution (depthwise too) with elementwise stages around it: output rows of
   a block of channels in parallel, an accumulator tile in registers, the epilogue on the tile;
-  the tile is channels x a vector along the row, or, for a strided dense convolution (whose row
-  vectors would be gathers), a few positions x a vector of channels, W repacked so that one
-  window point's channels load as one vector.
-- ``parallel``: anything else with enough work (a strided depthwise convolution, pooling): each block's
+  for a dense convolution (any stride) the tile is a few positions x vectors of channels, W
+  repacked so that one window point's channels load as one vector (``channel_tile_conv``); for
+  a depthwise one, channels x a vector along the row (a strided one only where its row fits one
+  vector, over the padding copy's columns deinterleaved by the stride).
+- ``parallel``: anything else with enough work (a wider strided depthwise convolution, pooling): each block's
   leading spatial loops, as few as give PARALLEL_TASKS tasks, fused and parallel, nothing else
   changed.
 
@@ -359,7 +360,8 @@ def conv(sch, target, knobs) -> None:
     """An NCHW convolution (the one reduction: output [n, f, y, x] over its window's reduction
     axes, any stride, depthwise too) with elementwise stages around it: output rows of a block of
     channels in parallel, an accumulator tile of channels x a vector along the row in registers,
-    the epilogue on the tile; the padding copy (and other stages before) parallel and vectorised."""
+    the epilogue on the tile; the padding copy (and other stages before) parallel, vectorised by
+    LLVM where it reads under a condition and by TVM otherwise."""
     reductions = [b for b in root_blocks(sch) if is_reduction(sch, b)]
     if len(reductions) != 1:
         raise NotApplicable("not exactly one reduction")
@@ -376,11 +378,10 @@ def conv(sch, target, knobs) -> None:
     for iv in stmt.iter_vars:
         _extent(iv)
     lanes = lanes_for(target, _write_dtype(sch, block))
-    strided = not _unit_stride(sch, block)
     weight = _channel_only_read(sch, block)
     channel_vectors = weight is not None and channel_vector(target, _write_dtype(sch, block),
                                                             _extent(stmt.iter_vars[1])) is not None
-    if strided and not channel_vectors:
+    if not channel_vectors and not _unit_stride(sch, block):
         # Vectors along a strided row would be gathers, and so would the channels of a
         # depthwise one. Where an output row fits one vector, the padded input's columns are
         # deinterleaved by the stride, so that a row vector is contiguous again (MobileNetV3's
@@ -390,7 +391,6 @@ def conv(sch, target, knobs) -> None:
         if _extent(stmt.iter_vars[3]) > lanes:
             raise NotApplicable("a strided depthwise window over rows wider than a vector")
         _deinterleave_columns(sch, block)
-        strided = False
     upstream, epilogue = _split_around(sch, block)
     for producer in upstream:
         if _guarded(sch, producer):
@@ -415,14 +415,14 @@ def conv(sch, target, knobs) -> None:
 
 # A copy before a convolution that runs in parallel (the padded input, the repacked W) runs in
 # parallel from this many elements: the thread pool is awake for the convolution anyway.
-PARALLEL_COPY_MIN_ELEMENTS = 1 << 13
+CONV_COPY_PARALLEL_MIN_ELEMENTS = 1 << 13
 
 
 def parallel_copy(sch, block) -> None:
     """A copy feeding a parallel convolution (padding, W repacked): its two outer loops fused and
-    parallel from ``PARALLEL_COPY_MIN_ELEMENTS``, the rest left to LLVM's vectorizer (which
+    parallel from ``CONV_COPY_PARALLEL_MIN_ELEMENTS``, the rest left to LLVM's vectorizer (which
     masks a padding copy's condition, see ``_guarded``)."""
-    if _product(_extent(iv) for iv in sch.get(block).iter_vars) >= PARALLEL_COPY_MIN_ELEMENTS:
+    if _product(_extent(iv) for iv in sch.get(block).iter_vars) >= CONV_COPY_PARALLEL_MIN_ELEMENTS:
         loops = sch.get_loops(block)
         sch.parallel(sch.fuse(*loops[:2]))
 
