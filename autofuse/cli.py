@@ -47,6 +47,10 @@ def _add_compare_parser(sub) -> None:
         db_flag("database root (default logs); none: no records"), target_flag(), input_shape_flag()])
     cmp.set_defaults(handler=cmd_compare)
     cmp.add_argument("model", nargs="?", default=None, metavar="MODEL.onnx", help="compare on this ONNX model")
+    cmp.add_argument("--torch-program", default=None, metavar="FILE.pt2",
+                     help="with a MODEL: the torch.export program of the module it was exported from "
+                          "(models/real/export.py --programs); torch-eager and torch-compile run that module "
+                          "instead of their translation of the ONNX graph")
     cmp.add_argument("--baselines", default="all",
                      help=f"comma-separated subset of {','.join(BASELINES)} (default all)")
     cmp.add_argument("--commit", default=None, metavar="SHA",

@@ -115,10 +115,12 @@ def pattern_subject(pattern, shape: dict, dtype: str, folder: str, seed: int = 0
                    more_work=dict(pattern.more_work))
 
 
-def model_subject(path: str, seed: int = 0, input_shapes: dict[str, tuple[int, ...]] | None = None) -> Subject:
+def model_subject(path: str, seed: int = 0, input_shapes: dict[str, tuple[int, ...]] | None = None,
+                  torch_program: str | None = None) -> Subject:
     """A model's figures: FLOPs estimated over its auto-fused kernels; bytes the least any
     schedule moves (inputs, weights and outputs once each); its check's accumulation the longest
-    reduction of those kernels."""
+    reduction of those kernels. ``torch_program``: the module's torch.export program, which the
+    torch baselines then run."""
     from tvm import tirx
     from tvm.s_tir.analysis import estimate_tir_flops
     import tvm
@@ -136,20 +138,24 @@ def model_subject(path: str, seed: int = 0, input_shapes: dict[str, tuple[int, .
                 flops += float(estimate_tir_flops(tvm.IRModule({"main": func})))
             except Exception:
                 pass
-    weights = sum(int(np.prod(i.dims)) * 4 for i in prepared.onnx.graph.initializer)
+    weights = sum(int(np.prod(i.dims)) * _itemsize(i.data_type) for i in prepared.onnx.graph.initializer)
     nbytes = float(sum(x.nbytes for x in feeds.values()) + weights + _output_bytes(prepared.onnx))
     return Subject("model", prepared.name, list(feeds.values()), list(feeds), os.path.abspath(path),
-                   flops=flops or None, bytes=nbytes, accumulation=model_reduction_length(prepared.mod))
+                   flops=flops or None, bytes=nbytes, accumulation=model_reduction_length(prepared.mod),
+                   torch_program=os.path.abspath(torch_program) if torch_program else None)
+
+
+def _itemsize(onnx_type: int) -> int:
+    import onnx
+    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(onnx_type)).itemsize
 
 
 def _output_bytes(model) -> int:
-    import onnx
     total = 0
     for value in model.graph.output:
         tensor = value.type.tensor_type
         dims = [d.dim_value for d in tensor.shape.dim]
-        itemsize = np.dtype(onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type)).itemsize
-        total += int(np.prod(dims)) * itemsize if all(dims) else 0
+        total += int(np.prod(dims)) * _itemsize(tensor.elem_type) if all(dims) else 0
     return total
 
 
@@ -502,6 +508,12 @@ def run_command(args) -> int:
         raise AutofuseError("--shape/--small/--dtype apply to patterns, not to a model")
     if args.model is None and getattr(args, "input_shape", None):
         raise AutofuseError("--input-shape applies to a model, not to patterns (use --shape)")
+    program = getattr(args, "torch_program", None)
+    if program is not None and args.model is None:
+        raise AutofuseError("--torch-program applies to a model, not to patterns")
+    if program is not None and not (program.endswith(".pt2") and os.path.isfile(program)):
+        raise AutofuseError(f"--torch-program {program!r}: no such .pt2 file (a torch.export program, as "
+                            f"models/real/export.py --programs saves it)")
     baselines = parse_baselines(args.baselines)
     target = parse_target(args.target)
     require_device(target, "compare measures on it (run it on the GPU's host: benchmarks/gpu_session.sh)")
@@ -529,7 +541,8 @@ def run_command(args) -> int:
                   file=sys.stderr)
             plots = False
     from .commands.common import input_shapes
-    subjects = [model_subject(args.model, input_shapes=input_shapes(getattr(args, "input_shape", None)))] \
+    subjects = [model_subject(args.model, input_shapes=input_shapes(getattr(args, "input_shape", None)),
+                              torch_program=program)] \
         if args.model is not None else [
         pattern_subject(pattern, shape, dtype, os.path.join(folder, "graphs")) for pattern, shape, dtype in jobs]
     db = None if args.db == "none" else TuningDatabase(args.db, target)

@@ -42,6 +42,11 @@
 #             GEMM_DTYPES (default float16 bfloat16), and the linear patterns (GEMM_PATTERNS) at
 #             4096^3 in float16, through `autofuse compare` against torch eager and torch.compile.
 #             Lands in $OUT/gemm-sweep.tar.gz, one report per shape
+#   real-models  issue 25: the corpus's TorchScript fixed exports of REAL_MODELS (default bert, gpt2,
+#             llama, vit, resnet18) re-exported in float16 on the GPU with their modules' torch.export
+#             programs (models/real/export.py --programs), each through `autofuse compare MODEL
+#             --torch-program` against torch eager and torch.compile of the module itself. Lands in
+#             $OUT/real-models.tar.gz, one report per model
 #   hopper-tune  the wgmma GEMM kernel template of linear_bias_relu (float16, 4096^3) searched
 #             (benchmarks/gpu_tune_kernels.py, every config of its space within TUNE_SECS, default
 #             330, resumable through $DB),
@@ -189,6 +194,19 @@ gemm-sweep)
     timeout 240 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern "$patterns" "${shapes[@]}" \
       --baselines torch-eager,torch-compile --repeat 10 --no-plots --report "$work/linear-patterns-float16"
   fi
+  ;;
+real-models)
+  work=$(mktemp -d)
+  trap 'tar -C "$work" -czf "$OUT/real-models.tar.gz" --exclude "*.pt2" .' EXIT
+  exec > >(tee "$work/real-models.log") 2>&1
+  commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  timeout 240 python3 models/real/export.py --only "${REAL_MODELS:-bert,gpt2,llama,vit,resnet18}" \
+    --variants torchscript-fixed --dtype "${REAL_DTYPE:-float16}" --device cuda --programs --out "$work/models"
+  for model in "$work"/models/*.onnx; do
+    stem=$(basename "$model" .onnx)
+    timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none "$model" --torch-program "${model%.onnx}.pt2" \
+      --baselines "${REAL_BASELINES:-torch-eager,torch-compile}" --repeat 50 --no-plots --report "$work/$stem"
+  done
   ;;
 hopper-tune)
   work=$(mktemp -d)

@@ -106,6 +106,8 @@ CASES = [
     ("compare --pattern linear_bias_relu --trials -1", "zero or more"),
     ("compare --pattern linear_bias_relu --report {F}/a-file/report", "cannot be written"),
     ("compare {F}/empty.onnx", "is empty"),
+    ("compare --pattern linear_bias_relu --torch-program {F}/m.pt2", "--torch-program applies to a model"),
+    ("compare models/mlp.onnx --torch-program {F}/nope.pt2", "no such .pt2 file"),
     ("run {LIB} --inputs {F}/x-wrong-shape.npz", "shape"),
     ("run {LIB} --inputs {F}/x-float64.npz", "dtype"),
     ("run {F}/nope.so", "nope.so"),

@@ -47,6 +47,8 @@ class Subject:
     # Contenders that do more work than ours on this subject: name (or "onnx_graph": every contender
     # running the ONNX graph) -> why. They are reported, labelled, and left out of ours / best.
     more_work: dict = dataclasses.field(default_factory=dict)
+    # A model's module as a torch.export program (.pt2): what the torch baselines run, if given.
+    torch_program: str | None = None
 
     @property
     def feeds(self) -> dict[str, np.ndarray]:

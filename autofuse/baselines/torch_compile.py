@@ -1,11 +1,12 @@
-"""torch-compile: torch-eager's function of the ONNX graph under ``torch.compile`` (inductor,
+"""torch-compile: torch-eager's function (the ONNX graph translated, or the model's module) under ``torch.compile`` (inductor,
 default mode) on the compare device; its compile time is the first call's, which compare
 reports but does not time."""
 
 from __future__ import annotations
 
 from . import Context, Prepared, Subject
-from .torch_eager import no_grad_call, graph_function, import_torch, torch_device, torch_inputs, torch_prepared
+from .torch_eager import (no_grad_call, graph_function, import_torch, source_info, torch_device, torch_inputs,
+                          torch_prepared)
 
 
 class TorchCompile:
@@ -20,4 +21,4 @@ class TorchCompile:
         torch._dynamo.reset()  # every graph's function is the same Python code: no stale guards
         compiled = torch.compile(fn)
         args = torch_inputs(subject, device)
-        return torch_prepared(torch, no_grad_call(torch, lambda: compiled(*args)), device, {"mode": "default"})
+        return torch_prepared(torch, no_grad_call(torch, lambda: compiled(*args)), device, {"mode": "default", **source_info(subject)})

@@ -1,5 +1,5 @@
-"""torch-eager: the same ONNX graph as torch ops (``onnx_to_torch``), run eagerly on the compare
-device. On a GPU its matmuls are cuBLAS calls (float32 without TF32, like every contender) and
+"""torch-eager: the same ONNX graph as torch ops (``onnx_to_torch``), or the model's own module
+where the subject has its torch.export program, run eagerly on the compare device. On a GPU its matmuls are cuBLAS calls (float32 without TF32, like every contender) and
 it is the framework's own result that sets the accuracy a contender must reach; on a CPU it runs
 torch's CPU kernels on the compare run's threads.
 
@@ -35,6 +35,10 @@ def torch_device(torch, ctx: Context) -> str:
 
 
 def graph_function(subject: Subject, device: str) -> Callable:
+    """The subject as a function of torch tensors returning a list: its module (a torch.export
+    program) where it has one, else the ONNX graph translated."""
+    if subject.torch_program is not None:
+        return program_function(subject.torch_program, device)
     if subject.onnx_path is None:
         raise Unavailable(f"{subject.name} has no ONNX graph")
     from .onnx_to_torch import torch_function
@@ -42,6 +46,25 @@ def graph_function(subject: Subject, device: str) -> Callable:
         return torch_function(subject.static_graph(), device)
     except AutofuseError as err:  # an op without translation
         raise Unavailable(str(err)) from None
+
+
+def program_function(path: str, device: str) -> Callable:
+    import torch
+    try:
+        module = torch.export.load(path).module().to(device)
+    except Exception as err:  # a program this torch cannot load
+        text = str(err).strip()
+        raise AutofuseError(f"{path}: torch.export.load failed: "
+                            f"{text.splitlines()[0] if text else type(err).__name__}") from None
+
+    def run(*args):
+        out = module(*args)
+        return list(out) if isinstance(out, (tuple, list)) else [out]
+    return run
+
+
+def source_info(subject: Subject) -> dict:
+    return {"runs": "torch.export program " + subject.torch_program if subject.torch_program else "ONNX graph"}
 
 
 def torch_prepared(torch, call: Callable[[], list], device: str, info: dict) -> Prepared:
@@ -73,7 +96,7 @@ class TorchEager:
         device = torch_device(torch, ctx)
         fn = graph_function(subject, device)
         args = torch_inputs(subject, device)
-        return torch_prepared(torch, no_grad_call(torch, lambda: fn(*args)), device, {})
+        return torch_prepared(torch, no_grad_call(torch, lambda: fn(*args)), device, source_info(subject))
 
 
 def no_grad_call(torch, call: Callable[[], list]) -> Callable[[], list]:

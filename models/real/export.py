@@ -4,12 +4,17 @@ configs with seeded random weights, through torch.onnx as a user would export th
     pip install -e ".[export]"
     python models/real/export.py                 # every variant, rewrites manifest.json
     python models/real/export.py --only bert,resnet18
+    python models/real/export.py --only bert,llama --variants torchscript-fixed --dtype float16 \
+        --device cuda --programs --out /tmp/f16      # for a GPU compare (benchmarks/gpu_session.sh)
 
 Each architecture is exported by the TorchScript exporter (``dynamo=False``) and by the
 torch.export-based one (``dynamo=True``), with fixed input shapes; the ``DYNAMIC`` ones again with
 symbolic batch (and sequence) axes. A variant whose export fails is listed in the manifest with
 the error instead of a file. Nothing is downloaded: the configs are written here, the weights
-drawn from a seeded generator.
+drawn from a seeded generator. ``--out`` writes the files and a manifest of their own elsewhere;
+``--dtype float16`` casts the weights and float inputs (the exports then trace in that dtype);
+``--programs`` also saves each variant's module as a torch.export program (``.pt2`` beside the
+``.onnx``), which ``autofuse compare MODEL --torch-program`` runs as the torch baselines.
 """
 
 from __future__ import annotations
@@ -186,29 +191,32 @@ def _variants(names):
                 yield name, exporter, "dynamic"
 
 
-def _example_inputs(arch: Arch) -> tuple:
+def _example_inputs(arch: Arch, dtype: str = "float32", device: str = "cpu") -> tuple:
     """Seeded example inputs; an attention mask with its last positions padded, so the exporter
-    traces (and the file keeps) the padding path."""
+    traces (and the file keeps) the padding path. Float inputs in ``dtype``."""
     import torch
     gen = torch.Generator().manual_seed(SEED + 2)
     tensors = []
-    for name, dtype, dims in arch.inputs:
+    for name, kind, dims in arch.inputs:
         shape = [arch.sizes.get(d, d) for d in dims]
         if name == "attention_mask":
             mask = torch.ones(shape, dtype=torch.int64)
             mask[..., -4:] = 0
             tensors.append(mask)
-        elif dtype == "int64":
+        elif kind == "int64":
             tensors.append(torch.randint(0, VOCAB, shape, generator=gen))
         else:
-            tensors.append(torch.randn(shape, generator=gen))
-    return tuple(tensors)
+            tensors.append(torch.randn(shape, generator=gen).to(getattr(torch, dtype)))
+    return tuple(t.to(device) for t in tensors)
 
 
-def _export(arch: Arch, exporter: str, axes: str, path: str) -> None:
+def _export(arch: Arch, exporter: str, axes: str, path: str, dtype: str = "float32", device: str = "cpu",
+            program: bool = False) -> None:
     import torch
 
-    module, args = _exported(arch), _example_inputs(arch)
+    module, args = _exported(arch).to(device=device, dtype=getattr(torch, dtype)), _example_inputs(arch, dtype, device)
+    if program:  # the module itself, for the torch baselines (fixed shapes: what compare binds)
+        torch.export.save(torch.export.export(module, args), path[:-len(".onnx")] + ".pt2")
     names = [name for name, _, _ in arch.inputs]
     symbolic = [{j: d for j, d in enumerate(dims) if isinstance(d, str)} for _, _, dims in arch.inputs]
     if exporter == "torchscript":
@@ -226,32 +234,34 @@ def _export(arch: Arch, exporter: str, axes: str, path: str) -> None:
     program.save(path, external_data=False)
 
 
-def export_one(name: str, exporter: str, axes: str) -> dict:
+def export_one(name: str, exporter: str, axes: str, out: str = HERE, dtype: str = "float32", device: str = "cpu",
+               program: bool = False, options: str = "") -> dict:
     """Export one variant; its manifest entry (with ``error`` instead of a file when the
     exporter cannot take the model)."""
     import torch
 
     torch.manual_seed(SEED)
     arch = ARCHITECTURES[name]()
-    file = f"{name}-{exporter}-{axes}.onnx"
-    path = os.path.join(HERE, file)
+    file = f"{name}-{exporter}-{axes}{'' if dtype == 'float32' else '-' + dtype}.onnx"
+    path = os.path.join(out, file)
     entry = {"file": file, "architecture": name, "what": arch.what, "exporter": exporter, "axes": axes,
-             "inputs": [{"name": n, "dtype": dtype, "shape": [arch.sizes[d] if isinstance(d, str) and axes == "fixed"
-                                                            else d for d in dims]}
-                        for n, dtype, dims in arch.inputs],
+             "inputs": [{"name": n, "dtype": dtype if kind == "float32" else kind,
+                         "shape": [arch.sizes[d] if isinstance(d, str) and axes == "fixed" else d for d in dims]}
+                        for n, kind, dims in arch.inputs],
              # the sizes the tests and the benchmark bind symbolic axes to (``--input-shape``)
              "bind": {n: [arch.sizes.get(d, d) for d in dims] for n, _, dims in arch.inputs},
              "config": arch.config,
-             "command": f"python models/real/export.py --only {name}"}
+             "command": f"python models/real/export.py --only {name}{options}"}
     log = io.StringIO()
     try:
         with torch.no_grad(), warnings.catch_warnings(), contextlib.redirect_stdout(log), \
                 contextlib.redirect_stderr(log):
             warnings.simplefilter("ignore")
-            _export(arch, exporter, axes, path)
+            _export(arch, exporter, axes, path, dtype, device, program)
     except Exception as err:  # an exporter that cannot take this model: recorded, not fatal
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
+        for stale in (path, path[:-len(".onnx")] + ".pt2"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(stale)
         text = str(err).strip()
         entry.update(file=None, error=f"{type(err).__name__}: {text.splitlines()[0][:300]}" if text
                      else type(err).__name__)
@@ -279,26 +289,45 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", default=None, help="comma-separated architectures (default all): "
                                                      + ", ".join(ARCHITECTURES))
+    parser.add_argument("--variants", default=None,
+                        help="comma-separated EXPORTER-AXES to export (e.g. torchscript-fixed; default every one)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16", "bfloat16"),
+                        help="the weights' and float inputs' dtype (default float32: the corpus)")
+    parser.add_argument("--device", default="cpu", help="where the exporters trace, e.g. cuda (default cpu)")
+    parser.add_argument("--programs", action="store_true",
+                        help="also save each module as a torch.export program (.pt2) beside its .onnx")
+    parser.add_argument("--out", default=HERE, help="folder for the files and their manifest (default: the corpus)")
     args = parser.parse_args(argv)
     names = [n.strip() for n in args.only.split(",")] if args.only else list(ARCHITECTURES)
     unknown = [n for n in names if n not in ARCHITECTURES]
     if unknown:
         parser.error(f"unknown architecture(s) {', '.join(unknown)}")
-    manifest_path = os.path.join(HERE, "manifest.json")
+    variants = _variants(names)
+    if args.variants:
+        wanted = {v.strip() for v in args.variants.split(",") if v.strip()}
+        known = {f"{e}-{a}" for e in ("torchscript", "dynamo") for a in ("fixed", "dynamic")}
+        if not wanted or wanted - known:
+            parser.error(f"--variants: give some of {', '.join(sorted(known))}")
+        variants = [v for v in variants if f"{v[1]}-{v[2]}" in wanted]
+    os.makedirs(args.out, exist_ok=True)
+    options = "".join(f" --{k} {v}" for k, v in (("variants", args.variants), ("dtype", args.dtype),
+                                                   ("device", args.device)) if v not in (None, "float32", "cpu"))
+    options += " --programs" if args.programs else ""
+    manifest_path = os.path.join(args.out, "manifest.json")
     manifest = {"models": []}
     if os.path.exists(manifest_path):
         with open(manifest_path, encoding="utf-8") as f:
             manifest = json.load(f)
     kept = [m for m in manifest["models"] if m["architecture"] not in names]
     exported = []
-    for name, exporter, axes in _variants(names):
-        entry = export_one(name, exporter, axes)
+    for name, exporter, axes in variants:
+        entry = export_one(name, exporter, axes, args.out, args.dtype, args.device, args.programs, options)
         exported.append(entry)
         status = f"{entry['bytes'] / 1e3:.0f} KB" if entry.get("file") else f"FAILED: {entry['error']}"
         print(f"{name:18s} {exporter:11s} {axes:7s} {status}", flush=True)
     order = {n: i for i, n in enumerate(ARCHITECTURES)}
     manifest = {"seed": SEED, "opset": {"torchscript": OPSET_TORCHSCRIPT, "dynamo": OPSET_DYNAMO},
-                "command": "python models/real/export.py", "versions": versions(),
+                "command": "python models/real/export.py" + options, "versions": versions(),
                 "models": sorted(kept + exported, key=lambda m: (order[m["architecture"]], m["exporter"] != "torchscript",
                                                                  m["axes"] != "fixed"))}
     with open(manifest_path, "w", encoding="utf-8") as f:

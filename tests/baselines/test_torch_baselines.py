@@ -69,3 +69,27 @@ def test_torch_compile_compiles_once_and_is_timed(tmp_path):
     assert row["status"] == "ok", row
     # The compile is the first call, outside the timing.
     assert row["first_call_secs"] * 1e3 > row["median_ms"]
+
+
+@pytest.mark.parametrize("relu", [True, False])
+def test_the_torch_baselines_run_the_module_program_where_the_subject_has_one(tmp_path, relu):
+    """``--torch-program``: the module itself is what torch-eager runs; a module computing something
+    else (no ReLU) is caught by the check, so the ONNX graph is not what ran."""
+    import dataclasses
+
+    from autofuse.compare import compare_subject
+
+    class Linear(torch.nn.Module):
+        def forward(self, x, w, b):
+            y = x @ w.T + b
+            return torch.relu(y) if relu else y
+
+    subject, ctx, machine = _cpu(tmp_path, "linear_bias_relu")
+    args = tuple(torch.from_numpy(x) for x in subject.inputs)
+    path = str(tmp_path / "linear.pt2")
+    torch.export.save(torch.export.export(Linear(), args), path)
+    subject = dataclasses.replace(subject, torch_program=path)
+    entry = compare_subject(subject, ctx, ["torch-eager"], machine, repeat=2, min_repeat_ms=1.0)
+    row = entry["contenders"][1]
+    assert row["status"] == ("ok" if relu else "invalid"), row
+    assert row["info"]["runs"] == f"torch.export program {path}"
