@@ -186,6 +186,7 @@ gemm-sweep)
       timeout 90 "${COMPARE[@]}" "${commit[@]}" --db none --dtype $dtype --pattern linear_bias_relu \
         --shape m=$m,n=$n,k=$k --baselines torch-eager,torch-compile --repeat 10 --no-plots \
         --report "$work/gemm-$dtype-$m-$n-$k"
+      tar -C "$work" -czf "$OUT/gemm-sweep.tar.gz" .  # kept if the call is cut
     done
   done
   patterns=${GEMM_PATTERNS:-linear,linear_bias,linear_bias_gelu,linear_bias_gelu_tanh}
@@ -206,6 +207,7 @@ real-models)
     stem=$(basename "$model" .onnx)
     timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none "$model" --torch-program "${model%.onnx}.pt2" \
       --baselines "${REAL_BASELINES:-torch-eager,torch-compile}" --repeat 50 --no-plots --report "$work/$stem"
+    tar -C "$work" -czf "$OUT/real-models.tar.gz" --exclude "*.pt2" .  # kept if the call is cut
   done
   ;;
 hopper-tune)
