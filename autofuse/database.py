@@ -26,11 +26,23 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.meta_schedule.tune_context import _normalize_mod
 from tvm.target import Target
 
+from search_spaces.lib import register_intrinsics
+
 from .errors import AutofuseError
 from .kernel_templates import KERNEL_RECORDS, KernelRecords, check_records, compact_records
 from .pattern import TEMPLATE_ANNOTATION
 from .store import FAILED_RUN_SECS, SafeJSONDatabase, mean_secs, workload_key
 from .target import target_key
+
+
+def replay(trace, sch: s_tir.Schedule, remove_postproc: bool = False) -> None:
+    """``trace`` applied to ``sch``, the schedule library's tensor intrinsics registered first
+    (they are registered at first use, and a record may tensorize with one this process has not
+    scheduled yet)."""
+    register_intrinsics(" ".join(str(attr) for inst in trace.insts if inst.kind.name == "Tensorize"
+                                 for attr in inst.attrs))
+    trace.apply_to_schedule(sch, remove_postproc=remove_postproc)
+
 
 WORKLOADS = "database_workload.json"
 RECORDS = "database_tuning_record.json"
@@ -171,7 +183,7 @@ class TuningDatabase:
     def _schedule(mod: tvm.IRModule, record: ms.database.TuningRecord) -> s_tir.Schedule | None:
         sch = s_tir.Schedule(mod)
         try:
-            record.trace.apply_to_schedule(sch, remove_postproc=False)
+            replay(record.trace, sch)
         except Exception:  # a trace of an older version of the pattern
             return None
         return sch
@@ -221,7 +233,7 @@ def trace_applies(record: ms.database.TuningRecord) -> bool:
     """Whether a record's trace still replays on its workload (false once the TensorIR changed
     under it, e.g. a record copied from an older pattern version)."""
     try:
-        record.trace.apply_to_schedule(s_tir.Schedule(record.workload.mod), remove_postproc=False)
+        replay(record.trace, s_tir.Schedule(record.workload.mod))
         return True
     except Exception:
         return False

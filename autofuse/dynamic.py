@@ -24,7 +24,7 @@ import numpy as np
 from tvm import s_tir, tirx
 from tvm.target import Target
 
-from .database import TuningDatabase
+from .database import TuningDatabase, replay
 from .errors import AutofuseError
 from .pattern import Pattern, Shape, shape_label
 from .target import device_for
@@ -62,7 +62,7 @@ def _replay(func: tirx.PrimFunc, trace) -> s_tir.Schedule:
         raise ValueError("the trace declares buffer regions for its static shape")
     sch = s_tir.Schedule(func)
     # Postprocessing steps stay in: a MetaSchedule record was measured with them.
-    trace.apply_to_schedule(sch, remove_postproc=False)
+    replay(trace, sch)
     return sch
 
 

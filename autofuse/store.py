@@ -38,6 +38,8 @@ import tvm_ffi
 from tvm.ir.utils import derived_object
 from tvm.s_tir import meta_schedule as ms
 
+from search_spaces.lib import register_intrinsics
+
 log = logging.getLogger("autofuse")
 
 LOCK = ".lock"
@@ -369,6 +371,7 @@ class SafeJSONDatabase(ms.database.PyDatabase):
                 self._skip(rfile.path, number, f"record of unknown workload {index!r}")
                 continue
             try:
+                register_intrinsics(text)  # TVM replays the trace while parsing it
                 self._records.append((index, ms.database.TuningRecord.from_json(body, workload)))
                 self._record_lines.append(number)
                 self._record_bodies.append(_record_body(text))

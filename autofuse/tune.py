@@ -29,7 +29,7 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 from tvm.target import Target
 
-from .database import record_source
+from .database import record_source, replay
 from .errors import AutofuseError
 from .pattern import Template
 from .store import FAILED_RUN_SECS
@@ -152,7 +152,7 @@ class ArmsSearch(ms.search_strategy.PySearchStrategy):
         fails (unordered_map::at) on some schedules, int8_matmul_dequant's vnni default among them."""
         replayed = tvm.s_tir.Schedule(self.context.mod)
         try:
-            sch.trace.apply_to_schedule(replayed, remove_postproc=True)
+            replay(sch.trace, replayed, remove_postproc=True)
         except Exception:  # a seed that does not replay is not measured (the arms still search)
             return None
         sch = replayed

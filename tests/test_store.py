@@ -207,3 +207,37 @@ def test_a_trace_holding_an_index_map_is_written_as_metaschedule_writes_it(tmp_p
                                                      ms.arg_info.ArgInfo.from_prim_func(func)))
     assert len(_open(tmp_path)) == 1 and _open(tmp_path).problems == []
     assert len(_plain_tvm(tmp_path)) == 1
+
+
+def test_a_record_that_tensorizes_with_a_library_intrinsic_parses_in_a_fresh_process(tmp_path):
+    """The library's int8 pair-dot intrinsics are registered at first use, not at import (their
+    parsing took 3 s of every start): a process that reads a record using one (TVM replays it
+    while parsing) registers it first, and an import alone registers none."""
+    import subprocess
+    import sys
+
+    from autofuse.registry import get_pattern
+    from autofuse.target import parse_target
+    from autofuse.tune import template_defaults
+
+    target = parse_target("llvm")
+    pattern = get_pattern("int8_matmul_dequant")
+    func = pattern.build(pattern.resolve_shape({}, base="small"), pattern.dtypes[0])
+    traces = [s.trace for s in template_defaults(pattern.templates_for(target, func), func, target)
+              if "autofuse_pair_dot_" in str(s.trace)]
+    if not traces:
+        pytest.skip("this CPU has no int8 pair dot")
+    db = SafeJSONDatabase(*_paths(tmp_path))
+    workload = db.commit_workload(tvm.IRModule({"main": func}))
+    db.commit_tuning_record(ms.database.TuningRecord(traces[0], workload, [1e-5], TARGET,
+                                                     ms.arg_info.ArgInfo.from_prim_func(func)))
+    script = (
+        "import sys; from tvm.s_tir import TensorIntrin; import search_spaces.lib.cpu_gemm as g; "
+        "from autofuse.store import SafeJSONDatabase; "
+        "names = [g.PAIR_DOT_PREFIX + 'bcast_' + n for n in g.PAIR_DOTS]; "
+        "assert all(TensorIntrin.get(n, allow_missing=True) is None for n in names), 'registered at import'; "
+        f"db = SafeJSONDatabase({_paths(tmp_path)[0]!r}, {_paths(tmp_path)[1]!r}); "
+        "assert len(db.get_all_tuning_records()) == 1, db.problems")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -12,3 +12,12 @@ with inputs of several dtypes, attention's nodes). A pattern imports this librar
 pattern; the library imports no pattern, and of autofuse only its error type and
 ``autofuse.pattern`` (the shape parameters patterns share).
 """
+
+
+def register_intrinsics(text: str | None = None) -> None:
+    """Register the library's own tensor intrinsics with TVM (they are registered lazily, at first
+    use): those named in ``text`` (a trace or record), or all. A trace that tensorizes with one
+    replays, and a record of it parses, only after this."""
+    from .cpu_gemm import PAIR_DOT_PREFIX, register_pair_dots
+    if text is None or PAIR_DOT_PREFIX in text:
+        register_pair_dots()

@@ -49,6 +49,7 @@ is contiguous along n already. ``schedule_gemm`` picks the path by m.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from tvm import s_tir, tirx
 from tvm.s_tir import TensorIntrin
@@ -204,19 +205,30 @@ PAIR_DOTS = {
     "avx512_16": ("avx512bw", 16, "llvm.x86.avx512.pmaddw.d.512", False),
     "avx2_8": ("avx2", 8, "llvm.x86.avx2.pmadd.wd", False),
 }
-for _name, (_, _lanes, _intrinsic, _accumulates) in PAIR_DOTS.items():
-    for _broadcast in (True, False):
-        TensorIntrin.register(f"autofuse_pair_dot_{'bcast' if _broadcast else 'lanes'}_{_name}",
-                              _pair_dot(_lanes, _broadcast), _pair_dot(_lanes, _broadcast, _intrinsic, _accumulates),
-                              override=True)
+PAIR_DOT_PREFIX = "autofuse_pair_dot_"
+
+
+@functools.cache
+def register_pair_dots() -> None:
+    """Register the pair-dot intrinsics with TVM, once: at first use, not at import (parsing their
+    12 TensorIR functions took 3 s of every command's start). Whatever replays a trace calls it
+    first (``search_spaces.lib.register_intrinsics``)."""
+    for name, (_, lanes, intrinsic, accumulates) in PAIR_DOTS.items():
+        for broadcast in (True, False):
+            TensorIntrin.register(f"{PAIR_DOT_PREFIX}{'bcast' if broadcast else 'lanes'}_{name}",
+                                  _pair_dot(lanes, broadcast), _pair_dot(lanes, broadcast, intrinsic, accumulates),
+                                  override=True)
 
 
 def pair_dot(target: Target, lanes: int, broadcast: bool) -> str | None:
     """The int8 pair-dot intrinsic for ``target`` with ``lanes`` int32 lanes (x's pair broadcast
-    to every lane, or a pair per lane), or None."""
-    return next((f"autofuse_pair_dot_{'bcast' if broadcast else 'lanes'}_{name}"
+    to every lane, or a pair per lane), registered; or None."""
+    name = next((f"{PAIR_DOT_PREFIX}{'bcast' if broadcast else 'lanes'}_{name}"
                  for name, (feature, width, _, _) in PAIR_DOTS.items()
                  if width == lanes and codegen.target_has_features(feature, target)), None)
+    if name is not None:
+        register_pair_dots()
+    return name
 
 
 def _int8_gemm(sch, block) -> bool:
