@@ -189,7 +189,7 @@ gemm-sweep)
       tar -C "$work" -czf "$OUT/gemm-sweep.tar.gz" .  # kept if the call is cut
     done
   done
-  patterns=${GEMM_PATTERNS:-linear,linear_bias,linear_bias_gelu,linear_bias_gelu_tanh}
+  patterns=${GEMM_PATTERNS-linear,linear_bias,linear_bias_gelu,linear_bias_gelu_tanh}  # set empty: none
   if [[ -n $patterns ]]; then
     shapes=(); for p in ${patterns//,/ }; do shapes+=(--shape "$p:m=4096,n=4096,k=4096"); done
     timeout 240 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern "$patterns" "${shapes[@]}" \
