@@ -21,8 +21,8 @@ j and the reduction loop(s) k, fused into one; casts around the operands are fin
   body, as linear_bias_relu's ``acc``) is an output to TVM's schedule and is still stored once,
   from the registers.
 
-Rows (columns) that are not a multiple of MR (NR), where no tile a row or two smaller divides
-them (``register_tile``): ``pad_einsum`` pads the block's domain, so the micro-kernel has no
+Rows (columns) that are not a multiple of MR (NR), where no tile a row or two smaller (nor, on
+Zen 4, one of half-width vectors) divides them (``register_tile``): ``pad_einsum`` pads the block's domain, so the micro-kernel has no
 predicate (one in its k loop costs 2-3x); x (W) is then copied once into the zero-padded buffer
 (in parallel only when large) and only the epilogue is predicated; padded W columns are zeroed by
 the packing copy itself.
@@ -58,9 +58,16 @@ from tvm.target import Target, codegen
 
 @dataclasses.dataclass(frozen=True)
 class VectorUnit:
-    """fp32 lanes of one vector register and how many such registers the ISA has."""
+    """fp32 lanes of one vector register and how many such registers the ISA has; ``half_rate_free``:
+    a half-width FMA does as many flops a cycle as a full one (AVX-512 on 256-bit units)."""
     lanes: int
     registers: int
+    half_rate_free: bool = False
+
+
+# CPUs whose AVX-512 runs on 256-bit units (a zmm FMA issues as two ymm ones): Zen 4. Not Intel's
+# (two 512-bit FMA units on servers: a ymm FMA does half the flops) nor Zen 5 (512-bit units).
+HALF_RATE_FREE_CPUS = ("znver4",)
 
 
 def vector_unit(target: Target) -> VectorUnit:
@@ -68,7 +75,7 @@ def vector_unit(target: Target) -> VectorUnit:
     def has(feature):
         return bool(codegen.target_has_features(feature, target))
     if has("avx512f"):
-        return VectorUnit(16, 32)
+        return VectorUnit(16, 32, str(target.attrs.get("mcpu", "")) in HALF_RATE_FREE_CPUS)
     if has("avx"):
         return VectorUnit(8, 16)
     if has("neon") or has("sve"):
@@ -96,10 +103,12 @@ def register_tile(unit: VectorUnit, m: int, n: int, pad: bool = True) -> Registe
     AVX-512, 6x16 on AVX2, 6x16 on NEON). Up to 8 rows (a row tile of moe_gate_topk's experts)
     take all of them, with as many vectors as then fit (8x48 or 8x32 on AVX-512). Where n is no
     multiple of NR, the widest smaller multiple of the lanes that divides n (with MR grown to
-    fill the registers again), else NR and n padded. Where m is no multiple of MR, up to
-    ``ROWS_BELOW_MR`` rows fewer if that divides m (4 of 6 for m = 128), else m padded. Without
-    ``pad`` (a block pad_einsum cannot pad), MR divides m and NR divides n: where no multiple of
-    the lanes does, NR is several narrower vectors, else one partial vector."""
+    fill the registers again), else, where half-width vectors cost no flops
+    (``VectorUnit.half_rate_free``), several of them that divide n (5 x 8 lanes for n = 1000),
+    else NR and n padded. Where m is no multiple of MR, up to ``ROWS_BELOW_MR`` rows fewer if
+    that divides m (4 of 6 for m = 128), else m padded. Without ``pad`` (a block pad_einsum
+    cannot pad), MR divides m and NR divides n: where no multiple of the lanes does, NR is
+    several narrower vectors, else one partial vector."""
     top = 4 if unit.registers >= 32 else 2
     if m <= 8:
         top = max(1, min(top, (unit.registers - 1) // (m + 1)))
@@ -109,16 +118,17 @@ def register_tile(unit: VectorUnit, m: int, n: int, pad: bool = True) -> Registe
     rows = max(1, min(8, (unit.registers - vectors - 1) // vectors, m))
     cols = vectors * unit.lanes
     lanes = unit.lanes
-    if not pad and not dividing:
+    if not dividing and (not pad or unit.half_rate_free):
         # Half-width vectors that divide n (56 = 7 x 8 lanes; on znver4 a ymm FMA does as many
-        # flops per cycle as a zmm one), else one partial vector.
+        # flops per cycle as a zmm one), else (without pad) one partial vector. Padded columns
+        # would cost more: their T.where makes TVM scalarise the epilogue of every tile.
         narrow = [(w, v) for w in (lanes // 2,) if w >= 8 and n % w == 0
                   for v in range(2 * top, 0, -1) if n % (v * w) == 0][:1]
         if narrow:
             lanes, vectors = narrow[0]
             rows = max(1, min(8, (unit.registers - vectors - 1) // vectors, m))
             cols = vectors * lanes
-        else:
+        elif not pad:
             cols = _divisor_below(n, lanes)
     if not pad:
         rows = _divisor_below(m, rows)

@@ -27,6 +27,7 @@ DEV = tvm.cpu()
 AVX512 = Target({"kind": "llvm", "mcpu": "skylake-avx512", "num-cores": 2})
 AVX2 = Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
 NEON = Target({"kind": "llvm", "mtriple": "aarch64-linux-gnu", "mcpu": "neoverse-n1"})
+ZNVER4 = Target({"kind": "llvm", "mcpu": "znver4", "num-cores": 2})
 
 
 def _shape(m, n, k):
@@ -69,6 +70,35 @@ def test_vector_unit_and_tile_follow_the_target():
     assert register_tile(VectorUnit(8, 16), 512, 1000) == RegisterTile(8, 8, 8)
     # n = 20 has no multiple of the lanes: full width, n padded; m = 3 < MR: 3 rows
     assert register_tile(VectorUnit(8, 16), 3, 20) == RegisterTile(3, 16, 8)
+
+
+def test_half_width_vectors_replace_padded_columns_where_they_cost_no_flops():
+    """AVX-512 on 256-bit units (znver4): n = 1000 or 3000 (no multiple of 16 lanes) takes 5 ymm
+    vectors of 8 lanes, no padding; where a zmm FMA does twice a ymm one's flops, n is padded."""
+    assert vector_unit(ZNVER4) == VectorUnit(16, 32, half_rate_free=True)
+    assert not vector_unit(AVX512).half_rate_free
+    for m, n in ((128, 1000), (512, 1000), (2048, 3000)):
+        assert register_tile(vector_unit(ZNVER4), m, n) == RegisterTile(4, 40, 8)
+        assert register_tile(vector_unit(AVX512), m, n) == RegisterTile(4, 64, 16)
+    # A multiple of 16 lanes keeps full-width vectors; no multiple of 8 either: still padded.
+    assert register_tile(vector_unit(ZNVER4), 512, 1024) == RegisterTile(4, 64, 16)
+    assert register_tile(vector_unit(ZNVER4), 128, 1004) == RegisterTile(4, 64, 16)
+    _, sch, tile = _schedule(_shape(72, 120, 16), target=ZNVER4)
+    assert tile == RegisterTile(4, 40, 8)
+    # No padded copy and no predicated epilogue (which TVM scalarises, the cause of issue #21).
+    names = {sch.get(b).name_hint for b in sch.get_child_blocks(sch.get_sblock("root"))}
+    assert not any(name.endswith("_pad") for name in names), names
+    assert not _predicated(sch, "bias_relu")
+    _, padded, _ = _schedule(_shape(72, 120, 16), target=AVX512)
+    assert _predicated(padded, "bias_relu")
+
+
+@pytest.mark.skipif(str(TARGET.attrs.get("mcpu", "")) != "znver4", reason="runs znver4 code")
+def test_half_width_tile_matches_reference():
+    shape = _shape(72, 120, 16)
+    func, sch, _ = _schedule(shape, target=ZNVER4)
+    result = check_module(lbr.PATTERN, tvm.tirx.build(sch.mod, target=ZNVER4), func, shape, "float32", DEV)
+    assert result.ok, result.message
 
 
 # Each shape takes a path. Skinny: m = 1, m prime (MR 1) with n = 100 and odd k (one lane), m = 16
