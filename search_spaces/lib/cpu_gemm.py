@@ -22,10 +22,10 @@ j and the reduction loop(s) k, fused into one; casts around the operands are fin
   from the registers.
 
 Rows (columns) that are not a multiple of MR (NR), where no tile a row or two smaller (nor, on
-Zen 4, one of half-width vectors) divides them (``register_tile``): ``pad_einsum`` pads the block's domain, so the micro-kernel has no
-predicate (one in its k loop costs 2-3x); x (W) is then copied once into the zero-padded buffer
-(in parallel only when large) and only the epilogue is predicated; padded W columns are zeroed by
-the packing copy itself.
+Zen 4, one of half-width vectors) divides them (``register_tile``): ``pad_einsum`` pads the
+block's domain, so the micro-kernel has no predicate (one in its k loop costs 2-3x); x (W) is
+then copied once into the zero-padded buffer (in parallel only when large) and only the
+epilogue is predicated; padded W columns are zeroed by the packing copy itself.
 
 Knobs (``autofuse.pattern.Knobs``): tiles of the MR-row and NR-column tile counts (MC, NC) and
 of k (KU). They only feed ``split``; every Python branch depends on shapes and the target.

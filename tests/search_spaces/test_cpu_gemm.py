@@ -1,8 +1,8 @@
 """search_spaces.lib.cpu_gemm on linear_bias_relu (its CPU default): the register tile per ISA,
 the default schedule against numpy on shapes that take each path (skinny m; rows or columns not a
 multiple of the tile, fewer rows than the tile, odd k), no predicate in the micro-kernel, the
-packing inside each parallel task, the skinny path reading W as stored, knob samples. Tuning the template space and replaying
-its records: tests/test_tune.py (linear_bias_relu)."""
+packing inside each parallel task, the skinny path reading W as stored, knob samples. Tuning the
+template space and replaying its records: tests/test_tune.py (linear_bias_relu)."""
 
 import numpy as np
 import pytest
