@@ -259,25 +259,37 @@ def _root_allocated(sch, buffer) -> bool:
     return any(buf.same_as(buffer) for buf in root.alloc_buffers)
 
 
-def _vectorize_cols(sch, loop, tile: RegisterTile):
-    """NR columns as NR/lanes unrolled vectors of lanes: one wide vector spills."""
-    if tile.cols > tile.lanes:
-        outer, inner = sch.split(loop, [None, tile.lanes])
+def _vectorize_cols(sch, loop, tile: RegisterTile, lanes: int | None = None):
+    """NR columns as NR/lanes unrolled vectors of lanes (or of ``lanes``): one wide vector spills."""
+    lanes = lanes or tile.lanes
+    if tile.cols > lanes:
+        outer, inner = sch.split(loop, [None, lanes])
         sch.unroll(outer)
         sch.vectorize(inner)
     else:
         sch.vectorize(loop)
 
 
-def _tile_loops(sch, block, tile: RegisterTile):
+def _tile_loops(sch, block, tile: RegisterTile, lanes: int | None = None):
     """Unroll the rows and vectorize the columns of the last two loops of ``block`` (where their
     extents are constant: an epilogue whose index is a fused one's quotient and remainder, as a
-    convolution's output rows and columns, gets the extents of what the tile covers)."""
+    convolution's output rows and columns, gets the extents of what the tile covers), in vectors
+    of ``lanes`` (default the tile's)."""
     rows, cols = sch.get_loops(block)[-2:]
     if not all(isinstance(sch.get(loop).extent, tirx.IntImm) for loop in (rows, cols)):
         return
     sch.unroll(rows)
-    _vectorize_cols(sch, cols, tile)
+    _vectorize_cols(sch, cols, tile, lanes)
+
+
+def _epilogue_lanes(n: int, tile: RegisterTile) -> int:
+    """Lanes of the epilogue's vectors where n is padded to the tile: the widest power of two up to
+    the tile's lanes dividing n, so the padded columns' predicate holds for a whole vector or for
+    none; one that differs between a vector's lanes makes TVM scalarise the whole epilogue loop."""
+    lanes = tile.lanes
+    while lanes > 1 and n % lanes:
+        lanes //= 2
+    return lanes
 
 
 # Copies of fewer elements run on one thread: waking the thread pool for a few KB (x's rows of a
@@ -594,7 +606,7 @@ def schedule_packed_gemm(sch, matmul, knobs, target: Target, epilogue_blocks=(),
         sch.parallel(outer)
     for block in rest:
         sch.reverse_compute_at(block, j1, preserve_unit_loops=True)
-        _tile_loops(sch, block, tile)
+        _tile_loops(sch, block, tile, _epilogue_lanes(n, tile) if pad_cols else None)
 
     # The micro-kernels (W packed first: compute_at fails on a tensorized consumer).
     for gemm, ko, ku, row, col in nests:

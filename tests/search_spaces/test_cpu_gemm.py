@@ -93,6 +93,19 @@ def test_half_width_vectors_replace_padded_columns_where_they_cost_no_flops():
     assert _predicated(padded, "bias_relu")
 
 
+def test_a_padded_epilogue_stays_vectorised():
+    """n = 120 padded to the 64-column tile (skylake-avx512: no half-width tile): the epilogue runs
+    in vectors of 8 lanes, which the padded columns' predicate covers whole, so TVM keeps it
+    vector code (with 16 lanes the predicate splits one vector and the whole loop was scalar)."""
+    import re
+
+    _, sch, tile = _schedule(_shape(72, 120, 16), target=AVX512)
+    assert tile.cols == 64 and _predicated(sch, "bias_relu")
+    code = tvm.tirx.build(sch.mod, target=AVX512).inspect_source("ll")
+    assert not re.search(r"fadd float ", code)
+    assert re.search(r"fadd <8 x float>", code)
+
+
 @pytest.mark.skipif(str(TARGET.attrs.get("mcpu", "")) != "znver4", reason="runs znver4 code")
 def test_half_width_tile_matches_reference():
     shape = _shape(72, 120, 16)
