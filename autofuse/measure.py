@@ -185,12 +185,91 @@ def param_bytes(func) -> int:
                for buf in param_buffers(func))
 
 
+def _is_integer(dtype: str) -> bool:
+    return dtype.startswith("int") or dtype.startswith("uint")
+
+
+def index_bounds(func) -> dict[int, list[tuple[tuple[tuple[int, int], ...], int]]]:
+    """Where integer parameters of a PrimFunc index a buffer (an embedding lookup: ``take``,
+    ``gather_nd``), directly or through an integer buffer computed from them (gather_nd's transpose
+    of its indices), the exclusive upper bounds their values must keep to: per parameter position,
+    ``(slice, bound)`` pairs, ``slice`` the ``(axis, value)`` pairs that select the elements bound
+    (empty: all of them; gather_nd's last axis says which axis a component indexes) and ``bound``
+    the static extent of the axis they index."""
+    import tvm_ffi
+    from tvm.ir.expr import TensorLoad
+    from tvm.tirx.stmt import BufferStore
+
+    def integer_loads(expr) -> list:
+        found = []
+        tvm_ffi.structural_walk(expr, [(TensorLoad, found.append)])
+        return [load for load in found if _is_integer(str(load.source.dtype))]
+
+    def constants(indices) -> tuple:
+        return tuple((axis, int(i)) for axis, i in enumerate(indices) if isinstance(i, tvm.tirx.IntImm))
+
+    bounds: dict = {}   # buffer -> {slice: bound}
+    copies: list = []   # (integer buffer stored, its indices there, an integer load of the stored value)
+
+    def bind(buffer, where: tuple, bound: int) -> bool:
+        mine = bounds.setdefault(buffer, {})
+        if mine.get(where, bound + 1) <= bound:
+            return False
+        mine[where] = bound
+        return True
+
+    def indexed(buffer, indices):
+        for extent, index in zip(buffer.shape, indices):
+            if isinstance(extent, tvm.tirx.IntImm):
+                for load in integer_loads(index):
+                    bind(load.source, constants(load.indices), int(extent))
+
+    def on_load(load):
+        indexed(load.source, load.indices)
+
+    def on_store(store):
+        indexed(store.buffer, store.indices)
+        if _is_integer(str(store.buffer.dtype)):
+            copies.extend((store.buffer, store.indices, load) for load in integer_loads(store.value))
+
+    def through(where, stored_at, load) -> tuple | None:
+        """``where`` (a slice of the stored buffer) as a slice of the buffer ``load`` reads: an
+        axis indexed by a loop variable maps to the axis the load indexes with it; one that
+        cannot be mapped is dropped (more elements bound, never fewer). None: the store does not
+        write that slice."""
+        mapped = []
+        for axis, value in where:
+            index = stored_at[axis]
+            if isinstance(index, tvm.tirx.IntImm):
+                if int(index) != value:
+                    return None
+                continue
+            for other, source_index in enumerate(load.indices):
+                if source_index.same_as(index):
+                    mapped.append((other, value))
+                    break
+        return tuple(sorted(set(mapped) | set(constants(load.indices))))
+
+    tvm_ffi.structural_walk(func.body, [(TensorLoad, on_load), (BufferStore, on_store)])
+    changed = True
+    while changed:  # an input is bound wherever what it is copied into is
+        changed = False
+        for stored, stored_at, load in copies:
+            for where, bound in list(bounds.get(stored, {}).items()):
+                source_where = through(where, stored_at, load)
+                if source_where is not None and bind(load.source, source_where, bound):
+                    changed = True
+    return {i: sorted(bounds[buf].items()) for i, buf in enumerate(param_buffers(func)) if buf in bounds}
+
+
 def param_arrays(func, seed: int = 0) -> list[np.ndarray]:
     """Seeded random data for every parameter of a PrimFunc (inputs and outputs alike), for
-    kernels that have no input maker of their own."""
+    kernels that have no input maker of their own. Integers are small (0-7), except where the
+    kernel indexes with them (``index_bounds``): there each keeps inside the axis it indexes."""
     rng = np.random.default_rng(seed)
+    bounds = index_bounds(func)
     arrays = []
-    for buf in param_buffers(func):
+    for position, buf in enumerate(param_buffers(func)):
         shape = tuple(int(d) for d in buf.shape)
         dtype = str(buf.dtype)
         if dtype.startswith("float") or dtype == "bfloat16":
@@ -198,7 +277,14 @@ def param_arrays(func, seed: int = 0) -> list[np.ndarray]:
         elif dtype == "bool":
             arrays.append(rng.integers(0, 2, size=shape).astype(bool))
         else:
-            arrays.append(rng.integers(0, 8, size=shape).astype(dtype))
+            limits = bounds.get(position, [])
+            upper = np.full(shape, max([bound for _, bound in limits], default=8), dtype=np.int64)
+            for where, bound in limits:
+                select = [slice(None)] * len(shape)
+                for axis, value in where:
+                    select[axis] = value
+                upper[tuple(select)] = np.minimum(upper[tuple(select)], bound)
+            arrays.append(np.floor(rng.random(shape) * np.maximum(upper, 1)).astype(dtype))
     return arrays
 
 

@@ -69,3 +69,72 @@ def test_the_cuda_timer_without_torch_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(AutofuseError, match="needs torch"):
         CudaTimer()
+
+
+def _gather_nd():
+    """gather_nd as TVM lowers an ONNX GatherND of a (1, 32) table: the (…, 2) indices are
+    transposed first, component 0 then indexes the axis of extent 1, component 1 the axis of 32."""
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def gather_nd(table: T.Buffer((1, 32), "float32"), idx: T.Buffer((1, 32, 2), "int64"),
+                  flags: T.Buffer((1, 32), "int32"), out: T.Buffer((1, 32), "float32")):
+        moved = T.sblock_alloc_buffer((2, 1, 32), "int64")
+        for c, i, j in T.grid(2, 1, 32):
+            with T.sblock("moved"):
+                vc, vi, vj = T.axis.remap("SSS", [c, i, j])
+                moved[vc, vi, vj] = idx[vi, vj, vc]
+        for i, j in T.grid(1, 32):
+            with T.sblock("out"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                out[vi, vj] = table[moved[0, vi, vj], moved[1, vi, vj]] * T.Cast("float32", flags[vi, vj])
+    return gather_nd
+
+
+def _take():
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def take(table: T.Buffer((300, 4), "float32"), ids: T.Buffer((2, 16), "int64"),
+             out: T.Buffer((2, 16, 4), "float32")):
+        for i, j, k in T.grid(2, 16, 4):
+            with T.sblock("out"):
+                vi, vj, vk = T.axis.remap("SSS", [i, j, k])
+                out[vi, vj, vk] = table[T.if_then_else(ids[vi, vj] < 0, ids[vi, vj] + 300, ids[vi, vj]), vk]
+    return take
+
+
+def test_integer_inputs_a_kernel_indexes_with_stay_inside_the_axes_they_index():
+    """The seeded data of a kernel without an input maker (the check's and the timing's): gather_nd's
+    index components each inside the axis it indexes (through the transpose), take's ids inside
+    the table's 300 rows and spread over them; integers that index nothing stay small."""
+    from autofuse.measure import index_bounds, param_arrays
+
+    func = _gather_nd()
+    assert index_bounds(func) == {1: [(((2, 0),), 1), (((2, 1),), 32)]}
+    for seed in range(3):
+        table, idx, flags, _ = param_arrays(func, seed=seed)
+        assert (idx[..., 0] == 0).all()
+        assert idx[..., 1].min() >= 0 and idx[..., 1].max() < 32 and len(set(idx[..., 1].ravel())) > 8
+        assert flags.min() >= 0 and flags.max() < 8
+
+    table, ids, _ = param_arrays(_take(), seed=0)
+    assert ids.min() >= 0 and ids.max() < 300 and ids.max() >= 8
+
+
+def test_a_kernel_on_its_seeded_data_reads_only_its_inputs():
+    """gather_nd's output on its seeded data is the table's rows, the same on every run (indices
+    out of range read whatever memory lies past the table)."""
+    import numpy as np
+
+    from autofuse.building import build_kernel
+    from autofuse.measure import param_arrays, run_on
+    from autofuse.target import parse_target
+
+    func = _gather_nd()
+    arrays = param_arrays(func, seed=7)
+    rt = build_kernel(tvm.IRModule({"main": func}), parse_target("llvm"), stock=True)
+    table, idx, flags, _ = arrays
+    expected = table[idx[..., 0], idx[..., 1]] * flags.astype("float32")
+    for _ in range(3):
+        np.testing.assert_array_equal(run_on(rt, arrays, tvm.cpu())[3], expected)
