@@ -123,12 +123,20 @@ def bar_status(address: TrackerAddress):
     return status
 
 
+def rpc_alloc_arguments(session, device, args_info, alloc_repeat: int) -> list:
+    """``tune.alloc_arguments`` on a server: integer tensors zeros (valid indices), the others
+    filled by the server's random fill, as MetaSchedule's RPCRunner fills them."""
+    from .tune import alloc_arguments
+    return alloc_arguments(device, args_info, alloc_repeat,
+                           f_random_fill=session.get_function("tvm.contrib.random.random_fill_for_measure"))
+
+
 def make_runner(address: TrackerAddress, workers: int, timeout: float, retries: int = 1) -> ms.runner.Runner:
     """MetaSchedule's RPCRunner on ``address`` with ``workers`` measurements in flight, each
     candidate given ``timeout`` seconds; a lost session is retried ``retries`` times."""
     config = ms.runner.RPCConfig(tracker_host=address.host, tracker_port=address.port, tracker_key=address.key,
                                  session_timeout_sec=max(1, int(round(timeout))))
-    inner = ms.runner.RPCRunner(rpc_config=config, max_workers=workers)
+    inner = ms.runner.RPCRunner(rpc_config=config, max_workers=workers, f_alloc_argument=rpc_alloc_arguments)
     return RetryingRunner(inner, retries) if retries > 0 else inner
 
 

@@ -234,6 +234,39 @@ def fast_build(mod, target, _params):
     return build_kernel(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target)
 
 
+def alloc_arguments(device, args_info, alloc_repeat: int, f_random_fill=None) -> list:
+    """The runner's arguments for a candidate (MetaSchedule's ``f_alloc_argument``): random data
+    as MetaSchedule fills them (``tvm.contrib.random.random_fill_for_measure``), except integer
+    tensors, which are zeros. The runner knows only shapes and dtypes, and its random integers are
+    float bit patterns (4.6e18 for int64): as the indices of an embedding lookup (``take``,
+    ``gather_nd``) every candidate read far outside its table, crashed its runner and was stored
+    failed. Zero is a valid index into any axis."""
+    import numpy as np
+    import tvm
+
+    if f_random_fill is None:
+        f_random_fill = tvm.get_global_func("tvm.contrib.random.random_fill_for_measure")
+    repeated = []
+    for _ in range(alloc_repeat):
+        args = []
+        for kind, dtype, shape in args_info:
+            if kind != "TENSOR":
+                raise NotImplementedError(f"runner argument of kind {kind!r}")
+            arg = tvm.runtime.empty(shape=shape, dtype=dtype, device=device)
+            if str(dtype).startswith(("int", "uint")):
+                arg.copyfrom(np.zeros([int(d) for d in shape], dtype=str(dtype)))
+            else:
+                f_random_fill(arg)
+            args.append(arg)
+        repeated.append(args)
+    return repeated
+
+
+def local_runner(timeout_sec: float) -> ms.runner.LocalRunner:
+    """MetaSchedule's LocalRunner with ``alloc_arguments``."""
+    return ms.runner.LocalRunner(timeout_sec=timeout_sec, f_alloc_argument=alloc_arguments)
+
+
 @derived_object
 class PooledBuilder(ms.builder.PyBuilder):
     """MetaSchedule's LocalBuilder with one pool of build processes for the whole session.
@@ -400,7 +433,7 @@ def tune(tasks: Sequence[Task], target: Target, database: ms.database.Database, 
                 tasks=contexts, task_weights=[tasks[i].weight for i in kept], work_dir=work_dir,
                 max_trials_global=trials_total or trials_per_task * len(kept), max_trials_per_task=trials_per_task,
                 num_trials_per_iter=_trials_per_round(num_trials_per_iter, trials_per_task, trials_total, len(kept)),
-                builder=builder, runner=runner or ms.runner.LocalRunner(timeout_sec=run_timeout),
+                builder=builder, runner=runner or local_runner(run_timeout),
                 database=database, cost_model=cost_model,
                 measure_callbacks=ms.measure_callback.MeasureCallback.create("default")
                 + [_ProgressCallback(stats, on_progress, kept)],

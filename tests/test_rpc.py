@@ -127,3 +127,45 @@ def test_a_lost_session_is_retried_and_a_timeout_is_not():
     assert results[0].error_msg is None and [float(s) for s in results[0].run_secs] == [1e-3]
     assert "Timeout" in results[1].error_msg
     assert flaky.calls == ["cpu", "slow", "cpu"]
+
+
+def test_the_rpc_runner_gives_integer_arguments_valid_indices():
+    """The RPC runner's arguments, allocated on the server: integer tensors zeros (valid indices
+    of an embedding lookup), float ones the server's random data."""
+    import numpy as np
+    from tvm import rpc
+
+    from autofuse.rpc import rpc_alloc_arguments
+
+    session = rpc.LocalSession()
+    info = [("TENSOR", "int64", [4, 8]), ("TENSOR", "int32", [16]), ("TENSOR", "float32", [64])]
+    for ids, small, values in rpc_alloc_arguments(session, session.cpu(0), info, 2):
+        assert (ids.numpy() == 0).all() and (small.numpy() == 0).all()
+        assert len(np.unique(values.numpy())) > 1
+
+
+def test_a_kernel_that_indexes_with_an_input_is_measured_through_rpc(tmp_path):
+    """An embedding lookup (take) tuned through a server: its int64 ids arrive as valid indices and
+    its candidates are stored valid (with MetaSchedule's random fill each one read far past the
+    table and was stored failed)."""
+    from tvm.script import tirx as T
+
+    from autofuse.rpc import make_runner
+    from autofuse.tune import Task, tune
+
+    @T.prim_func(s_tir=True)
+    def take(table: T.Buffer((64, 16), "float32"), ids: T.Buffer((32,), "int64"),
+             out: T.Buffer((32, 16), "float32")):
+        for i, j in T.grid(32, 16):
+            with T.sblock("out"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                out[vi, vj] = table[ids[vi], vj]
+
+    target = parse_target("llvm")
+    db = TuningDatabase(str(tmp_path / "db"), target)
+    with LocalFarm(1, key="cpu", log_dir=str(tmp_path)) as farm:
+        stats = tune([Task("take", take)], target, db.ms, db.work_dir, trials_per_task=2, space="generic", seed=0,
+                     runner=make_runner(farm.address, 1, 10, retries=0))
+    assert stats.trials.get(0, 0) >= 1 and not stats.failed.get(0), stats
+    valid, total = db.count(take)
+    assert total >= 1 and valid == total

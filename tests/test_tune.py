@@ -172,6 +172,38 @@ def test_candidates_that_crash_or_hang_are_stored_failed_and_tuning_goes_on(tmp_
         assert valid == 0 and total >= 1
 
 
+def test_a_kernel_that_indexes_with_an_input_is_measured(tmp_path):
+    """An embedding lookup (take) tuned as a model's kernel: the runner fills its int64 ids with
+    valid indices, so its candidates run and are stored valid. With MetaSchedule's random fill
+    (float bit patterns, 4.6e18 as int64) every candidate read far past the table and crashed
+    its runner."""
+    import numpy as np
+    import tvm
+    from tvm.script import tirx as T
+
+    from autofuse.tune import Task, alloc_arguments, tune
+
+    @T.prim_func(s_tir=True)
+    def take(table: T.Buffer((64, 16), "float32"), ids: T.Buffer((32,), "int64"),
+             out: T.Buffer((32, 16), "float32")):
+        for i, j in T.grid(32, 16):
+            with T.sblock("out"):
+                vi, vj = T.axis.remap("SS", [i, j])
+                out[vi, vj] = table[ids[vi], vj]
+
+    (table, ids, out), = alloc_arguments(tvm.cpu(), [("TENSOR", "float32", [64, 16]), ("TENSOR", "int64", [32]),
+                                                     ("TENSOR", "float32", [32, 16])], 1)
+    assert (ids.numpy() == 0).all() and len(np.unique(table.numpy())) > 1  # floats keep their random data
+
+    target = parse_target("llvm")
+    db = TuningDatabase(str(tmp_path), target)
+    stats = tune([Task("take", take)], target, db.ms, db.work_dir, trials_per_task=2, space="generic", seed=0,
+                 run_timeout=10)
+    assert stats.trials.get(0, 0) >= 1 and not stats.failed.get(0), stats
+    valid, total = db.count(take)
+    assert total >= 1 and valid == total
+
+
 def test_a_template_that_computes_wrong_is_tuned_but_never_chosen(tmp_path):
     """An injected bug: a template that stages the weights through a float16 copy. Its candidates
     build, run and are stored, but neither they nor its defaults ever pass the reference check."""
