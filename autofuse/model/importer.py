@@ -160,12 +160,17 @@ def random_inputs(model, seed: int = 0) -> dict[str, np.ndarray]:
 
 def random_feeds(specs, seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded inputs for (name, shape, dtype) specs: standard normal floats; integers in [0, 8),
-    valid token ids and mask values (a negative id would index out of bounds)."""
+    valid token ids (a negative id would index out of bounds); an integer input named as a mask
+    (HF's attention_mask) 0 or 1, the only values a tokenizer writes: other values send a model's
+    mask arithmetic ((1 - mask) x finfo.min) past float16's range, and the module itself (torch's
+    own mask handling) computes something else than its exported graph."""
     rng = np.random.default_rng(seed)
     inputs = {}
     for name, shape, dtype in specs:
         if np.issubdtype(np.dtype(dtype), np.floating):
             inputs[name] = rng.standard_normal(shape).astype(dtype)
+        elif "mask" in name.lower():
+            inputs[name] = rng.integers(0, 2, size=shape).astype(dtype)
         else:
             inputs[name] = rng.integers(0, 8, size=shape).astype(dtype)
     return inputs

@@ -77,3 +77,17 @@ def test_tvm_warnings_are_counted_not_printed(capfd, tmp_path):
     assert out == "" and printed == ""
     assert notes.warnings and len(prepared.notes.warnings) >= len(notes.warnings)
     assert f"{len(prepared.notes.warnings)} TVM import warning(s) not shown" in prepared.notes.summary()
+
+
+def test_seeded_inputs_give_a_mask_input_zeros_and_ones_and_ids_a_small_range():
+    """HF's attention_mask is 0 or 1: other values send (1 - mask) x finfo.min past float16's range
+    (+inf scores) and make the module and its exported graph compute different things."""
+    import numpy as np
+
+    from autofuse.model.importer import random_feeds
+
+    feeds = random_feeds([("input_ids", (4, 64), "int64"), ("attention_mask", (4, 64), "int64"),
+                          ("x", (3,), "float16")], seed=0)
+    assert set(np.unique(feeds["attention_mask"])) == {0, 1}
+    assert feeds["input_ids"].min() >= 0 and feeds["input_ids"].max() > 1
+    assert feeds["x"].dtype == np.float16
