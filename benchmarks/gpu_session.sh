@@ -42,8 +42,8 @@
 #             GEMM_DTYPES (default float16 bfloat16), and the linear patterns (GEMM_PATTERNS) at
 #             4096^3 in float16, through `autofuse compare` against torch eager and torch.compile.
 #             Lands in $OUT/gemm-sweep.tar.gz, one report per shape
-#   real-models  issue 25: the corpus's TorchScript fixed exports of REAL_MODELS (default bert, gpt2,
-#             llama, vit, resnet18) re-exported in float16 on the GPU with their modules' torch.export
+#   real-models  issue 25: the corpus's fixed exports (REAL_VARIANTS, default dynamo-fixed) of
+#             REAL_MODELS (default bert, gpt2, llama, vit, resnet18) re-exported in float16 on the GPU with their modules' torch.export
 #             programs (models/real/export.py --programs), each through `autofuse compare MODEL
 #             --torch-program` against torch eager and torch.compile of the module itself. Lands in
 #             $OUT/real-models.tar.gz, one report per model
@@ -201,8 +201,11 @@ real-models)
   trap 'tar -C "$work" -czf "$OUT/real-models.tar.gz" --exclude "*.pt2" .' EXIT
   exec > >(tee "$work/real-models.log") 2>&1
   commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  # dynamo: the TorchScript exporter writes float16 BERT and GPT-2 that onnx's checker and
+  # onnxruntime reject (a float32 residual into a float16 LayerNormalization)
   timeout 240 python3 models/real/export.py --only "${REAL_MODELS:-bert,gpt2,llama,vit,resnet18}" \
-    --variants torchscript-fixed --dtype "${REAL_DTYPE:-float16}" --device cuda --programs --out "$work/models"
+    --variants "${REAL_VARIANTS:-dynamo-fixed}" --dtype "${REAL_DTYPE:-float16}" --device cuda --programs \
+    --out "$work/models"
   for model in "$work"/models/*.onnx; do
     stem=$(basename "$model" .onnx)
     timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none "$model" --torch-program "${model%.onnx}.pt2" \
