@@ -148,18 +148,9 @@ def test_a_kernel_that_indexes_with_an_input_is_measured_through_rpc(tmp_path):
     """An embedding lookup (take) tuned through a server: its int64 ids arrive as valid indices and
     its candidates are stored valid (with MetaSchedule's random fill each one read far past the
     table and was stored failed)."""
-    from tvm.script import tirx as T
-
     from autofuse.rpc import make_runner
     from autofuse.tune import Task, tune
-
-    @T.prim_func(s_tir=True)
-    def take(table: T.Buffer((64, 16), "float32"), ids: T.Buffer((32,), "int64"),
-             out: T.Buffer((32, 16), "float32")):
-        for i, j in T.grid(32, 16):
-            with T.sblock("out"):
-                vi, vj = T.axis.remap("SS", [i, j])
-                out[vi, vj] = table[ids[vi], vj]
+    from index_kernels import take
 
     target = parse_target("llvm")
     db = TuningDatabase(str(tmp_path / "db"), target)

@@ -179,17 +179,9 @@ def test_a_kernel_that_indexes_with_an_input_is_measured(tmp_path):
     its runner."""
     import numpy as np
     import tvm
-    from tvm.script import tirx as T
 
     from autofuse.tune import Task, alloc_arguments, tune
-
-    @T.prim_func(s_tir=True)
-    def take(table: T.Buffer((64, 16), "float32"), ids: T.Buffer((32,), "int64"),
-             out: T.Buffer((32, 16), "float32")):
-        for i, j in T.grid(32, 16):
-            with T.sblock("out"):
-                vi, vj = T.axis.remap("SS", [i, j])
-                out[vi, vj] = table[ids[vi], vj]
+    from index_kernels import take
 
     (table, ids, out), = alloc_arguments(tvm.cpu(), [("TENSOR", "float32", [64, 16]), ("TENSOR", "int64", [32]),
                                                      ("TENSOR", "float32", [32, 16])], 1)
