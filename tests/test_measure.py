@@ -72,22 +72,7 @@ def test_the_cuda_timer_without_torch_is_one_line(monkeypatch):
 
 
 def _gather_nd():
-    """gather_nd as TVM lowers an ONNX GatherND of a (1, 32) table: the (…, 2) indices are
-    transposed first, component 0 then indexes the axis of extent 1, component 1 the axis of 32."""
-    from tvm.script import tirx as T
-
-    @T.prim_func(s_tir=True)
-    def gather_nd(table: T.Buffer((1, 32), "float32"), idx: T.Buffer((1, 32, 2), "int64"),
-                  flags: T.Buffer((1, 32), "int32"), out: T.Buffer((1, 32), "float32")):
-        moved = T.sblock_alloc_buffer((2, 1, 32), "int64")
-        for c, i, j in T.grid(2, 1, 32):
-            with T.sblock("moved"):
-                vc, vi, vj = T.axis.remap("SSS", [c, i, j])
-                moved[vc, vi, vj] = idx[vi, vj, vc]
-        for i, j in T.grid(1, 32):
-            with T.sblock("out"):
-                vi, vj = T.axis.remap("SS", [i, j])
-                out[vi, vj] = table[moved[0, vi, vj], moved[1, vi, vj]] * T.Cast("float32", flags[vi, vj])
+    from index_kernels import gather_nd
     return gather_nd
 
 

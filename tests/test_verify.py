@@ -153,27 +153,13 @@ def test_fast_math_is_within_the_checks_bound_and_vectorises(name, op, exact):
         assert check.ok, (name, check.message)
 
 
-@T.prim_func(s_tir=True)
-def _gather_nd(mask: T.Buffer((1, 32), "bool"), idx: T.Buffer((1, 32, 2), "int64"),
-               out: T.Buffer((1, 32), "bool")):
-    # As TVM lowers GatherND on a (1, 32) mask (Llama's dynamo export): indices transposed, then
-    # component 0 indexes the axis of extent 1 and component 1 the axis of 32.
-    moved = T.sblock_alloc_buffer((2, 1, 32), "int64")
-    for c, i, j in T.grid(2, 1, 32):
-        with T.sblock("moved"):
-            vc, vi, vj = T.axis.remap("SSS", [c, i, j])
-            moved[vc, vi, vj] = idx[vi, vj, vc]
-    for i, j in T.grid(1, 32):
-        with T.sblock("out"):
-            vi, vj = T.axis.remap("SS", [i, j])
-            out[vi, vj] = mask[moved[0, vi, vj], moved[1, vi, vj]]
-
-
 def test_a_gather_kernel_passes_its_check_on_indices_inside_its_table():
     """The check of a kernel that indexes with an input (gather_nd) runs it on indices inside the
     axes they index: with random ones the reference itself read past the table, its output changed
     from run to run and cpu_injective was passed over for the unscheduled kernel."""
     import types
+
+    from index_kernels import gather_nd as _gather_nd
 
     kernel = types.SimpleNamespace(name="te_gather_nd", func=_gather_nd, workload=_gather_nd, pattern=None,
                                    shape=None, dtype=None)
