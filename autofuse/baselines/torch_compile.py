@@ -1,6 +1,6 @@
-"""torch-compile: torch-eager's function (the ONNX graph translated, or the model's module) under ``torch.compile`` (inductor,
-default mode) on the compare device; its compile time is the first call's, which compare
-reports but does not time."""
+"""torch-compile: torch-eager's function (the ONNX graph translated, or the model's module) under
+``torch.compile`` (inductor, default mode) on the compare device; its compile time is the first
+call's, which compare reports but does not time."""
 
 from __future__ import annotations
 
@@ -21,4 +21,5 @@ class TorchCompile:
         torch._dynamo.reset()  # every graph's function is the same Python code: no stale guards
         compiled = torch.compile(fn)
         args = torch_inputs(subject, device)
-        return torch_prepared(torch, no_grad_call(torch, lambda: compiled(*args)), device, {"mode": "default", **source_info(subject)})
+        return torch_prepared(torch, no_grad_call(torch, lambda: compiled(*args)), device,
+                              {"mode": "default", **source_info(subject)})

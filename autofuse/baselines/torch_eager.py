@@ -1,6 +1,7 @@
 """torch-eager: the same ONNX graph as torch ops (``onnx_to_torch``), or the model's own module
-where the subject has its torch.export program, run eagerly on the compare device. On a GPU its matmuls are cuBLAS calls (float32 without TF32, like every contender) and
-it is the framework's own result that sets the accuracy a contender must reach; on a CPU it runs
+where the subject has its torch.export program, run eagerly on the compare device. On a GPU its
+matmuls are cuBLAS calls (float32 without TF32, like every contender) and it is the framework's
+own result that sets the accuracy a contender must reach; on a CPU it runs
 torch's CPU kernels on the compare run's threads.
 
 torch is optional: without it the torch contenders are ``Unavailable``.
