@@ -61,20 +61,23 @@ class KernelTemplate:
     what schedule primitives cannot express (Hopper wgmma with TMA and mbarrier rings).
 
     Its knobs form a small space (``space``: knob -> allowed values) that tuning walks config by
-    config from ``default``; ``check(shape, dtype, knobs)`` raises ValueError for what the kernel
-    cannot compute. It applies on ``target_kinds`` with an ``arch`` in ``archs`` (any arch when
-    empty); its functions are compiled for ``build_arch`` (wgmma needs sm_90a's arch-specific
+    config from ``default``, or from ``shape_default(shape, dtype)`` where the best start depends on
+    the shape (a smaller tile where the default's would leave SMs idle); ``check(shape, dtype,
+    knobs)`` raises ValueError for what the kernel cannot compute. It applies on ``target_kinds``
+    with an ``arch`` in ``archs`` (any arch when empty); its functions are compiled for ``build_arch`` (wgmma needs sm_90a's arch-specific
     instructions, which an sm_90 target does not enable). The PrimFunc takes the pattern's
     parameters in the pattern's order.
     """
 
     def __init__(self, name: str, build: Callable[[dict, str, dict], tirx.PrimFunc], space: dict,
                  default: dict, check: Callable[[dict, str, dict], Any], target_kinds: Sequence[str] = ("cuda",),
-                 archs: Sequence[str] = (), build_arch: str | None = None, doc: str = ""):
+                 archs: Sequence[str] = (), build_arch: str | None = None, doc: str = "",
+                 shape_default: Callable[[dict, str], dict] | None = None):
         self.name = name
         self._build = build
         self.space = {knob: tuple(values) for knob, values in space.items()}
         self.default = dict(default)
+        self._shape_default = shape_default
         self._check = check
         self.target_kinds = tuple(target_kinds)
         self.archs = tuple(archs)
@@ -88,15 +91,16 @@ class KernelTemplate:
         return not self.archs or str(target.attrs.get("arch", "")) in self.archs
 
     def configs(self, shape: dict, dtype: str) -> list[dict]:
-        """Every knob configuration ``check`` accepts for ``shape``, ``default`` first, then by how
-        few knobs differ from it, then by how many steps along each knob's values (BN 256 -> 128
-        before 64); remaining ties in the space's order."""
+        """Every knob configuration ``check`` accepts for ``shape``, the shape's default first, then
+        by how few knobs differ from it, then by how many steps along each knob's values (BN 256 ->
+        128 before 64); remaining ties in the space's order."""
         key = json.dumps([shape, dtype], sort_keys=True, default=str)
         if key not in self._configs:
             self._configs[key] = self._walk(shape, dtype)
         return [dict(knobs) for knobs in self._configs[key]]
 
     def _walk(self, shape: dict, dtype: str) -> list[dict]:
+        start = self._shape_default(shape, dtype) if self._shape_default else self.default
         found = []
         for values in itertools.product(*self.space.values()):
             knobs = dict(zip(self.space, values))
@@ -108,9 +112,9 @@ class KernelTemplate:
 
         def steps(name, value):
             values = self.space[name]
-            return abs(values.index(value) - values.index(self.default[name])) if self.default.get(name) in values else 1
+            return abs(values.index(value) - values.index(start[name])) if start.get(name) in values else 1
 
-        return sorted(found, key=lambda k: (sum(k[n] != self.default.get(n) for n in k),
+        return sorted(found, key=lambda k: (sum(k[n] != start.get(n) for n in k),
                                             sum(steps(n, v) for n, v in k.items())))
 
     def default_for(self, shape: dict, dtype: str) -> dict | None:

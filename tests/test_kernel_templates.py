@@ -32,7 +32,7 @@ from search_spaces.lib import cuda_wgmma as W
 H200 = parse_target("h200")
 LLVM = parse_target("llvm")
 PATTERN = get_pattern("linear_bias_relu")
-SHAPE = {"m": 256, "n": 256, "k": 256}
+SHAPE = {"m": 2048, "n": 2048, "k": 256}  # 128 CTAs of the default 128 x 256 tile: it fills the GPU
 WGMMA = next(t for t in PATTERN.templates if isinstance(t, K.KernelTemplate))
 
 
@@ -49,8 +49,11 @@ def test_configs_enumerate_default_first():
     assert sorted(map(K._knobs_key, configs)) == sorted(map(K._knobs_key, W.configs(SHAPE, "float16")))
     distance = [sum(k[n] != W.DEFAULT_KNOBS[n] for n in k) for k in configs]
     assert distance == sorted(distance) and distance[1] == 1
-    # n = 384 takes no BN 256 tile: the default falls to the nearest configuration that fits
-    assert WGMMA.default_for({**SHAPE, "n": 384}, "float16") == {**W.DEFAULT_KNOBS, "block_n": 128}
+    # n = 384 takes no BN 256 tile: the default falls to the largest that fills the 132 SMs (44 x 3)
+    assert WGMMA.default_for({**SHAPE, "m": 5632, "n": 384}, "float16") == {**W.DEFAULT_KNOBS, "block_n": 128}
+    # m = 128: 16 CTAs of 128 x 256 would leave 116 SMs idle; 128 of 64 x 64 fill them
+    assert WGMMA.default_for({"m": 128, "n": 4096, "k": 4096}, "float16") == {
+        **W.DEFAULT_KNOBS, "block_n": 64, "warpgroups": 1}
 
 
 def test_where_the_kernel_template_applies():

@@ -258,8 +258,16 @@ def _wgmma_two_gemms(shape, dtype, knobs):
     return sequence("swiglu_ffn", [x, w1, w3, w2, r, y], [(gate, [x, w1, w3, h]), (down, [h, w2, r, y])], [h])
 
 
+def _wgmma_fill_tiles(shape, dtype):
+    """Each GEMM's tile shrunk where its default would leave SMs idle (``cuda_wgmma.fill_tile``)."""
+    gate, down = _gemm_shapes(shape)
+    return {**prefixed(cuda_wgmma.fill_tile(gate, dtype, cuda_wgmma.SWIGLU_KNOBS, cuda_wgmma.SWIGLU_DEFAULT_KNOBS, 2),
+                       GATE),
+            **prefixed(cuda_wgmma.fill_tile(down, dtype), DOWN)}
+
+
 cuda_wgmma_two_gemms = KernelTemplate("cuda_wgmma", _wgmma_two_gemms, WGMMA_KNOBS, WGMMA_DEFAULT_KNOBS, _wgmma_check,
-                                      **cuda_wgmma.HOPPER)
+                                      shape_default=_wgmma_fill_tiles, **cuda_wgmma.HOPPER)
 
 
 def _relax_pattern():

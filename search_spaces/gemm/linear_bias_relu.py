@@ -137,7 +137,7 @@ def _wgmma_gemm_bias_relu(shape, dtype, knobs):
 
 
 cuda_wgmma_relu = KernelTemplate("cuda_wgmma", _wgmma_gemm_bias_relu, cuda_wgmma.KNOBS, cuda_wgmma.DEFAULT_KNOBS,
-                                 cuda_wgmma.check, **cuda_wgmma.HOPPER)
+                                 cuda_wgmma.check, shape_default=cuda_wgmma.fill_tile, **cuda_wgmma.HOPPER)
 
 
 def _relax_pattern():

@@ -83,9 +83,9 @@ import math
 
 from tvm.script import tirx as T
 
+from search_spaces.lib.cuda_wgmma import SHARED_MEMORY_LIMIT, SM_COUNT
+
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
-SHARED_MEMORY_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum of dynamic shared memory
-SM_COUNT = 132                    # H200 streaming multiprocessors (decode split heuristic)
 LOG2E = 1.4426950408889634
 
 DTYPES = {"float16": "f16", "bfloat16": "bf16"}  # wgmma operand type per storage dtype

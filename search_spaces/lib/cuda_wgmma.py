@@ -22,7 +22,8 @@ slice's wgmma group in flight while the CTA syncs and thread 0 refills the slot 
 slice (retired by then in every warpgroup); 0 retires each group before its own slot is refilled.
 The epilogue (bias, activation, cast) runs on the accumulator registers and stores C directly.
 
-Knobs (``KNOBS``; ``DEFAULT_KNOBS`` is the configuration measured best at 4096^3 on the H200):
+Knobs (``KNOBS``; ``DEFAULT_KNOBS`` is the configuration measured best at 4096^3 on the H200, and
+``fill_tile`` shrinks its tile where it would leave SMs idle):
 ``block_n`` BN (64, 128 or 256: the wgmma N), ``warpgroups`` (1 or 2: BM 64 or 128), ``stages`` (ring
 depth, 2-5; 2-7 for int8), ``block_k`` BK (64 only: one 128-byte swizzle row of 2-byte elements per
 TMA box; 128 for int8), ``wait_depth`` (0 or 1). A configuration needs M % BM == N % BN == K % BK == 0 and at most
@@ -61,6 +62,9 @@ TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # are compiled for sm_90a (wgmma and TMA are its arch-specific instructions).
 HOPPER = {"target_kinds": ("cuda",), "archs": ("sm_90", "sm_90a"), "build_arch": "sm_90a"}
 SHARED_MEMORY_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum of dynamic shared memory
+SM_COUNT = 132                    # streaming multiprocessors of an H100 SXM / H200
+# A wave of CTAs whose SMs are less busy than this gets smaller tiles by default (``fill_tile``)
+WAVE_FILL_MIN = 0.75
 
 KNOBS = {"block_n": (64, 128, 256), "warpgroups": (1, 2), "stages": (2, 3, 4, 5), "block_k": (64,),
          "wait_depth": (0, 1)}
@@ -168,6 +172,34 @@ def configs(shape: dict, dtype: str, space: dict = KNOBS, default: dict = DEFAUL
             continue
         out.append(knobs)
     return out
+
+
+def wave_fill(ctas: int, sms: int = SM_COUNT) -> float:
+    """Busy fraction of the SM slots over the waves ``ctas`` CTAs (one per SM at a time) take."""
+    return ctas / (-(-ctas // sms) * sms)
+
+
+def fill_tile(shape: dict, dtype: str, space: dict = KNOBS, default: dict = DEFAULT_KNOBS, weights: int = 1,
+              dtypes: dict = DTYPES) -> dict:
+    """Knobs over ``default`` for ``shape``: ``default`` itself unless its tile leaves the GPU's SMs
+    idle (``wave_fill`` under ``WAVE_FILL_MIN``, e.g. 16 CTAs of 128 x 256 at m = 128, n = 4096) or
+    does not divide the shape; then the largest tile (BM x BN, wider BN first) that fills them, or
+    the one with the most CTAs. ``default`` where no tile ``check``s."""
+    tiles = []
+    for block_n, warpgroups in itertools.product(space["block_n"], space["warpgroups"]):
+        option = {**default, "block_n": block_n, "warpgroups": warpgroups}
+        try:
+            m, n, _, _ = check(shape, dtype, option, space=space, default=default, weights=weights, dtypes=dtypes)
+        except ValueError:
+            continue
+        fill = wave_fill(m // (64 * warpgroups) * (n // block_n))
+        if option == default and fill >= WAVE_FILL_MIN:
+            return dict(default)
+        tiles.append((fill >= WAVE_FILL_MIN, 64 * warpgroups * block_n, block_n, -64 * warpgroups * block_n, option))
+    filling = [t for t in tiles if t[0]]
+    if filling:
+        return dict(max(filling, key=lambda t: (t[1], t[2]))[4])
+    return dict(max(tiles, key=lambda t: (t[3], t[2]))[4]) if tiles else dict(default)
 
 
 def _tensor_map_args(rows: int, cols: int, box_rows: int, box_cols: int, itemsize: int = 2) -> list[int]:

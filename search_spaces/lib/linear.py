@@ -205,7 +205,7 @@ class Linear:
             return cuda_wgmma.gemm_act(shape, dtype, knobs, act, b_layout="kn")
 
         return KernelTemplate("cuda_wgmma", wgmma, cuda_wgmma.KNOBS, cuda_wgmma.DEFAULT_KNOBS, cuda_wgmma.check,
-                              **cuda_wgmma.HOPPER)
+                              shape_default=cuda_wgmma.fill_tile, **cuda_wgmma.HOPPER)
 
     def templates(self) -> list:
         """Every template, in the order tried."""

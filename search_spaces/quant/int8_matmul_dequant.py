@@ -182,8 +182,13 @@ def _wgmma_int8(shape, dtype, knobs):
     return cuda_wgmma.gemm_int8_dequant(shape, knobs, relu=bool(_relu_flag(shape)))
 
 
+def _wgmma_fill_tile(shape, dtype):
+    return cuda_wgmma.fill_tile(shape, "int8", cuda_wgmma.INT8_KNOBS, cuda_wgmma.INT8_DEFAULT_KNOBS,
+                                dtypes=cuda_wgmma.INT8_DTYPES)
+
+
 cuda_wgmma_int8 = KernelTemplate("cuda_wgmma_int8", _wgmma_int8, cuda_wgmma.INT8_KNOBS, cuda_wgmma.INT8_DEFAULT_KNOBS,
-                                 _wgmma_check, **cuda_wgmma.HOPPER)
+                                 _wgmma_check, shape_default=_wgmma_fill_tile, **cuda_wgmma.HOPPER)
 
 
 def _relax_pattern(relu):

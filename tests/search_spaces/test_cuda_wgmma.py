@@ -152,6 +152,22 @@ def test_a_smaller_tile_takes_what_the_default_refuses():
     W.gemm_bias_act(shape, "float16", {"block_n": 128, "warpgroups": 1})
 
 
+@pytest.mark.parametrize("m, n, k, tile", [
+    (4096, 4096, 4096, (2, 256)),     # 512 CTAs of the default: kept
+    (1024, 4096, 4096, (2, 256)),     # 128 CTAs, 97% of the SMs: kept
+    (128, 4096, 4096, (1, 64)),       # 16 of 128 x 256; 128 of 64 x 64
+    (5632, 384, 4096, (2, 128)),      # BN 256 does not divide n; 132 of 128 x 128 fill the SMs
+    (128, 256, 256, (1, 64)),         # nothing fills: the most CTAs
+    (100, 256, 256, (2, 256)),        # no tile divides m: the default, which check refuses
+])
+def test_the_default_tile_shrinks_where_it_would_leave_sms_idle(m, n, k, tile):
+    knobs = W.fill_tile({"m": m, "n": n, "k": k}, "float16")
+    assert (knobs["warpgroups"], knobs["block_n"]) == tile
+    assert {key: v for key, v in knobs.items() if key not in ("warpgroups", "block_n")} == {
+        key: v for key, v in W.DEFAULT_KNOBS.items() if key not in ("warpgroups", "block_n")}
+    assert W.wave_fill(132) == W.wave_fill(264) == 1.0 and W.wave_fill(133) == 133 / 264
+
+
 # --- int8 operands --------------------------------------------------------------------------------
 
 INT8_SHAPE = {"m": 256, "n": 512, "k": 1024}  # 8 K slices of 128

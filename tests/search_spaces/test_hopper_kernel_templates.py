@@ -24,8 +24,8 @@ F16_MMA = "wgmma_f16_ss_mma_async_sync_aligned_"
 S8_MMA = "wgmma_int_ss_mma_async_sync_aligned_"
 # pattern -> (a shape its kernel template takes, the kernels its PrimFunc launches, a wgmma marker)
 CASES = {
-    "linear_bias_relu": ({"m": 256, "n": 512, "k": 256}, 1, F16_MMA + "m64n256k16"),
-    "swiglu_ffn": ({"tokens": 128, "hidden": 256, "inter": 384, "p_permille": 100}, 2, F16_MMA + "m64n128k16"),
+    "linear_bias_relu": ({"m": 2048, "n": 2048, "k": 256}, 1, F16_MMA + "m64n256k16"),
+    "swiglu_ffn": ({"tokens": 5632, "hidden": 256, "inter": 384, "p_permille": 100}, 2, F16_MMA + "m64n128k16"),
     "flash_attention": ({"batch": 1, "heads": 4, "kv_heads": 2, "seq_q": 128, "seq_kv": 256, "head_dim": 64,
                          "causal": 1}, 1, F16_MMA + "m64n128k16"),
     "gqa_decode_attention": ({"batch": 2, "num_heads": 8, "num_kv_heads": 2, "head_dim": 128, "max_seq": 512,
@@ -33,7 +33,7 @@ CASES = {
     "masked_attention": ({"batch": 2, "heads": 4, "kv_heads": 2, "seq_q": 128, "seq_kv": 256, "head_dim": 64,
                           "mask_rows": 1}, 1, F16_MMA + "m64n128k16"),
     # BN 256: two m64n128k32 per k step (TVM 0.27's s8 wgmma stops at N 224)
-    "int8_matmul_dequant": ({"m": 512, "n": 768, "k": 1024, "relu": 1}, 1, S8_MMA + "m64n128k32_s32_s8_s8"),
+    "int8_matmul_dequant": ({"m": 2048, "n": 2048, "k": 1024, "relu": 1}, 1, S8_MMA + "m64n128k32_s32_s8_s8"),
 }
 # The dtypes each kernel template computes: half types, but int8_matmul_dequant's is its output's
 DTYPES = {"int8_matmul_dequant": ("float32",)}
@@ -152,8 +152,9 @@ def test_int8_dequant_wgmma_kernel():
     assert "cp_async_bulk_tensor_g2s" in body and body.count(S8_MMA + "m64n128k32_s32_s8_s8(") == 2 * 128 // 32
     stores = [line for line in body.splitlines() if "C_ptr[" in line and "=" in line]
     assert stores and all("max(" in line and "(float)(*(int *)" in line for line in stores), stores[:1]
-    # relu=0, BN 128 (n = 640 takes no BN 256 tile): one m64n128k32 per k step and no ReLU
-    plain = {**shape, "n": 640, "relu": 0}
+    # relu=0, BN 128 (n = 640 takes no BN 256 tile; 66 x 5 CTAs of 128 x 128 fill the SMs): one
+    # m64n128k32 per k step and no ReLU
+    plain = {**shape, "m": 8448, "n": 640, "relu": 0}
     assert template.default_for(plain, "float32") == {**template.default, "block_n": 128}
     func = template.build(plain, "float32")
     assert func.attrs["global_symbol"] == "gemm_int8_dequant" and _signature(func) == _signature(

@@ -110,7 +110,7 @@ def test_small_gemms_run_on_one_thread_large_ones_in_parallel():
 
 # ---- GPU --------------------------------------------------------------------------------------
 
-WGMMA_SHAPE = {"m": 256, "n": 512, "k": 256}
+WGMMA_SHAPE = {"m": 2048, "n": 2048, "k": 256}  # the default tile fills the GPU here
 
 
 def _wgmma(name):
