@@ -35,7 +35,7 @@
 #             DECODE_BASELINES=torch-sdpa,torch-compile; its compiles cost minutes). Lands in
 #             $OUT/decode-grid.tar.gz, one report per shape
 #   prefill-grid  issue 23: flash_attention (float16, 16 heads, D128) at seq 1024 (batch 8), 2048
-#             (batch 8) and 4096 (batch 2), causal and not (PREFILL_SPECS: batch:seq:causal[:head_dim] ...),
+#             (batch 8) and 4096 (batch 2), causal and not (PREFILL_SPECS: batch:seq:causal[:head_dim[:heads]] ...),
 #             through `autofuse compare` against torch SDPA (numpy's float64 reference bounds the
 #             shapes). Lands in $OUT/prefill-grid.tar.gz
 #   gemm-sweep  issue 22: linear_bias_relu at the issue's shapes (GEMM_SHAPES m:n:k ...) in
@@ -157,6 +157,7 @@ decode-grid)
       timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern gqa_decode_attention \
         --shape batch=$batch,num_heads=32,num_kv_heads=8,head_dim=128,max_seq=$cache,cache_len=$((cache - 1)) \
         --baselines "${DECODE_BASELINES:-torch-sdpa}" --repeat 20 --no-plots --report "$work/decode-b$batch-c$cache"
+      tar -C "$work" -czf "$OUT/decode-grid.tar.gz" .  # kept if the call is cut
     done
   done
   ;;
@@ -165,14 +166,15 @@ prefill-grid)
   trap 'tar -C "$work" -czf "$OUT/prefill-grid.tar.gz" .' EXIT
   exec > >(tee "$work/prefill-grid.log") 2>&1
   commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
-  # batch:seq:causal[:head_dim (default 128)]
+  # batch:seq:causal[:head_dim (default 128)[:heads (default 16)]]
   for spec in ${PREFILL_SPECS:-8:1024:0 8:1024:1 8:2048:1 2:4096:0 2:4096:1}; do
-    IFS=: read -r batch seq causal dim <<< "$spec"
-    dim=${dim:-128}
+    IFS=: read -r batch seq causal dim heads <<< "$spec"
+    dim=${dim:-128} heads=${heads:-16}
     timeout 120 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern flash_attention \
-      --shape batch=$batch,heads=16,kv_heads=16,seq_q=$seq,seq_kv=$seq,head_dim=$dim,causal=$causal \
+      --shape batch=$batch,heads=$heads,kv_heads=$heads,seq_q=$seq,seq_kv=$seq,head_dim=$dim,causal=$causal \
       --baselines "${PREFILL_BASELINES:-torch-sdpa}" --repeat 20 --no-plots \
-      --report "$work/prefill-b$batch-s$seq-c$causal-d$dim"
+      --report "$work/prefill-b$batch-h$heads-s$seq-c$causal-d$dim"
+    tar -C "$work" -czf "$OUT/prefill-grid.tar.gz" .  # kept if the call is cut
   done
   ;;
 gemm-sweep)
