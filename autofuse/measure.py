@@ -135,18 +135,27 @@ def timer_for(dev):
     return CudaTimer() if dev.dlpack_device_type() == 2 else CpuTimer()  # kDLCUDA
 
 
+# Bytes moved (read + written) by the GPU's copy ladder: from a few MiB (a decode step's caches, where
+# the launch is a good part of the time) to far beyond L2.
+CUDA_LADDER_BYTES = tuple(1 << p for p in range(23, 32, 2))   # 8 MiB ... 2 GiB
+
+
 def cuda_roofline(dtype: str = "float32", threads: int = 0):
-    """A GPU's roofline: copy bandwidth (1 GiB device to device, read + written) and the matmul
-    peak for ``dtype`` (8192^3 torch.matmul; float32 with TF32 off), each the median of runs
-    timed with CUDA events."""
+    """A GPU's roofline: copy bandwidth at a ladder of sizes (``CUDA_LADDER_BYTES`` moved, device to
+    device, each copy alone after an L2 flush as kernels are timed, so a kernel is held to a copy
+    of its own working set; DRAM's figure is the largest) and the matmul peak for ``dtype``
+    (8192^3 torch.matmul; float32 with TF32 off), each the median of runs timed with CUDA
+    events."""
     import torch
 
     from .roofline import Machine
 
-    def median_secs(call, n):
+    def median_secs(call, n, flush=None):
         call()
         times = []
         for _ in range(n):
+            if flush is not None:
+                flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             call()
@@ -155,11 +164,13 @@ def cuda_roofline(dtype: str = "float32", threads: int = 0):
             times.append(start.elapsed_time(end) / 1e3)
         return float(np.median(times))
 
-    size = 1 << 30
-    src = torch.ones(size // 4, dtype=torch.float32, device="cuda")
-    dst = torch.empty_like(src)
-    copy = 2 * size / median_secs(lambda: dst.copy_(src), 10) / 1e9
-    src = dst = None  # freed before the matmuls
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+    ladder = []
+    for moved in CUDA_LADDER_BYTES:
+        src = torch.ones(moved // 8, dtype=torch.float32, device="cuda")
+        dst = torch.empty_like(src)
+        ladder.append([moved, moved / median_secs(lambda: dst.copy_(src), 10, flush) / 1e9])
+    src = dst = flush = None  # freed before the matmuls
     n = 8192
     kind = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(dtype, torch.float32)
     tf32 = torch.backends.cuda.matmul.allow_tf32
@@ -170,9 +181,11 @@ def cuda_roofline(dtype: str = "float32", threads: int = 0):
     torch.backends.cuda.matmul.allow_tf32 = tf32
     a = b = None
     torch.cuda.empty_cache()
-    return Machine(copy, peak, "torch copy_ of 1 GiB float32, device to device, 2 GiB moved, median of 10",
+    return Machine(ladder[-1][1], peak, f"torch copy_ device to device, {CUDA_LADDER_BYTES[0] >> 20} MiB to "
+                   f"{CUDA_LADDER_BYTES[-1] >> 30} GiB moved, each alone after a {FLUSH_BYTES >> 20} MiB L2 flush, "
+                   "median of 10",
                    f"torch.matmul {n}^3 {str(kind).split('.')[-1]}{', TF32 off' if kind == torch.float32 else ''}, "
-                   "median of 5", threads, [[2 * size, copy]])
+                   "median of 5", threads, ladder)
 
 
 def param_buffers(func) -> list:
