@@ -27,10 +27,10 @@ pytestmark = pytest.mark.skipif(not DEV.exist, reason="no CUDA GPU here")
 # Shapes that take every piece of each kernel (several k slices and CTAs, GQA, the causal
 # diagonal, a cache length no multiple of a step) and check in seconds.
 CASES = [
-    ("linear_bias_relu", {"m": 512, "n": 768, "k": 1024}, "float16"),
-    ("linear_bias_relu", {"m": 256, "n": 384, "k": 512}, "bfloat16"),       # BN 128
+    ("linear_bias_relu", {"m": 2048, "n": 2048, "k": 512}, "float16"),     # the default 128 x 256 tile
+    ("linear_bias_relu", {"m": 256, "n": 384, "k": 512}, "bfloat16"),       # few CTAs: 64 x 64 (fill_tile)
     ("swiglu_ffn", {"tokens": 256, "hidden": 512, "inter": 1408, "p_permille": 100}, "float16"),
-    ("swiglu_ffn", {"tokens": 128, "hidden": 256, "inter": 704, "p_permille": 0}, "bfloat16"),  # BN 64
+    ("swiglu_ffn", {"tokens": 128, "hidden": 256, "inter": 704, "p_permille": 0}, "bfloat16"),
     ("flash_attention", {"batch": 2, "heads": 8, "kv_heads": 2, "seq_q": 256, "seq_kv": 512, "head_dim": 128,
                          "causal": 1}, "float16"),
     ("flash_attention", {"batch": 1, "heads": 4, "kv_heads": 4, "seq_q": 384, "seq_kv": 384, "head_dim": 64,
@@ -43,13 +43,14 @@ CASES = [
     ("linear_bias", {"m": 256, "n": 384, "k": 512}, "bfloat16"),
     ("linear_bias_gelu", {"m": 512, "n": 768, "k": 1024}, "float16"),
     ("linear_bias_gelu_tanh", {"m": 256, "n": 384, "k": 512}, "bfloat16"),
-    ("int8_matmul_dequant", {"m": 512, "n": 768, "k": 1024, "relu": 1}, "float32"),   # BN 256: two m64n128k32
-    ("int8_matmul_dequant", {"m": 256, "n": 640, "k": 512, "relu": 0}, "float32"),    # BN 128
+    ("int8_matmul_dequant", {"m": 2048, "n": 2048, "k": 1024, "relu": 1}, "float32"),  # BN 256: two m64n128k32
+    ("int8_matmul_dequant", {"m": 256, "n": 640, "k": 512, "relu": 0}, "float32"),    # 64 x 64
     # a padding mask (one row, seeded lengths) over GQA heads; then causal + padding, a row per query
     ("masked_attention", {"batch": 2, "heads": 8, "kv_heads": 2, "seq_q": 256, "seq_kv": 512, "head_dim": 128,
                           "mask_rows": 1}, "float16"),
     ("masked_attention", {"batch": 2, "heads": 4, "kv_heads": 4, "seq_q": 384, "seq_kv": 384, "head_dim": 64,
                           "mask_rows": 384}, "bfloat16"),
+    ("cross_attention", {"batch": 2, "heads": 4, "seq_q": 256, "seq_kv": 384, "head_dim": 128}, "float16"),
 ]
 IDS = [f"{name}-{dtype}-{'-'.join(str(v) for v in shape.values())}" for name, shape, dtype in CASES]
 

@@ -5,7 +5,9 @@ folded in here, valid as it is > 0), ``row_sum``, ``pv`` and ``normalise`` (one 
 rather than per probability). Unfused, the score matrix goes to memory and is read back four times;
 the templates keep a query tile's score rows on chip: ``query_tile`` (CPU, per-thread scratch, K^T
 staged per tile so the key axis vectorises) and ``cuda_query_rows`` (the two-pass softmax over whole
-score rows in shared memory, which therefore bounds seq_kv). float32 accumulation in every dtype.
+score rows in shared memory, which therefore bounds seq_kv); on an sm_90 GPU in float16/bfloat16 first
+``cuda_wgmma_flash``, flash_attention's tensor-core kernel with a K/V head per query head. float32
+accumulation in every dtype.
 """
 
 import math
@@ -13,12 +15,15 @@ import math
 import numpy as np
 from tvm.script import tirx as T
 
+from autofuse.kernel_templates import KernelTemplate
 from autofuse.pattern import Pattern, ShapeParam, template
+from search_spaces.lib import cuda_attention
 from search_spaces.lib.attention import (BATCH, HEAD_DIM, HEADS, attention_graph, cpu_softmax_tail, load_lanes,
                                          row_lanes, sdpa, softmax_stages, vector_split)
 from search_spaces.lib.attention import attention_inputs as make_inputs
 from search_spaces.lib.attention import attention_reference as reference
 from search_spaces.lib.cpu_rows import rfactor_lanes
+from search_spaces.lib.cuda_wgmma import HOPPER
 from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tir_math import dtype_bytes
 
@@ -211,6 +216,26 @@ def cuda_query_rows(sch, target, knobs):
     unroll(sch, knobs, pjk, explicit=0)
 
 
+def _prefill_shape(shape):
+    return {**shape, "kv_heads": shape["heads"], "causal": 0}
+
+
+def _wgmma_prefill(shape, dtype, knobs):
+    """FlashAttention on Hopper tensor cores (``lib.cuda_attention.prefill_attention``, as
+    flash_attention's ``cuda_wgmma_flash``), a K/V head per query head, no mask; float16/bfloat16,
+    head_dim 64 or 128, seq_q a multiple of 128 and seq_kv of the key tile (other shapes fall back
+    to ``cuda_query_rows``)."""
+    return cuda_attention.prefill_attention(_prefill_shape(shape), dtype, knobs)
+
+
+def _wgmma_check(shape, dtype, knobs):
+    cuda_attention.check_prefill(_prefill_shape(shape), dtype, knobs)
+
+
+cuda_wgmma_flash = KernelTemplate("cuda_wgmma_flash", _wgmma_prefill, cuda_attention.PREFILL_KNOBS,
+                                  cuda_attention.PREFILL_DEFAULT_KNOBS, _wgmma_check, **HOPPER)
+
+
 def onnx_graph(shape, dtype):
     return attention_graph("cross_attention", shape, dtype, out="out")
 
@@ -220,5 +245,5 @@ PATTERN = Pattern.from_module(
     description="softmax(q k^T / sqrt(d)) v with seq_q != seq_kv, no mask, scores kept per query tile",
     shape_params=[BATCH, HEADS, ShapeParam("seq_q", 128, 8, "decoder (query) length"),
                   ShapeParam("seq_kv", 384, 12, "encoder (key/value) length"), HEAD_DIM],
-    templates=[query_tile, cuda_query_rows],
+    templates=[query_tile, cuda_wgmma_flash, cuda_query_rows],
 )

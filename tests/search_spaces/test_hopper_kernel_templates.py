@@ -28,6 +28,8 @@ CASES = {
     "swiglu_ffn": ({"tokens": 5632, "hidden": 256, "inter": 384, "p_permille": 100}, 2, F16_MMA + "m64n128k16"),
     "flash_attention": ({"batch": 1, "heads": 4, "kv_heads": 2, "seq_q": 128, "seq_kv": 256, "head_dim": 64,
                          "causal": 1}, 1, F16_MMA + "m64n128k16"),
+    "cross_attention": ({"batch": 1, "heads": 4, "seq_q": 128, "seq_kv": 384, "head_dim": 128}, 1,
+                        F16_MMA + "m64n128k16"),
     "gqa_decode_attention": ({"batch": 2, "num_heads": 8, "num_kv_heads": 2, "head_dim": 128, "max_seq": 512,
                               "cache_len": 300}, 2, None),
     "masked_attention": ({"batch": 2, "heads": 4, "kv_heads": 2, "seq_q": 128, "seq_kv": 256, "head_dim": 64,
@@ -41,6 +43,8 @@ DTYPES = {"int8_matmul_dequant": ("float32",)}
 REFUSED = {
     "linear_bias_relu": [({"m": 100}, "float16"), ({}, "float32")],
     "swiglu_ffn": [({"inter": 200}, "float16"), ({"tokens": 100}, "bfloat16"), ({}, "float32")],
+    "cross_attention": [({"seq_q": 100}, "float16"), ({"seq_kv": 200}, "float16"), ({"head_dim": 96}, "float16"),
+                        ({}, "float32")],
     "flash_attention": [({"seq_q": 100}, "float16"), ({"head_dim": 96}, "float16"), ({}, "float32")],
     "gqa_decode_attention": [({"num_heads": 32, "num_kv_heads": 2}, "float16"), ({"head_dim": 80}, "float16"),
                              ({}, "float32")],
