@@ -124,7 +124,7 @@ kernels)
     --baselines torch-eager,torch-compile,torch-sdpa --repeat 10 --report "$work/compare-kernels-attention-float16"
   fi
   if [[ $steps == *,tests,* ]]; then
-  timeout 150 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_kernel_templates_gpu.py --durations=20 \
+  timeout 240 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_kernel_templates_gpu.py --durations=20 \
     --junitxml="$work/kernel-templates-gpu.xml"
   fi
   if [[ $steps == *,model,* ]]; then
