@@ -51,6 +51,11 @@ CASES = [
     ("masked_attention", {"batch": 2, "heads": 4, "kv_heads": 4, "seq_q": 384, "seq_kv": 384, "head_dim": 64,
                           "mask_rows": 384}, "bfloat16"),
     ("cross_attention", {"batch": 2, "heads": 4, "seq_q": 256, "seq_kv": 384, "head_dim": 128}, "float16"),
+    # sequences of seeded lengths over scattered pages; a block table whose unused entries point anywhere
+    ("paged_attention", {"batch": 4, "q_len": 1, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                         "page_size": 16, "max_pages": 64, "num_pages": 300}, "float16"),
+    ("paged_attention", {"batch": 3, "q_len": 1, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64,
+                         "page_size": 32, "max_pages": 8, "num_pages": 30}, "bfloat16"),
 ]
 IDS = [f"{name}-{dtype}-{'-'.join(str(v) for v in shape.values())}" for name, shape, dtype in CASES]
 

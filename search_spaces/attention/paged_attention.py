@@ -9,7 +9,8 @@ token, head) row over the maximum context, masked past the row's last visible ke
 (a stale score adds nothing). Unfused, scores and probabilities round-trip through memory and K/V
 are first materialised gathered; fused, a row's scratch stays on chip and K/V are read straight from
 their pages. CUDA: ``lib.attention.cuda_decode_attention`` with a K/V head's query heads x tokens
-as its rows.
+as its rows; for decode on an sm_90 GPU in float16/bfloat16 first ``cuda_split_kv``, flash-decoding
+(``lib.cuda_attention.decode_attention``) reading the pages through the block table.
 """
 
 import math
@@ -17,10 +18,14 @@ import math
 import numpy as np
 from tvm.script import tirx as T
 
+from autofuse.kernel_templates import KernelTemplate
 from autofuse.pattern import Pattern, ShapeParam, template
+from search_spaces.lib import cuda_attention
 from search_spaces.lib.attention import HEAD_DIM, cuda_decode_attention, gqa_heads, softmax_stages
+from search_spaces.lib.cuda_wgmma import HOPPER
 from search_spaces.lib.cpu_rows import lanes_innermost, rfactor_lanes
 from search_spaces.lib.tiling import unroll, vectorize_inner
+from search_spaces.lib.tirx_sequence import buffer, sequence, workspace
 
 PAGED_STAGES = ("qk", "row_max", "probs", "exp_sum", "pv", "out")
 
@@ -259,6 +264,46 @@ def onnx_graph(shape, dtype):
     return model
 
 
+# The split-KV kernels' knobs, their split count left to its heuristic (a function of the shape).
+SPLIT_KV_KNOBS = {name: values for name, values in cuda_attention.DECODE_KNOBS.items() if values is not None}
+SPLIT_KV_DEFAULT_KNOBS = {name: cuda_attention.DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_KNOBS}
+
+
+def _decode_shape(shape):
+    B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
+    if Q != 1:
+        raise cuda_attention.AttentionShapeError(f"q_len={Q}: the split-KV kernel decodes one token (q_len 1)")
+    return {"batch": B, "num_heads": H, "num_kv_heads": KVH, "head_dim": D, "max_seq": MP * PS}
+
+
+def _split_kv_check(shape, dtype, knobs):
+    cuda_attention.check_decode(_decode_shape(shape), dtype, knobs)
+
+
+def _split_kv(shape, dtype, knobs):
+    """Flash-decoding on Hopper (``lib.cuda_attention``), two kernels in one PrimFunc
+    (``lib.tirx_sequence``): the split kernel, a CTA per (key split, K/V head, sequence) over its
+    share of the sequence's seq_lens[b] keys, each key row read once through the block table for
+    the whole query group, then the combine; float16/bfloat16, head_dim 64 or 128, at most 8 query
+    heads per K/V head, q_len 1."""
+    B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
+    decode = _decode_shape(shape)
+    split, combine = cuda_attention.decode_attention(decode, dtype, knobs, paged=(PS, MP, NP))
+    splits = cuda_attention.check_decode(decode, dtype, knobs)[1]["splits"]
+    q, o = buffer("q", (B, Q, H, D), dtype), buffer("o", (B, Q, H, D), dtype)
+    k_pages, v_pages = (buffer(name, (NP, KVH, PS, D), dtype) for name in ("k_pages", "v_pages"))
+    block_table, seq_lens = buffer("block_table", (B, MP), "int32"), buffer("seq_lens", (B,), "int32")
+    part_o = workspace("part_o", (B, H, splits, D), "float32")
+    part_ml = workspace("part_ml", (B, H, splits, 2), "float32")
+    return sequence("paged_attention", [q, k_pages, v_pages, block_table, seq_lens, o],
+                    [(split, [q, k_pages, v_pages, block_table, seq_lens, part_o, part_ml]),
+                     (combine, [part_o, part_ml, o])], [part_o, part_ml])
+
+
+cuda_split_kv = KernelTemplate("cuda_split_kv", _split_kv, SPLIT_KV_KNOBS, SPLIT_KV_DEFAULT_KNOBS, _split_kv_check,
+                               **HOPPER)
+
+
 PATTERN = Pattern.from_module(
     globals(),
     description="attention over a block-table paged KV cache (vLLM layout), GQA; q_len=1 is decode, "
@@ -269,5 +314,5 @@ PATTERN = Pattern.from_module(
                   ShapeParam("page_size", 16, 4, "tokens per KV page"),
                   ShapeParam("max_pages", 32, 3, "block-table entries per sequence"),
                   ShapeParam("num_pages", 160, 8, "physical pages in the pool (>= batch*max_pages)")],
-    templates=[row_parallel, cuda_kv_head],
+    templates=[row_parallel, cuda_split_kv, cuda_kv_head],
 )

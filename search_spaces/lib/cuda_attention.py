@@ -609,7 +609,20 @@ def decode_split_shared_memory_bytes(head_dim: int, group: int, knobs: dict) -> 
     return 4 * groups * group * (head_dim + 2)
 
 
-def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = None, append: bool = False):
+def _paged_row(row, page_size: int, length):
+    """Row ``row`` of a sequence as (block-table column, row in its page), clamped to its last key
+    (``length`` - 1) so that a masked lane of the last step reads no table entry past the sequence."""
+    row = T.min(row, length - 1)
+    return row // page_size, row % page_size
+
+
+def _seq_length(lengths, b, length):
+    """Keys of sequence ``b``: its ``seq_lens`` entry (paged), else the kernel's ``length``."""
+    return lengths[b] if lengths is not None else length
+
+
+def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = None, append: bool = False,
+                     paged: tuple[int, int, int] | None = None):
     """(split, combine) tirx PrimFuncs of split-KV decoding (module docstring) for ``shape``
     {batch, num_heads, num_kv_heads, head_dim, max_seq, scale (1/sqrt(head_dim))}; global symbols
     ``attention_decode_split`` (``attention_decode_append_split`` with ``append``) and
@@ -618,7 +631,15 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     ``(q, k_new, v_new, k_cache, v_cache, k_out, v_out, part_o, part_ml, length)``: it attends over
     the caches with row length - 1 replaced by the new token's rows and writes the whole appended
     caches to k_out, v_out on the way (each row it attends as it loads it, rows from length on
-    shared out among the splits), so the copy costs no second read of the caches."""
+    shared out among the splits), so the copy costs no second read of the caches.
+
+    With ``paged`` = (page_size, max_pages, num_pages) the caches are vLLM's pages instead: the split
+    kernel is ``(q, k_pages, v_pages, block_table, seq_lens, part_o, part_ml)``, pages (num_pages,
+    kv_heads, page_size, head_dim), block_table (batch, max_pages) and seq_lens (batch,) int32;
+    sequence b attends its first seq_lens[b] keys, key j in page block_table[b, j // page_size] at
+    row j % page_size (max_seq = max_pages * page_size). No append."""
+    if paged and append:
+        raise ValueError("a paged decode kernel does not append")
     dims, knobs = check_decode(shape, dtype, knobs)
     nb, hq, hkv, hd, smax = (dims[key] for key in DECODE_SHAPE_KEYS)
     group, splits, keys, warps = dims["group"], knobs["splits"], knobs["keys"], knobs["warps"]
@@ -629,6 +650,10 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     outputs_per_thread = -(-group * hd // threads)
     chunks = -(-splits // COMBINE_UNROLL)
     copy_rows = threads // lanes  # cache rows a CTA copies per pass
+    page_size, max_pages, num_pages = paged or (0, 0, 0)
+    if paged and max_pages * page_size != smax:
+        raise ValueError(f"max_seq={smax} is not max_pages x page_size = {max_pages * page_size}")
+    kv_shape = (num_pages, hkv, page_size, hd // _LOAD_ELEMS) if paged else (nb, hkv, smax, hd // _LOAD_ELEMS)
 
     @T.macro(hygienic=False)
     def _step(first, checked):
@@ -640,6 +665,10 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             if append:  # row length - 1 is the new token's
                 k_vec = T.meta_var(T.if_then_else(row == length - 1, KN16[b, hk, sub], K16[b, hk, row, sub]))
                 v_vec = T.meta_var(T.if_then_else(row == length - 1, VN16[b, hk, sub], V16[b, hk, row, sub]))
+            elif PAGED:  # through the block table
+                page = T.meta_var(BT[b, _paged_row(row, PAGE_SIZE, length)[0]])
+                k_vec = T.meta_var(K16[page, hk, _paged_row(row, PAGE_SIZE, length)[1], sub])
+                v_vec = T.meta_var(V16[page, hk, _paged_row(row, PAGE_SIZE, length)[1], sub])
             else:
                 k_vec = T.meta_var(K16[b, hk, row, sub])
                 v_vec = T.meta_var(V16[b, hk, row, sub])
@@ -684,8 +713,9 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                     acc[g * vec + e] = acc[g * vec + e] + sc[u * group + g] * T.Cast("float32", kv[(keys + u) * vec + e])
 
     @T.macro
-    def _split_body(Q, Kc, Vc, PO, PML, KN, VN, KO, VO, length):
-        # The split kernels' body (KN .. VO: the append buffers, or None).
+    def _split_body(Q, Kc, Vc, PO, PML, KN, VN, KO, VO, cache_length, BT, SL):
+        # The split kernels' body (KN .. VO: the append buffers, or None; BT, SL: the block table
+        # and sequence lengths of a paged cache, or None).
         T.device_entry()
         sp, hk, b = T.cta_id([splits, hkv, nb])
         tx = T.thread_id([threads])
@@ -696,8 +726,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         pool.commit()
         # 16-byte views: one element = 8 consecutive values of a row
         Q16 = T.decl_buffer((nb, hq, hd // vec), "uint32x4", data=Q.data)
-        K16 = T.decl_buffer((nb, hkv, smax, hd // vec), "uint32x4", data=Kc.data)
-        V16 = T.decl_buffer((nb, hkv, smax, hd // vec), "uint32x4", data=Vc.data)
+        K16 = T.decl_buffer(kv_shape, "uint32x4", data=Kc.data)
+        V16 = T.decl_buffer(kv_shape, "uint32x4", data=Vc.data)
         if append:
             KN16 = T.decl_buffer((nb, hkv, hd // vec), "uint32x4", data=KN.data)
             VN16 = T.decl_buffer((nb, hkv, hd // vec), "uint32x4", data=VN.data)
@@ -717,6 +747,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         m_new = T.alloc_buffer((1,), "float32", scope="local")
         alpha = T.alloc_buffer((1,), "float32", scope="local")
         merged = T.alloc_buffer((4,), "float32", scope="local")  # max, sum, output element, weight
+        length = T.meta_var(_seq_length(SL, b, cache_length))
+        PAGED, PAGE_SIZE = T.meta_var((bool(paged), page_size))  # for `_step`
         warp = T.meta_var(tx // 32)
         sub = T.meta_var(tx % lanes)                  # which 8 values of a row this lane loads
         lane_group = T.meta_var(warp * rows_per_load + tx % 32 // lanes)
@@ -789,7 +821,19 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             VO = T.match_buffer(v_out, (nb, hkv, smax, hd), dtype, align=16)
             PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
             PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
-            _split_body(Q, Kc, Vc, PO, PML, KN, VN, KO, VO, length)
+            _split_body(Q, Kc, Vc, PO, PML, KN, VN, KO, VO, length, None, None)
+    elif paged:
+        @T.prim_func
+        def split(q: T.handle, k_pages: T.handle, v_pages: T.handle, block_table: T.handle, seq_lens: T.handle,
+                  part_o: T.handle, part_ml: T.handle):
+            Q = T.match_buffer(q, (nb, hq, hd), dtype, align=16)
+            Kc = T.match_buffer(k_pages, (num_pages, hkv, page_size, hd), dtype, align=16)
+            Vc = T.match_buffer(v_pages, (num_pages, hkv, page_size, hd), dtype, align=16)
+            BT = T.match_buffer(block_table, (nb, max_pages), "int32", align=16)
+            SL = T.match_buffer(seq_lens, (nb,), "int32", align=16)
+            PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
+            PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
+            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, 0, BT, SL)
     else:
         @T.prim_func
         def split(q: T.handle, k_cache: T.handle, v_cache: T.handle, part_o: T.handle, part_ml: T.handle,
@@ -799,7 +843,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
             PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
             PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
-            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, length)
+            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, length, None, None)
 
     @T.prim_func
     def combine(part_o: T.handle, part_ml: T.handle, out: T.handle):
@@ -827,7 +871,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                     total[2] = total[2] + w[0] * PO[b, h, s0 * COMBINE_UNROLL + s1, d]
         O[b, h, d] = T.Cast(dtype, total[2] / total[1])
 
-    name = "attention_decode_append_split" if append else "attention_decode_split"
+    name = "attention_decode_append_split" if append else "attention_decode_paged_split" if paged \
+        else "attention_decode_split"
     return _mark(split, name), _mark(combine, "attention_decode_combine")
 
 

@@ -32,6 +32,8 @@ CASES = {
                         F16_MMA + "m64n128k16"),
     "gqa_decode_attention": ({"batch": 2, "num_heads": 8, "num_kv_heads": 2, "head_dim": 128, "max_seq": 512,
                               "cache_len": 300}, 2, None),
+    "paged_attention": ({"batch": 2, "q_len": 1, "num_heads": 8, "num_kv_heads": 2, "head_dim": 128, "page_size": 16,
+                         "max_pages": 32, "num_pages": 80}, 2, None),
     "masked_attention": ({"batch": 2, "heads": 4, "kv_heads": 2, "seq_q": 128, "seq_kv": 256, "head_dim": 64,
                           "mask_rows": 1}, 1, F16_MMA + "m64n128k16"),
     # BN 256: two m64n128k32 per k step (TVM 0.27's s8 wgmma stops at N 224)
@@ -48,6 +50,8 @@ REFUSED = {
     "flash_attention": [({"seq_q": 100}, "float16"), ({"head_dim": 96}, "float16"), ({}, "float32")],
     "gqa_decode_attention": [({"num_heads": 32, "num_kv_heads": 2}, "float16"), ({"head_dim": 80}, "float16"),
                              ({}, "float32")],
+    "paged_attention": [({"q_len": 4}, "float16"), ({"head_dim": 80}, "float16"),
+                        ({"num_heads": 32, "num_kv_heads": 2}, "float16"), ({}, "float32")],
     "masked_attention": [({"seq_q": 100, "mask_rows": 100}, "float16"), ({"seq_kv": 200}, "float16"),
                          ({"head_dim": 96}, "float16"), ({"mask_rows": 2}, "float16"), ({}, "float32")],
     "int8_matmul_dequant": [({"m": 500}, "float32"), ({"n": 600}, "float32"), ({"k": 1000}, "float32"),
