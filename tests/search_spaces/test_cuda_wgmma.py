@@ -163,8 +163,10 @@ def test_a_smaller_tile_takes_what_the_default_refuses():
 def test_the_default_tile_shrinks_where_it_would_leave_sms_idle(m, n, k, tile):
     knobs = W.fill_tile({"m": m, "n": n, "k": k}, "float16")
     assert (knobs["warpgroups"], knobs["block_n"]) == tile
-    assert {key: v for key, v in knobs.items() if key not in ("warpgroups", "block_n")} == {
-        key: v for key, v in W.DEFAULT_KNOBS.items() if key not in ("warpgroups", "block_n")}
+    # a 64 x 64 tile (a third of the default's bytes per k slice) takes the deepest ring that fits
+    assert knobs["stages"] == (max(W.KNOBS["stages"]) if tile == (1, 64) else W.DEFAULT_KNOBS["stages"])
+    assert {key: v for key, v in knobs.items() if key not in ("warpgroups", "block_n", "stages")} == {
+        key: v for key, v in W.DEFAULT_KNOBS.items() if key not in ("warpgroups", "block_n", "stages")}
     assert W.wave_fill(132) == W.wave_fill(264) == 1.0 and W.wave_fill(133) == 133 / 264
 
 
