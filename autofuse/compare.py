@@ -141,8 +141,27 @@ def model_subject(path: str, seed: int = 0, input_shapes: dict[str, tuple[int, .
     weights = sum(int(np.prod(i.dims)) * _itemsize(i.data_type) for i in prepared.onnx.graph.initializer)
     nbytes = float(sum(x.nbytes for x in feeds.values()) + weights + _output_bytes(prepared.onnx))
     return Subject("model", prepared.name, list(feeds.values()), list(feeds), os.path.abspath(path),
-                   flops=flops or None, bytes=nbytes, accumulation=model_reduction_length(prepared.mod),
+                   flops=flops or None, bytes=nbytes, dtype=_model_dtype(prepared.onnx),
+                   accumulation=model_reduction_length(prepared.mod),
                    torch_program=os.path.abspath(torch_program) if torch_program else None)
+
+
+def _model_dtype(model) -> str:
+    """The dtype a model computes in, for its roofline and report: its first floating-point output's
+    (a float16 export's logits are float16), float32 when it has none."""
+    for value in model.graph.output:
+        dtype = _np_dtype(value.type.tensor_type.elem_type)
+        if dtype is not None and np.issubdtype(dtype, np.floating):
+            return dtype.name
+    return "float32"
+
+
+def _np_dtype(onnx_type: int):
+    import onnx
+    try:
+        return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(onnx_type))
+    except (KeyError, TypeError):
+        return None
 
 
 def _itemsize(onnx_type: int) -> int:

@@ -331,3 +331,16 @@ def test_report_markdown_names_the_kernel_template_that_made_our_kernel():
                             "reference": "numpy reference", "accumulation": 128, "dtype_bound": 2e-3,
                             "bound": 2e-3, "contenders": [ours]}]}
     assert "- autofuse kernel from: template-default (cuda_wgmma_flash, knobs {'block_n': 128})" in compare_markdown(report)
+
+
+@pytest.mark.parametrize("elem, want", [("FLOAT16", "float16"), ("FLOAT", "float32"), ("INT64", "float32")])
+def test_a_models_dtype_is_its_first_floating_output(elem, want):
+    """A float16 export is measured against the float16 roofline, not float32's."""
+    from onnx import TensorProto, helper
+
+    from autofuse.compare import _model_dtype
+    kind = getattr(TensorProto, elem)
+    graph = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", kind, [2])],
+                              [helper.make_tensor_value_info("y", kind, [2])])
+    assert _model_dtype(helper.make_model(graph)) == want
