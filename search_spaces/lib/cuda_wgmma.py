@@ -126,11 +126,15 @@ def tile_shape(knobs: dict) -> tuple[int, int, int]:
     return 64 * knobs["warpgroups"], knobs["block_n"], knobs["block_k"]
 
 
-def shared_memory_bytes(knobs: dict, dtype: str = "float16", weights: int = 1) -> int:
-    """Dynamic shared memory of a configuration: the ring of A and ``weights`` B tiles of ``dtype``
-    operands, plus a barrier per slot."""
+def slot_bytes(knobs: dict, dtype: str = "float16", weights: int = 1) -> int:
+    """Operand bytes of one ring slot (one k slice): the A tile and ``weights`` B tiles of ``dtype``."""
     bm, bn, bk = tile_shape(knobs)
-    return knobs["stages"] * ((bm + weights * bn) * bk * _ITEMSIZE[dtype] + 8)
+    return (bm + weights * bn) * bk * _ITEMSIZE[dtype]
+
+
+def shared_memory_bytes(knobs: dict, dtype: str = "float16", weights: int = 1) -> int:
+    """Dynamic shared memory of a configuration: the ring of slots, plus a barrier per slot."""
+    return knobs["stages"] * (slot_bytes(knobs, dtype, weights) + 8)
 
 
 def check(shape: dict, dtype: str, knobs: dict | None = None, *, space: dict = KNOBS,
@@ -186,26 +190,22 @@ def fill_tile(shape: dict, dtype: str, space: dict = KNOBS, default: dict = DEFA
     does not divide the shape; then the largest tile (BM x BN, wider BN first) that fills them, or
     else the one with the most CTAs; a tile of half the default's bytes per k slice or fewer with
     the deepest ring that fits. ``default`` where no tile ``check``s."""
-    tiles = []
+    tiles = []  # (fills the SMs, BM x BN, BN, knobs) of every tile that computes the shape
     for block_n, warpgroups in itertools.product(space["block_n"], space["warpgroups"]):
         option = {**default, "block_n": block_n, "warpgroups": warpgroups}
         try:
             m, n, _, _ = check(shape, dtype, option, space=space, default=default, weights=weights, dtypes=dtypes)
         except ValueError:
             continue
-        fill = wave_fill(m // (64 * warpgroups) * (n // block_n))
-        if option == default and fill >= WAVE_FILL_MIN:
+        fills = wave_fill(m // (64 * warpgroups) * (n // block_n)) >= WAVE_FILL_MIN
+        if option == default and fills:
             return dict(default)
-        tiles.append((fill >= WAVE_FILL_MIN, 64 * warpgroups * block_n, block_n, -64 * warpgroups * block_n, option))
-    filling = [t for t in tiles if t[0]]
+        tiles.append((fills, 64 * warpgroups * block_n, block_n, option))
     if not tiles:
         return dict(default)
-    chosen = max(filling, key=lambda t: (t[1], t[2]))[4] if filling else max(tiles, key=lambda t: (t[3], t[2]))[4]
-    def slot(knobs):  # operand bytes of one k slice
-        bm, bn, bk = tile_shape(knobs)
-        return (bm + weights * bn) * bk * _ITEMSIZE[dtype]
-
-    if 2 * slot(chosen) > slot(default):
+    filling = [t for t in tiles if t[0]]
+    chosen = (max(filling, key=lambda t: t[1:3]) if filling else min(tiles, key=lambda t: (t[1], -t[2])))[3]
+    if 2 * slot_bytes(chosen, dtype, weights) > slot_bytes(default, dtype, weights):
         return dict(chosen)
     # A slot of half the default's bytes or less: the deepest ring that fits keeps as many bytes in
     # flight (m = 128, n = k = 4096, 64 x 64 on an H100: 5 stages 0.033 ms, 4 stages 0.036)
@@ -363,7 +363,7 @@ def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout:
             "mma": mma, "mma_flags": flags, "mma_n": mma_n, "parts": parts, "k_step": 32 // itemsize,
             "a_box": _tensor_map_args(m, k, bm, bk, itemsize), "b_box": b_box, "b_smem": b_smem,
             "b_leading": b_leading, "trans_b": trans_b, "b_kn": b_layout == "kn",
-            "b_shape": (n, k) if b_layout == "nk" else (k, n), "stage_bytes": (bm + weights * bn) * bk * itemsize}
+            "b_shape": (n, k) if b_layout == "nk" else (k, n), "stage_bytes": slot_bytes(knobs, dtype, weights)}
 
 
 def _accumulator(acc_dtype: str):
