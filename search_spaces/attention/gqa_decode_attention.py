@@ -204,11 +204,6 @@ def cuda_kv_head(sch, target, knobs):
                           head_rows, lambda b, h, g: (g,))
 
 
-# The split-KV kernels' knobs, their split count left to its heuristic (a function of the shape).
-SPLIT_KV_KNOBS = {name: values for name, values in cuda_attention.DECODE_KNOBS.items() if values is not None}
-SPLIT_KV_DEFAULT_KNOBS = {name: cuda_attention.DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_KNOBS}
-
-
 def _split_kv_check(shape, dtype, knobs):
     _dims(shape)
     cuda_attention.check_decode(shape, dtype, knobs)
@@ -235,8 +230,8 @@ def _split_kv(shape, dtype, knobs):
                      (combine, [part_o, part_ml, out])], [part_o, part_ml])
 
 
-cuda_split_kv = KernelTemplate("cuda_split_kv", _split_kv, SPLIT_KV_KNOBS, SPLIT_KV_DEFAULT_KNOBS, _split_kv_check,
-                               **HOPPER)
+cuda_split_kv = KernelTemplate("cuda_split_kv", _split_kv, cuda_attention.SPLIT_KV_KNOBS,
+                               cuda_attention.SPLIT_KV_DEFAULT_KNOBS, _split_kv_check, **HOPPER)
 
 
 def onnx_graph(shape, dtype):

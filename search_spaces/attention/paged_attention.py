@@ -264,11 +264,6 @@ def onnx_graph(shape, dtype):
     return model
 
 
-# The split-KV kernels' knobs, their split count left to its heuristic (a function of the shape).
-SPLIT_KV_KNOBS = {name: values for name, values in cuda_attention.DECODE_KNOBS.items() if values is not None}
-SPLIT_KV_DEFAULT_KNOBS = {name: cuda_attention.DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_KNOBS}
-
-
 def _decode_shape(shape):
     B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
     if Q != 1:
@@ -300,8 +295,8 @@ def _split_kv(shape, dtype, knobs):
                      (combine, [part_o, part_ml, o])], [part_o, part_ml])
 
 
-cuda_split_kv = KernelTemplate("cuda_split_kv", _split_kv, SPLIT_KV_KNOBS, SPLIT_KV_DEFAULT_KNOBS, _split_kv_check,
-                               **HOPPER)
+cuda_split_kv = KernelTemplate("cuda_split_kv", _split_kv, cuda_attention.SPLIT_KV_KNOBS,
+                               cuda_attention.SPLIT_KV_DEFAULT_KNOBS, _split_kv_check, **HOPPER)
 
 
 PATTERN = Pattern.from_module(

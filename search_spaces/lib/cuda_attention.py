@@ -96,6 +96,9 @@ PREFILL_KNOBS = {"block_n": (64, 128), "stages": (2, 3)}
 PREFILL_DEFAULT_KNOBS = {"block_n": 128, "stages": 2}
 DECODE_KNOBS = {"warps": (4, 8), "keys": (1, 2, 4, 8), "splits": None}  # splits: None or a positive int
 DECODE_DEFAULT_KNOBS = {"warps": 8, "keys": 4, "splits": None}
+# A decode kernel template's knobs: the split count left to its heuristic (a function of the shape)
+SPLIT_KV_KNOBS = {name: values for name, values in DECODE_KNOBS.items() if values is not None}
+SPLIT_KV_DEFAULT_KNOBS = {name: DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_KNOBS}
 COMBINE_UNROLL = 8               # splits whose partials the combine kernel loads at once
 DECODE_MAX_GROUP = 8              # query heads per K/V head: q and O of the group live in registers
 
