@@ -83,12 +83,9 @@ import math
 
 from tvm.script import tirx as T
 
-from search_spaces.lib.cuda_wgmma import SHARED_MEMORY_LIMIT, SM_COUNT
+from search_spaces.lib.cuda_wgmma import DTYPES, SHARED_MEMORY_LIMIT, SM_COUNT, TARGET
 
-TARGET = {"kind": "cuda", "arch": "sm_90a"}
 LOG2E = 1.4426950408889634
-
-DTYPES = {"float16": "f16", "bfloat16": "bf16"}  # wgmma operand type per storage dtype
 HEAD_DIMS = (64, 128)
 BLOCK_M = 128                     # query rows per CTA: two consumer warpgroups of 64
 
