@@ -165,8 +165,7 @@ def _np_dtype(onnx_type: int):
 
 
 def _itemsize(onnx_type: int) -> int:
-    import onnx
-    return np.dtype(onnx.helper.tensor_dtype_to_np_dtype(onnx_type)).itemsize
+    return _np_dtype(onnx_type).itemsize
 
 
 def _output_bytes(model) -> int:

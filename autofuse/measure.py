@@ -198,8 +198,9 @@ def param_bytes(func) -> int:
                for buf in param_buffers(func))
 
 
-def _is_integer(dtype: str) -> bool:
-    return dtype.startswith("int") or dtype.startswith("uint")
+def is_integer(dtype) -> bool:
+    """Whether ``dtype`` (a name or a DataType) is a signed or unsigned integer type."""
+    return str(dtype).startswith(("int", "uint"))
 
 
 def index_bounds(func) -> dict[int, list[tuple[tuple[tuple[int, int], ...], int]]]:
@@ -216,7 +217,7 @@ def index_bounds(func) -> dict[int, list[tuple[tuple[tuple[int, int], ...], int]
     def integer_loads(expr) -> list:
         found = []
         tvm_ffi.structural_walk(expr, [(TensorLoad, found.append)])
-        return [load for load in found if _is_integer(str(load.source.dtype))]
+        return [load for load in found if is_integer(load.source.dtype)]
 
     def constants(indices) -> tuple:
         return tuple((axis, int(i)) for axis, i in enumerate(indices) if isinstance(i, tvm.tirx.IntImm))
@@ -242,7 +243,7 @@ def index_bounds(func) -> dict[int, list[tuple[tuple[tuple[int, int], ...], int]
 
     def on_store(store):
         indexed(store.buffer, store.indices)
-        if _is_integer(str(store.buffer.dtype)):
+        if is_integer(store.buffer.dtype):
             copies.extend((store.buffer, store.indices, load) for load in integer_loads(store.value))
 
     def through(where, stored_at, load) -> tuple | None:

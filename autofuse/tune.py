@@ -31,6 +31,7 @@ from tvm.target import Target
 
 from .database import record_source, replay
 from .errors import AutofuseError
+from .measure import is_integer
 from .pattern import Template
 from .store import FAILED_RUN_SECS
 from .target import use_host_cores
@@ -253,7 +254,7 @@ def alloc_arguments(device, args_info, alloc_repeat: int, f_random_fill=None) ->
             if kind != "TENSOR":
                 raise NotImplementedError(f"runner argument of kind {kind!r}")
             arg = tvm.runtime.empty(shape=shape, dtype=dtype, device=device)
-            if str(dtype).startswith(("int", "uint")):
+            if is_integer(dtype):
                 arg.copyfrom(np.zeros([int(d) for d in shape], dtype=str(dtype)))
             else:
                 f_random_fill(arg)
