@@ -40,7 +40,8 @@
 #             shapes). Lands in $OUT/prefill-grid.tar.gz
 #   gemm-sweep  issue 22: linear_bias_relu at the issue's shapes (GEMM_SHAPES m:n:k ...) in
 #             GEMM_DTYPES (default float16 bfloat16), and the linear patterns (GEMM_PATTERNS) at
-#             4096^3 in float16, through `autofuse compare` against torch eager and torch.compile.
+#             4096^3 in float16, through `autofuse compare` against torch eager and torch.compile
+#             (GEMM_BASELINES names others for the shapes, e.g. adding xla,tvm-auto).
 #             Lands in $OUT/gemm-sweep.tar.gz, one report per shape
 #   real-models  issue 25: the corpus's fixed exports (REAL_VARIANTS, default dynamo-fixed) of
 #             REAL_MODELS (default bert, gpt2, llama, vit, resnet18) re-exported in float16 on the GPU with their modules' torch.export
@@ -185,8 +186,8 @@ gemm-sweep)
   for dtype in ${GEMM_DTYPES:-float16 bfloat16}; do
     for spec in ${GEMM_SHAPES:-4096:4096:4096 8192:8192:8192 128:4096:4096 1024:4096:4096 4096:11008:4096 4096:4096:11008}; do
       IFS=: read -r m n k <<< "$spec"
-      timeout 90 "${COMPARE[@]}" "${commit[@]}" --db none --dtype $dtype --pattern linear_bias_relu \
-        --shape m=$m,n=$n,k=$k --baselines torch-eager,torch-compile --repeat 10 --no-plots \
+      timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none --dtype $dtype --pattern linear_bias_relu \
+        --shape m=$m,n=$n,k=$k --baselines "${GEMM_BASELINES:-torch-eager,torch-compile}" --repeat 10 --no-plots \
         --report "$work/gemm-$dtype-$m-$n-$k"
       tar -C "$work" -czf "$OUT/gemm-sweep.tar.gz" .  # kept if the call is cut
     done
