@@ -2,7 +2,9 @@
 options (``relax_build_options``).
 
 On a CPU, float32 exp/erf/tanh/sigmoid calls become the vectorisable polynomials of
-``search_spaces.lib.tir_math`` (``fast_math``; ``stock`` keeps libm's, as TVM builds it). A kernel
+``search_spaces.lib.tir_math`` (``fast_math``; ``stock`` keeps libm's, as TVM builds it); on a GPU,
+pow by a small integer becomes products (``exact_powers``: TVM's CUDA fast math gives NaN for a
+negative base). A kernel
 template's PrimFunc carries ``autofuse.tirx`` and is lowered by TVM's tirx pipeline for its
 ``autofuse.tirx_arch`` (sm_90a: wgmma and TMA are arch-specific features an sm_90 target does not
 enable); a Relax model holding one is built with the ``autofuse_mixed`` pipeline, which sends those
@@ -15,7 +17,8 @@ import tvm
 from tvm import tirx
 from tvm.target import Target
 
-from search_spaces.lib.tir_math import fast_math as _fast_math  # noqa: E402 (the schedule library, no pattern)
+from search_spaces.lib.tir_math import exact_powers  # noqa: E402 (the schedule library, no pattern)
+from search_spaces.lib.tir_math import fast_math as _fast_math  # noqa: E402
 
 # On a kernel template's PrimFunc: lowered by the tirx pipeline, compiled for this arch.
 TIRX_ATTR = "autofuse.tirx"
@@ -53,8 +56,9 @@ def tirx_target(mod, target: Target) -> Target:
 
 def fast_math(mod, target: Target):
     """``mod`` as autofuse builds it for ``target``: on a CPU, the vectorisable polynomials in
-    place of libm's exp/erf/tanh/sigmoid (``search_spaces.lib.tir_math.fast_math``)."""
-    return _fast_math(mod) if target.kind.name == "llvm" else mod
+    place of libm's exp/erf/tanh/sigmoid (``search_spaces.lib.tir_math.fast_math``); on a GPU, pow
+    by 2, 3 or 4 as products (``exact_powers``)."""
+    return _fast_math(mod) if target.kind.name == "llvm" else exact_powers(mod)
 
 
 def build_kernel(mod: tvm.IRModule | tirx.PrimFunc, target: Target, *, stock: bool = False):

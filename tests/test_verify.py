@@ -153,6 +153,27 @@ def test_fast_math_is_within_the_checks_bound_and_vectorises(name, op, exact):
         assert check.ok, (name, check.message)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_gpu_build_squares_by_multiplying(dtype):
+    """TVM compiles CUDA with --use_fast_math, where powf(x, 2) is exp2(2 log2 x): NaN for a
+    negative x (a float16 Llama's RMSNorm went NaN on an H100). Ours multiplies; other exponents stay."""
+    n = 64
+
+    @T.prim_func(s_tir=True)
+    def func(a: T.Buffer((n,), dtype), b: T.Buffer((n,), dtype), c: T.Buffer((n,), dtype)):
+        for i in range(n):
+            with T.sblock("b"):
+                vi = T.axis.remap("S", [i])
+                b[vi] = T.pow(a[vi], T.FloatImm(dtype, 2.0))
+                c[vi] = T.pow(a[vi], T.FloatImm(dtype, 2.5))
+
+    built = building.fast_math(tvm.IRModule({"main": func}), parse_target("h200")).script()
+    assert built.count("T.pow(") == 1  # x ** 2.5 is left to powf
+    assert building.fast_math(tvm.IRModule({"main": func}), TARGET)["main"].script().count("T.pow(") == (
+        1 if dtype == "float32" else 2)  # the CPU rewrite stays float32-only
+    assert "a[vi] * a[vi]" in built
+
+
 def test_a_gather_kernel_passes_its_check_on_indices_inside_its_table():
     """The check of a kernel that indexes with an input (gather_nd) runs it on indices inside the
     axes they index: with random ones the reference itself read past the table, its output changed

@@ -71,9 +71,9 @@ Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new
     the writes and no second pass over the caches.
 
     Only a split's last step checks row bounds. Knobs (``DECODE_KNOBS``): ``warps`` per CTA (4, 8);
-    ``keys`` rows per lane group and step (1, 2, 4, 8); ``splits`` (None: about one full wave of CTAs
-    on 132 SMs, see ``default_splits``). Defaults: 8 warps, 4 keys (the best or within 3 % of it in
-    an H200 sweep at batch 1/16/64 x cache 4k/32k).
+    ``keys`` rows per lane group and step (1, 2, 4, 8); ``splits`` (None: ``default_splits``).
+    Defaults: 8 warps, 2 keys (in an H100 sweep at batch 1/16/64 x cache 1k-32k, 2 keys beat 4 by
+    5-9 % of the bandwidth wherever the cache held 4k keys or more).
 """
 
 from __future__ import annotations
@@ -92,7 +92,10 @@ BLOCK_M = 128                     # query rows per CTA: two consumer warpgroups 
 PREFILL_KNOBS = {"block_n": (64, 128), "stages": (2, 3)}
 PREFILL_DEFAULT_KNOBS = {"block_n": 128, "stages": 2}
 DECODE_KNOBS = {"warps": (4, 8), "keys": (1, 2, 4, 8), "splits": None}  # splits: None or a positive int
-DECODE_DEFAULT_KNOBS = {"warps": 8, "keys": 4, "splits": None}
+DECODE_DEFAULT_KNOBS = {"warps": 8, "keys": 2, "splits": None}
+SPLIT_MIN_KEYS = 128     # keys per split (at max_seq) below which a CTA's fixed costs dominate
+SPLIT_MAX = 32           # splits per (batch, K/V head)
+SPLIT_MAX_CTAS = 4096    # split CTAs in all
 # A decode kernel template's knobs: the split count left to its heuristic (a function of the shape)
 SPLIT_KV_KNOBS = {name: values for name, values in DECODE_KNOBS.items() if values is not None}
 SPLIT_KV_DEFAULT_KNOBS = {name: DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_KNOBS}
@@ -537,29 +540,17 @@ def decode_geometry(head_dim: int, knobs: dict) -> dict:
             "step": groups * knobs["keys"], "threads": 32 * knobs["warps"]}
 
 
-def decode_registers(group: int, keys: int) -> int:
-    """Registers per thread of the split kernel, an estimate (ptxas at group 4: 128 for keys <= 4,
-    163 for keys 8): q and the outputs of the group in float32 dominate."""
-    return 64 + 16 * group + (40 if keys > 4 else 0)
-
-
-def default_splits(batch: int, kv_heads: int, max_seq: int, head_dim: int, group: int, knobs: dict) -> int:
-    """Key splits per (batch, K/V head). CTAs run in waves of (SMs x CTAs that fit an SM's
-    registers) and a partial wave idles SMs: the quality of a split count is min(waves, 1) x the
-    fill of the last wave, and the fewest splits within 7 % of the best quality win (each split
-    adds a partial to combine; on the H200 one full wave of 8-warp CTAs was as fast as more waves,
-    and more splits cost in the combine). At least two steps of keys per split at max_seq."""
-    geo = decode_geometry(head_dim, knobs)
-    regs = -(-decode_registers(group, knobs["keys"]) // 8) * 8
-    resident = SM_COUNT * max(1, 65536 // (regs * geo["threads"]))
-    cap = max(1, max_seq // (2 * geo["step"]))
-
-    def quality(splits):
-        waves = batch * kv_heads * splits / resident
-        return min(waves, 1.0) * waves / math.ceil(waves)
-
-    best = max(quality(s) for s in range(1, cap + 1))
-    return next(s for s in range(1, cap + 1) if quality(s) >= 0.93 * best)
+def default_splits(batch: int, kv_heads: int, max_seq: int, head_dim: int, knobs: dict) -> int:
+    """Key splits per (batch, K/V head): as many as keep SPLIT_MIN_KEYS keys or more each, at most
+    SPLIT_MAX (each adds a partial per query head to combine) and SPLIT_MAX_CTAS CTAs in all, then
+    only those that get keys at max_seq. On an H100 (benchmarks/results/h100/decode-parts-*.json)
+    this gave 87-97 % of a copy's bandwidth at batch 1-64 x cache 4k-32k, where one wave of CTAs
+    (the rule before) gave 74-89 %: more, shorter CTAs hide the load latency better, up to where
+    the combine's reads cost more."""
+    step = decode_geometry(head_dim, knobs)["step"]
+    splits = max(1, min(SPLIT_MAX, max_seq // max(SPLIT_MIN_KEYS, step), SPLIT_MAX_CTAS // (batch * kv_heads)))
+    chunk = decode_key_range(0, max_seq, splits, step)[1]
+    return -(-max_seq // chunk)
 
 
 def check_decode(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[dict, dict]:
@@ -576,7 +567,7 @@ def check_decode(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[di
         raise AttentionShapeError("the K/V cache has 2^31 16-byte vectors or more (int32 indices)")
     splits = knobs["splits"]
     if splits is None:
-        splits = default_splits(nb, hkv, smax, hd, group, knobs)
+        splits = default_splits(nb, hkv, smax, hd, knobs)
     if not isinstance(splits, int) or isinstance(splits, bool) or not 1 <= splits <= smax:
         raise AttentionShapeError(f"knob splits={splits!r} must be an integer in [1, max_seq={smax}]")
     knobs = dict(knobs, splits=splits)

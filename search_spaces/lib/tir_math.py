@@ -86,7 +86,7 @@ _VECTORISABLE = {"tirx.exp": exp_f32, "tirx.erf": erf_f32, "tirx.tanh": tanh_f32
 
 def _small_power(base, exponent):
     """base ** 2, 3 or 4 as multiplications (GELU's x^3, RMSNorm's x^2), or None for any other
-    exponent (left to libm's powf)."""
+    exponent (left to powf)."""
     if not isinstance(exponent, tirx.FloatImm) or exponent.value not in (2.0, 3.0, 4.0):
         return None
     result = base
@@ -95,12 +95,19 @@ def _small_power(base, exponent):
     return result
 
 
+def _rewrite(mod, replace):
+    if isinstance(mod, tirx.PrimFunc):
+        return tvm_ffi.structural_map(mod, (ir.expr.Call, replace))
+    return ir.IRModule({gv: (tvm_ffi.structural_map(f, (ir.expr.Call, replace)) if isinstance(f, tirx.PrimFunc) else f)
+                        for gv, f in mod.functions_items()}, attrs=mod.attrs)
+
+
 def fast_math(mod):
     """``mod`` (an IRModule or a PrimFunc) with every float32 ``exp``, ``erf``, ``tanh`` and
     ``sigmoid`` call replaced by its polynomial above, and ``pow`` by 2, 3 or 4 by products, so
     that a vectorised loop around it stays vectorised (exp's relative error 3.1e-7 below 88.37, inf from there where libm still gives
     up to 3.4e38; erf's absolute error 4.4e-7). Applied before building whatever runs
-    autofuse's kernels; a kernel's reference (its TensorIR as written) keeps libm."""
+    autofuse's kernels on a CPU; a kernel's reference (its TensorIR as written) keeps libm."""
     ops = {ir.Op.get(name): fn for name, fn in _VECTORISABLE.items()}
     power = ir.Op.get("tirx.pow")
 
@@ -115,11 +122,22 @@ def fast_math(mod):
                 return call if product is None else product
         return call
 
-    if isinstance(mod, tirx.PrimFunc):
-        return tvm_ffi.structural_map(mod, (ir.expr.Call, replace))
-    out = ir.IRModule({gv: (tvm_ffi.structural_map(f, (ir.expr.Call, replace)) if isinstance(f, tirx.PrimFunc) else f)
-                       for gv, f in mod.functions_items()}, attrs=mod.attrs)
-    return out
+    return _rewrite(mod, replace)
+
+
+def exact_powers(mod):
+    """``mod`` with ``pow`` by 2, 3 or 4 as products in every float dtype. TVM compiles CUDA with
+    --use_fast_math, where powf(x, y) is exp2(y * log2(x)): NaN for any negative x, so RMSNorm's
+    x^2 came out NaN for half its inputs."""
+    power = ir.Op.get("tirx.pow")
+
+    def replace(call):
+        if isinstance(call.op, ir.Op) and call.op.same_as(power) and str(call.ty).startswith(("float", "bfloat")):
+            product = _small_power(*call.args)
+            return call if product is None else product
+        return call
+
+    return _rewrite(mod, replace)
 
 
 def seed_mix(seed):

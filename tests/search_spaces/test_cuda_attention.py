@@ -396,13 +396,16 @@ def test_append_split_reads_the_new_row_and_writes_the_caches():
     assert "KO_ptr" not in plain and "KN_ptr" not in plain
 
 
-@pytest.mark.parametrize("batch", [1, 3, 16, 64])
-@pytest.mark.parametrize("max_seq", [1024, 32768])
-def test_default_splits_fill_the_gpu_without_tiny_splits(batch, max_seq):
+@pytest.mark.parametrize("batch", [1, 3, 16, 64, 256])
+@pytest.mark.parametrize("max_seq", [100, 1024, 4000, 32768])
+def test_default_splits_fill_the_gpu_without_tiny_or_empty_splits(batch, max_seq):
     shape = dict(batch=batch, num_heads=32, num_kv_heads=8, head_dim=128, max_seq=max_seq)
     _, knobs = ca.check_decode(shape, "float16")
-    geo = ca.decode_geometry(128, knobs)
-    assert 1 <= knobs["splits"] <= max(1, max_seq // (2 * geo["step"]))
-    ctas = batch * 8 * knobs["splits"]
+    splits, step = knobs["splits"], ca.decode_geometry(128, knobs)["step"]
+    assert 1 <= splits <= ca.SPLIT_MAX
+    assert splits == 1 or batch * 8 * splits <= ca.SPLIT_MAX_CTAS
+    ranges = [ca.decode_key_range(sp, max_seq, splits, step) for sp in range(splits)]
+    assert all(begin < max_seq for begin, _ in ranges)                       # none empty at max_seq
+    assert splits == 1 or ranges[0][1] >= ca.SPLIT_MIN_KEYS                  # none tiny
     if batch * 8 < ca.SM_COUNT and max_seq >= 32768:
-        assert ctas >= ca.SM_COUNT  # a long cache of few sequences still spreads over all SMs
+        assert batch * 8 * splits >= ca.SM_COUNT  # a long cache of few sequences still spreads over all SMs
