@@ -133,6 +133,45 @@ def _add_one():
     return add_one
 
 
+def _matmul(n):
+    from tvm.script import tirx as T
+
+    @T.prim_func(s_tir=True)
+    def matmul(a: T.Buffer((n, n), "float32"), b: T.Buffer((n, n), "float32"), c: T.Buffer((n, n), "float32")):
+        for i, j, k in T.grid(n, n, n):
+            with T.sblock("c"):
+                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
+                with T.init():
+                    c[vi, vj] = T.float32(0)
+                c[vi, vj] = c[vi, vj] + a[vi, vk] * b[vj, vk]
+
+    return matmul
+
+
+def test_a_shared_budget_measures_each_batch_before_building_the_next(tmp_path, monkeypatch):
+    """A model's kernels share one budget (the gradient task scheduler). MetaSchedule's own built
+    the first batch of every kernel before it measured any, so a model's first result came a
+    minute in; ours measures each batch first, and still spends the whole budget on all tasks."""
+    from autofuse import tune as tuning
+
+    built, at_first_result = [], []
+    builder = tuning.PooledBuilder._cls  # the Python class under TVM's derived object
+    build = builder.build
+    monkeypatch.setattr(builder, "build", lambda self, inputs: built.append(len(inputs)) or build(self, inputs))
+
+    def progress(stats, task_id):
+        if not at_first_result:
+            at_first_result.append(len(built))
+
+    target = parse_target("llvm")
+    db = TuningDatabase(str(tmp_path), target)
+    tasks = [tuning.Task(f"matmul{n}", _matmul(n), weight=w) for n, w in ((16, 1.0), (32, 2.0), (48, 1.0))]
+    stats = tuning.tune(tasks, target, db.ms, db.work_dir, trials_per_task=4, trials_total=6, space="generic",
+                        seed=0, num_trials_per_iter=1, on_progress=progress)
+    assert at_first_result == [1]
+    assert stats.total_trials == 6 and set(stats.trials) == {0, 1, 2}
+
+
 def test_candidates_that_crash_or_hang_are_stored_failed_and_tuning_goes_on(tmp_path):
     """A kernel that segfaults its runner and one that never ends: both are recorded as failed
     trials, and the healthy task in the same session still gets valid records."""
