@@ -111,6 +111,7 @@ def sdpa(torch, shape, q, k, v):
         q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=shape.get("kv_heads", shape["heads"]) != shape["heads"])]
 
 
+_FLT_MIN = 1.1754943508222875e-38  # the smallest normal float32
 CUDA_LOAD_LANES = 4     # elements per thread and instruction in the K/V tile loads
 
 
@@ -528,9 +529,11 @@ def flash_attention_func(shape, dtype, symbol="flash_attention", mask_rows=None)
         return e if mask is None else T.Select(value >= neg, e, T.float32(0))
 
     def normalise(mask, total, count):
-        # A row whose every score is -inf has count 0: 0 out, what the exports' IsNaN/Where guard
-        # makes of the softmax's NaN (finfo.min masks keep their scores finite and never get here).
-        return total / count if mask is None else T.Select(count > T.float32(0), total / count, T.float32(0))
+        # A row whose every score is -inf has count 0 and total 0: 0 out, what the exports'
+        # IsNaN/Where guard makes of the softmax's NaN (finfo.min masks keep their scores finite and
+        # never get here); any other row has count >= 1. A max, not a Select: TVM's CUDA codegen
+        # types a vectorised Select's condition as ushort4 in a float4 (NVRTC rejects it).
+        return total / count if mask is None else total / T.max(count, T.float32(_FLT_MIN))
 
     # One body for both signatures (with and without the mask), spliced into each.
     @T.macro
