@@ -72,8 +72,7 @@ Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new
 
     Only a split's last step checks row bounds. Knobs (``DECODE_KNOBS``): ``warps`` per CTA (4, 8);
     ``keys`` rows per lane group and step (1, 2, 4, 8); ``splits`` (None: ``default_splits``).
-    Defaults: 8 warps, 2 keys (in an H100 sweep at batch 1/16/64 x cache 1k-32k, 2 keys beat 4 by
-    5-9 % of the bandwidth wherever the cache held 4k keys or more).
+    Defaults: 8 warps, 2 keys (the faster from a 4k cache on in an H100 sweep).
 """
 
 from __future__ import annotations
@@ -543,10 +542,8 @@ def decode_geometry(head_dim: int, knobs: dict) -> dict:
 def default_splits(batch: int, kv_heads: int, max_seq: int, head_dim: int, knobs: dict) -> int:
     """Key splits per (batch, K/V head): as many as keep SPLIT_MIN_KEYS keys or more each, at most
     SPLIT_MAX (each adds a partial per query head to combine) and SPLIT_MAX_CTAS CTAs in all, then
-    only those that get keys at max_seq. On an H100 (benchmarks/results/h100/decode-parts-*.json)
-    this gave 87-97 % of a copy's bandwidth at batch 1-64 x cache 4k-32k, where one wave of CTAs
-    (the rule before) gave 74-89 %: more, shorter CTAs hide the load latency better, up to where
-    the combine's reads cost more."""
+    only those that get keys at max_seq. More, shorter CTAs than one wave hide the loads' latency
+    better, up to where the combine's reads cost more (H100 sweep: README, "decode split sweep")."""
     step = decode_geometry(head_dim, knobs)["step"]
     splits = max(1, min(SPLIT_MAX, max_seq // max(SPLIT_MIN_KEYS, step), SPLIT_MAX_CTAS // (batch * kv_heads)))
     chunk = decode_key_range(0, max_seq, splits, step)[1]
