@@ -133,21 +133,6 @@ def _add_one():
     return add_one
 
 
-def _matmul(n):
-    from tvm.script import tirx as T
-
-    @T.prim_func(s_tir=True)
-    def matmul(a: T.Buffer((n, n), "float32"), b: T.Buffer((n, n), "float32"), c: T.Buffer((n, n), "float32")):
-        for i, j, k in T.grid(n, n, n):
-            with T.sblock("c"):
-                vi, vj, vk = T.axis.remap("SSR", [i, j, k])
-                with T.init():
-                    c[vi, vj] = T.float32(0)
-                c[vi, vj] = c[vi, vj] + a[vi, vk] * b[vj, vk]
-
-    return matmul
-
-
 def test_a_shared_budget_measures_each_batch_before_building_the_next(tmp_path, monkeypatch):
     """A model's kernels share one budget (the gradient task scheduler). MetaSchedule's own built
     the first batch of every kernel before it measured any, so a model's first result came a
@@ -165,7 +150,9 @@ def test_a_shared_budget_measures_each_batch_before_building_the_next(tmp_path, 
 
     target = parse_target("llvm")
     db = TuningDatabase(str(tmp_path), target)
-    tasks = [tuning.Task(f"matmul{n}", _matmul(n), weight=w) for n, w in ((16, 1.0), (32, 2.0), (48, 1.0))]
+    gemm = get_pattern("linear_bias_relu")
+    tasks = [tuning.Task(f"gemm{n}", gemm.build({"m": n, "n": n, "k": n}, "float32"), weight=w)
+             for n, w in ((16, 1.0), (32, 2.0), (48, 1.0))]
     stats = tuning.tune(tasks, target, db.ms, db.work_dir, trials_per_task=4, trials_total=6, space="generic",
                         seed=0, num_trials_per_iter=1, on_progress=progress)
     assert at_first_result == [1]
