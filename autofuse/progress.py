@@ -9,6 +9,20 @@ import time
 from .tune import TuneStats
 
 
+class _CurrentStderr:
+    """Whatever ``sys.stderr`` is when the bar writes: while ``tune`` sends fd 2 (TVM's native
+    warnings) to its log, sys.stderr is the terminal."""
+
+    def write(self, text):  # tqdm keeps the bound write it was given: this one looks each time
+        return sys.stderr.write(text)
+
+    def flush(self):
+        return sys.stderr.flush()
+
+    def __getattr__(self, name):
+        return getattr(sys.stderr, name)
+
+
 @contextlib.contextmanager
 def tuning_bar(total: int, labels: list[str], enabled: bool = True, status=None, status_every: float = 5.0):
     """Yields ``(on_phase, on_progress)`` callbacks for ``tune``. ``status()``, when given, is a
@@ -16,7 +30,7 @@ def tuning_bar(total: int, labels: list[str], enabled: bool = True, status=None,
     ``status_every`` seconds."""
     from tqdm import tqdm
 
-    bar = tqdm(total=total, unit="trial", desc="starting", disable=not enabled, file=sys.stderr,
+    bar = tqdm(total=total, unit="trial", desc="starting", disable=not enabled, file=_CurrentStderr(),
                dynamic_ncols=True)
 
     asked = [float("-inf"), ""]

@@ -459,7 +459,7 @@ def tune(tasks: Sequence[Task], target: Target, database: ms.database.Database, 
     register_tensor_intrinsics(target)
     os.makedirs(work_dir, exist_ok=True)
     cost_model = _load_cost_model(cost_model_path)
-    with _quiet_metaschedule(work_dir):
+    with _quiet_metaschedule(work_dir), _native_stderr_to(os.path.join(work_dir, "logs", "console.log")):
         loggers = ms.logging.get_loggers_from_work_dir(work_dir, [t.name for t in tasks])
         seeds = ms.utils.fork_seed(seed, n=len(tasks))
         contexts, kept = [], []
@@ -557,6 +557,40 @@ def _save_cost_model(model: ms.cost_model.XGBModel, path: str) -> None:
         logging.getLogger("autofuse").warning("could not save cost model to %s: %s", path, err)
         with contextlib.suppress(OSError):
             os.remove(tmp)
+
+
+@contextlib.contextmanager
+def _native_stderr_to(path: str):
+    """TVM's native output on fd 2 goes to ``path``: its C++ warnings (one for every pooling kernel:
+    "Unknown schedule rule meta_schedule.pool_max"), the build and run processes' own. Python's
+    ``sys.stderr`` (the progress bar, autofuse's warnings) stays on the terminal."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    python_stderr = sys.stderr
+    terminal = os.fdopen(os.dup(saved), "w", buffering=1, encoding=getattr(python_stderr, "encoding", None) or "utf-8",
+                         errors="replace")
+    terminal.reconfigure(write_through=True)  # the bar redraws its line with \r, never a newline
+    with open(path, "a", encoding="utf-8") as sink:
+        os.dup2(sink.fileno(), 2)
+        # Python's own writes keep their terminal; one already redirected (a test's capture) stays.
+        if _is_fd2(python_stderr):
+            sys.stderr = terminal
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            sys.stderr = python_stderr
+            os.dup2(saved, 2)
+            os.close(saved)
+            terminal.close()
+
+
+def _is_fd2(stream) -> bool:
+    try:
+        return stream.fileno() == 2
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @contextlib.contextmanager

@@ -2,6 +2,7 @@
 
 import json
 import logging
+import os
 
 import pytest
 
@@ -157,6 +158,25 @@ def test_a_shared_budget_measures_each_batch_before_building_the_next(tmp_path, 
                         seed=0, num_trials_per_iter=1, on_progress=progress)
     assert at_first_result == [1]
     assert stats.total_trials == 6 and set(stats.trials) == {0, 1, 2}
+
+
+def test_tvms_native_warnings_go_to_the_log_and_the_progress_bar_stays(tmp_path):
+    """topi's pooling kernels name a schedule rule MetaSchedule's CPU rules lack, and TVM's C++
+    logs a warning for it on fd 2 in every pooled model's tune: it goes to the session's log,
+    while the progress bar (Python's stderr) still reaches the terminal."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], strides=[2, 2])], "pool",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 16, 16])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 8, 8])])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "pool.onnx")
+    result = run_cli("tune", str(tmp_path / "pool.onnx"), "--trials", "2", "--db", str(tmp_path / "db"), "--seed", "0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Unknown schedule rule" not in result.stderr
+    assert "measuring" in result.stderr and "best " in result.stderr  # the bar, live during the search
+    logs = list((tmp_path / "db").rglob("console.log"))
+    assert any("Unknown schedule rule" in log.read_text() for log in logs)
 
 
 def test_candidates_that_crash_or_hang_are_stored_failed_and_tuning_goes_on(tmp_path):

@@ -53,7 +53,7 @@ def run(args) -> int:
     if args.input_shape:
         raise AutofuseError("--input-shape applies to a model (autofuse tune MODEL.onnx), not to patterns")
     args.pattern = args.pattern or DEFAULT_PATTERN
-    from ..report import TUNE_COLUMNS, machine_info, table, write_json
+    from ..report import TUNE_COLUMNS, table
     from ..target import target_key
     from ..tune_patterns import tune_jobs
 
@@ -77,14 +77,21 @@ def run(args) -> int:
         if row["best_ms"] is None:
             print(f"  {row['pattern']}: no record passed the numerical check; nothing to report")
     print(_throughput_line(stats))
+    _write_json(args, target, rows, stats, trials_per_workload=args.trials)
+    return 0 if all(row["best_ms"] is not None for row in rows) else 1
+
+
+def _write_json(args, target, rows, stats, **head) -> None:
+    """``--json``: the result rows and the session's figures."""
+    from ..report import machine_info, write_json
+
     if args.json:
-        write_json(args.json, {"machine": machine_info(), "target": str(target), "space": args.space,
-                               "trials_per_workload": args.trials, "rows": rows,
+        write_json(args.json, {"machine": machine_info(), "target": str(target), "space": args.space, **head,
+                               "rows": rows,
                                "session": {"trials": stats.total_trials, "secs": stats.total_secs,
                                            "first_trial_secs": stats.first_trial_secs,
                                            "trials_per_minute": stats.trials_per_minute(),
                                            "steady_trials_per_minute": stats.steady_trials_per_minute()}})
-    return 0 if all(row["best_ms"] is not None for row in rows) else 1
 
 
 def _tune_model(args) -> int:
@@ -111,6 +118,7 @@ def _tune_model(args) -> int:
     print(table(rows, [("kernel", "kernel"), ("weight", "runs"), ("space", "space"), ("trials", "trials"),
                        ("best_ms", "best ms (measured in tuning)"), ("tune_secs", "time s")]))
     print(_throughput_line(stats))
+    _write_json(args, target, rows, stats, model=args.model, fusion=args.fusion, trials_shared=args.trials)
     bind = "".join(f" --input-shape {n}={'x'.join(map(str, d))}" for n, d in (shapes or {}).items())
     print(f"next: autofuse build {args.model} --fusion {args.fusion} --db {args.db}{bind}")
     return 0

@@ -65,9 +65,11 @@ def tuned_mlp_db(tmp_path_factory):
     """mlp tuned for 8 trials shared by its two kernels (one tuning process for the module)."""
     db = tmp_path_factory.mktemp("tuned") / "db"
     tuned = run_cli("tune", os.path.join(REPO, "models", "mlp.onnx"), "--fusion", "patterns", "--trials", "8",
-                    "--db", str(db), "--no-progress", "--seed", "1")
+                    "--db", str(db), "--no-progress", "--seed", "1", "--json", str(db.parent / "rows.json"))
     assert tuned.returncode == 0, tuned.stderr[-3000:]
     assert "linear_bias_relu" in tuned.stderr  # the matches are printed
+    rows = json.loads((db.parent / "rows.json").read_text())  # --json as for patterns
+    assert rows["session"]["trials"] >= 8 and any(r["kernel"].startswith("linear_bias_relu") for r in rows["rows"])
     return db
 
 
