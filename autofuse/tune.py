@@ -6,7 +6,8 @@ XGBoost cost model in every space, so spaces compare at equal budgets. In the un
 an evolutionary search of its own and every measured batch is split between them
 (``ArmsSearch``): one search over both let the cost model, trained on the first template
 records, rank the generic arm's candidates out of every batch. All tasks run in one MetaSchedule
-session, so the process start-up cost is paid once.
+session, so the process start-up cost is paid once; a model's kernels share its budget through
+``_GradientScheduler``, which measures each batch before the next kernel's search.
 """
 
 from __future__ import annotations
