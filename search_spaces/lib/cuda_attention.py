@@ -82,7 +82,7 @@ import math
 
 from tvm.script import tirx as T
 
-from search_spaces.lib.cuda_wgmma import DTYPES, SHARED_MEMORY_LIMIT, SM_COUNT, TARGET
+from search_spaces.lib.cuda_wgmma import DTYPES, SHARED_MEMORY_LIMIT, TARGET
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from search_spaces.lib import cuda_attention as ca
+from search_spaces.lib.cuda_wgmma import SM_COUNT
 
 PREFILL = dict(batch=1, heads=4, kv_heads=2, seq_q=256, seq_kv=384, head_dim=128, causal=1)
 MASKED = dict(PREFILL, causal=0, mask_rows=1, batch=2)
@@ -407,5 +408,5 @@ def test_default_splits_fill_the_gpu_without_tiny_or_empty_splits(batch, max_seq
     ranges = [ca.decode_key_range(sp, max_seq, splits, step) for sp in range(splits)]
     assert all(begin < max_seq for begin, _ in ranges)                       # none empty at max_seq
     assert splits == 1 or ranges[0][1] >= ca.SPLIT_MIN_KEYS                  # none tiny
-    if batch * 8 < ca.SM_COUNT and max_seq >= 32768:
-        assert batch * 8 * splits >= ca.SM_COUNT  # a long cache of few sequences still spreads over all SMs
+    if batch * 8 < SM_COUNT and max_seq >= 32768:
+        assert batch * 8 * splits >= SM_COUNT  # a long cache of few sequences still spreads over all SMs
