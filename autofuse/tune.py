@@ -391,7 +391,6 @@ class _GradientScheduler(ms.task_scheduler.PyTaskScheduler):
         self.alpha, self.window = alpha, window
         self.rng = random.Random(seed)
         self.history: list[list[float]] = []  # best ms of each task after each of its batches
-        self.best: list[float] = []
         self.warmup = 0                        # tasks given their first batch
         self.last: int | None = None
 
@@ -400,13 +399,14 @@ class _GradientScheduler(ms.task_scheduler.PyTaskScheduler):
         records = outer.tasks_
         if not self.history:
             self.history = [[] for _ in records]
-            self.best = [1e100] * len(records)  # finite: no inf - inf in the gain of a task never timed
         if self.last is not None and records[self.last].runner_futures is not None:
+            history = self.history[self.last]
+            best = history[-1] if history else 1e100  # finite: no inf - inf in a never-timed task's gain
             for result in outer.join_running_task(self.last):
                 if result.error_msg is None and result.run_secs:
                     secs = sorted(float(x) for x in result.run_secs)[len(result.run_secs) // 2]
-                    self.best[self.last] = min(self.best[self.last], secs * 1e3)
-            self.history[self.last].append(self.best[self.last])
+                    best = min(best, secs * 1e3)
+            history.append(best)
         while self.warmup < len(records):
             self.warmup += 1
             if not records[self.warmup - 1].is_terminated:
