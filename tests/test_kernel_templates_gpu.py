@@ -35,6 +35,9 @@ CASES = [
                          "causal": 1}, "float16"),
     ("flash_attention", {"batch": 1, "heads": 4, "kv_heads": 4, "seq_q": 384, "seq_kv": 384, "head_dim": 64,
                          "causal": 0}, "bfloat16"),
+    # 256 work items: the persistent CTAs take two each (the ring and query barriers' second phase)
+    ("flash_attention", {"batch": 2, "heads": 16, "kv_heads": 4, "seq_q": 1024, "seq_kv": 1024, "head_dim": 128,
+                         "causal": 1}, "float16"),
     ("gqa_decode_attention", {"batch": 4, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "max_seq": 2048,
                               "cache_len": 1500}, "float16"),
     ("gqa_decode_attention", {"batch": 2, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "max_seq": 512,
@@ -50,6 +53,8 @@ CASES = [
                           "mask_rows": 1}, "float16"),
     ("masked_attention", {"batch": 2, "heads": 4, "kv_heads": 4, "seq_q": 384, "seq_kv": 384, "head_dim": 64,
                           "mask_rows": 384}, "bfloat16"),
+    ("masked_attention", {"batch": 2, "heads": 16, "kv_heads": 16, "seq_q": 1024, "seq_kv": 1024, "head_dim": 64,
+                          "mask_rows": 1}, "float16"),
     ("cross_attention", {"batch": 2, "heads": 4, "seq_q": 256, "seq_kv": 384, "head_dim": 128}, "float16"),
     # sequences of seeded lengths over scattered pages; a block table whose unused entries point anywhere
     ("paged_attention", {"batch": 4, "q_len": 1, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,

@@ -27,6 +27,46 @@ DTYPE_ATTR = "autofuse.dtype"
 OPAQUE = 8
 
 
+_REDUCED_FLOATS = ("float16", "bfloat16")
+
+
+@relax.expr_functor.mutator
+class _Float32Accumulation(relax.PyExprMutator):
+    """Matmuls and convolutions of float16/bfloat16 tensors sum in float32 and round once, as
+    onnxruntime, cuBLAS and cuDNN do: TVM legalises them to add in the storage dtype, whose error
+    grows with the reduction (a ViT's float16 patch convolution put the model 1.7x over the error
+    torch has in float16)."""
+
+    def visit_call_(self, call):
+        call = self.visit_expr_post_order(call)
+        name = call.op.name if isinstance(call.op, tvm.ir.Op) else None
+        if name in ("relax.matmul", "relax.nn.conv1d", "relax.nn.conv2d"):
+            call = self.builder_.normalize(call)
+        if name not in ("relax.matmul", "relax.nn.conv1d", "relax.nn.conv2d"):
+            return call
+        dtype = dtype_of(call)
+        if dtype not in _REDUCED_FLOATS or any(dtype_of(a) != dtype for a in call.args):
+            return call
+        if name == "relax.matmul":
+            wide = relax.op.matmul(*call.args, out_dtype="float32")
+        else:
+            a = call.attrs
+            conv = relax.op.nn.conv1d if name == "relax.nn.conv1d" else relax.op.nn.conv2d
+            wide = conv(*call.args, strides=a.strides, padding=a.padding, dilation=a.dilation, groups=a.groups,
+                        data_layout=a.data_layout, kernel_layout=a.kernel_layout, out_layout=a.out_layout,
+                        out_dtype="float32")
+        return relax.op.astype(self.builder_.emit(wide), dtype)
+
+
+def accumulate_in_float32(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with every float16/bfloat16 matmul and 1-D/2-D convolution accumulating in float32."""
+    out = tvm.IRModule(mod.functions, attrs=mod.attrs, global_infos=mod.global_infos)
+    for gv, func in mod.functions_items():
+        if isinstance(func, relax.Function):
+            out[gv] = _Float32Accumulation().visit_expr(func)
+    return out
+
+
 def _prepare(mod: tvm.IRModule) -> tvm.IRModule:
     # BatchNorm becomes arithmetic that fuses into the conv; canonicalising afterwards lets the ReLU
     # after it fuse too (without it, Relu stays a kernel of its own).
@@ -52,7 +92,7 @@ def fuse(mod: tvm.IRModule, mode: str) -> tuple[tvm.IRModule, dict[str, int]]:
     if mode == "patterns":
         # Match before DecomposeOpsForInference: batch_norm is still one op there.
         mod, matches = match_patterns(mod)
-    mod = _prepare(mod)
+    mod = _prepare(accumulate_in_float32(mod))
     return _lower(mod, fuse=mode != "none"), matches
 
 

@@ -26,8 +26,8 @@ Prefill: ``prefill_attention`` -> ``(q, k, v, out)``, or ``(q, k, v, mask, out)`
     (l = 0) stores 0, as the exports' IsNaN/Where guard makes it. mask_rows 0 is the unmasked
     kernel, unchanged.
 
-    The FlashAttention-3 layout without its ping-pong: one CTA per (128-row query tile, batch x
-    head), three warpgroups. Warpgroup 0 is the producer: one thread issues the TMA copies (128-byte
+    The FlashAttention-3 layout without its ping-pong: per (128-row query tile, batch x head) work
+    item, three warpgroups. Warpgroup 0 is the producer: one thread issues the TMA copies (128-byte
     swizzle, boxes of 64 columns) of the query tile and then of each key/value tile (BN rows) into a
     ring of ``stages`` shared-memory slots, each slot with a "full" mbarrier (the bytes landed) and
     an "empty" one (both consumers are done with it), so loads run ahead of the math without any
@@ -39,11 +39,20 @@ Prefill: ``prefill_attention`` -> ``(q, k, v, out)``, or ``(q, k, v, mask, out)`
                              has the A fragment's element order), V as stored (MN-major)
     A thread holds two rows of each 8-column group, and the four threads of a quad share rows, so
     row max and sum are two shuffles. Causal: key tiles wholly above the diagonal are never loaded
-    or computed (the tile count is per CTA), only the BM / BN tiles that cross it are masked, and
-    CTAs start with the longest query tiles. At the end O / l is stored from registers.
+    or computed (the tile count is per item), only the BM / BN tiles that cross it are masked, and
+    the longest query tiles go first. At the end O / l is stored from registers.
 
-    Knobs (``PREFILL_KNOBS``): ``block_n`` BN, keys per tile (64, 128); ``stages`` (2, 3).
-    seq_q must be a multiple of 128 and seq_kv of BN (padded tiles are not done yet).
+    ``persistent`` 1: one CTA per SM, each taking every grid-th work item; the producer loads the
+    next item's query tile (a "q_empty" mbarrier: both consumers issued their last Q K^T) and first
+    key tiles while the consumers finish the last tile and store. 0: a CTA per work item.
+    ``overlap`` 1: tile j's Q K^T is issued ahead of tile j - 1's P V, which then runs on the
+    tensor cores during tile j's softmax (FlashAttention-3's intra-warpgroup pipelining); S, P and
+    O are all live then, so the producer gives its registers to the consumers (setmaxnreg 24/240),
+    and the accumulators are pinned after each wait so that ptxas keeps the wgmma pipeline.
+
+    Knobs (``PREFILL_KNOBS``): ``block_n`` BN, keys per tile (64, 128); ``stages`` (2, 3);
+    ``persistent`` (0, 1); ``overlap`` (0, 1). seq_q must be a multiple of 128 and seq_kv of BN
+    (padded tiles are not done yet).
 
 Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new token per sequence
     split (q, k_cache, v_cache, part_o, part_ml, length) attends q (batch, heads, head_dim) over
@@ -82,14 +91,15 @@ import math
 
 from tvm.script import tirx as T
 
-from search_spaces.lib.cuda_wgmma import DTYPES, SHARED_MEMORY_LIMIT, TARGET
+from search_spaces.lib.cuda_wgmma import DTYPES, SHARED_MEMORY_LIMIT, SM_COUNT, TARGET, pin_registers
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
 BLOCK_M = 128                     # query rows per CTA: two consumer warpgroups of 64
+PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240  # per thread, setmaxnreg: 128 x 24 + 256 x 240 <= 65536
 
-PREFILL_KNOBS = {"block_n": (64, 128), "stages": (2, 3)}
-PREFILL_DEFAULT_KNOBS = {"block_n": 128, "stages": 2}
+PREFILL_KNOBS = {"block_n": (64, 128), "stages": (2, 3), "persistent": (0, 1), "overlap": (0, 1)}
+PREFILL_DEFAULT_KNOBS = {"block_n": 128, "stages": 2, "persistent": 1, "overlap": 1}
 DECODE_KNOBS = {"warps": (4, 8), "keys": (1, 2, 4, 8), "splits": None}  # splits: None or a positive int
 DECODE_DEFAULT_KNOBS = {"warps": 8, "keys": 2, "splits": None}
 SPLIT_MIN_KEYS = 128     # keys per split (at max_seq) below which a CTA's fixed costs dominate
@@ -164,7 +174,7 @@ def prefill_shared_memory_bytes(head_dim: int, knobs: dict) -> int:
     1 KiB alignment of the swizzled tiles)."""
     itemsize = 2
     return (BLOCK_M * head_dim + 2 * knobs["stages"] * knobs["block_n"] * head_dim) * itemsize \
-        + 8 * (2 * knobs["stages"] + 1) + 1024
+        + 8 * (2 * knobs["stages"] + 2) + 1024
 
 
 def check_prefill(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[dict, dict]:
@@ -209,6 +219,22 @@ def prefill_configs(shape: dict, dtype: str) -> list[dict]:
     return _configs(PREFILL_KNOBS, lambda knobs: check_prefill(shape, dtype, knobs))
 
 
+def prefill_grid(tiles: int, knobs: dict) -> int:
+    """CTAs of a prefill launch over ``tiles`` work items: one each, or with ``persistent`` one per
+    SM, each looping over every grid-th item so that the next item's query tile and first keys load
+    while this one finishes its last tile and stores."""
+    return min(tiles, SM_COUNT) if knobs["persistent"] else tiles
+
+
+def prefill_work_item(t, q_tiles: int, heads: int, causal: bool):
+    """(query tile, batch x head) of work item t (an int or the kernel's expression) of q_tiles x
+    heads: causal in decreasing query tile (the longest first, so the short ones fill the last
+    wave), else a head's query tiles together (they share its K/V in L2)."""
+    if causal:
+        return q_tiles - 1 - t // heads, t % heads
+    return t % q_tiles, t // q_tiles
+
+
 def _configs(space: dict, accept) -> list[dict]:
     out = []
     names = [n for n, values in space.items() if values is not None]
@@ -242,8 +268,9 @@ def causal_key_tiles(q_first, offset: int, block_n: int):
 # and q = 2 (t % 4). Index i of such an accumulator is thus in row half (i % 4) / 2 (0: r, 1: r + 8).
 
 @T.macro
-def _scores(s, n_s, q_smem, k_smem, slot, wg, head_dim, mma, desc_a, desc_b):
-    """S = Q K^T for this warpgroup's 64 rows and the BN keys in ring slot ``slot``; waits for it."""
+def _issue_scores(s, n_s, q_smem, k_smem, slot, wg, head_dim, mma, desc_a, desc_b):
+    """Issue S = Q K^T for this warpgroup's 64 rows and the BN keys in ring slot ``slot`` as one
+    wgmma group (not waited for)."""
     for i in T.unroll(n_s):
         s[i] = T.float32(0)
     T.ptx.wgmma.fence.sync.aligned()
@@ -256,7 +283,6 @@ def _scores(s, n_s, q_smem, k_smem, slot, wg, head_dim, mma, desc_a, desc_b):
                                               1, 64, _SWIZZLE_128B)
         T.ptx[mma](*[s[i] for i in range(n_s)], desc_a, desc_b, True, 1, 1, 0, 0)
     T.ptx.wgmma.commit_group.sync.aligned()
-    T.ptx.wgmma.wait_group.sync.aligned(0)
 
 
 @T.macro
@@ -297,9 +323,10 @@ def _add_mask(s, n_s, mask_words, mask_pair, mask_word, word0, half_words, scale
 
 
 @T.macro
-def _online_softmax(s, p, n_s, o, n_o, m, l, m_new, alpha, tile_sum, c, dtype, masked):
-    """Running max and sum of this thread's two rows over one more tile; P = 2^(S c - m') in the
-    dtype for the P V product; O rescaled by alpha = 2^(m - m').
+def _softmax_tile(s, n_s, m, l, m_new, alpha, tile_sum, c, masked):
+    """Running max and sum of this thread's two rows over one more tile: S becomes P = 2^(S c - m')
+    in float32 and alpha = 2^(m - m') the factor for O (``_rescale_cast``). Touches neither O nor
+    the P registers, so it may run while the previous tile's P V is in flight.
 
     ``masked``: S is already scaled with the mask added (``_add_mask``), in the natural-log
     domain, and so are m and m'; P = 2^((S - m') log2(e)), alpha = 2^((m - m') log2(e)). m is
@@ -328,18 +355,25 @@ def _online_softmax(s, p, n_s, o, n_o, m, l, m_new, alpha, tile_sum, c, dtype, m
         else:
             s[i] = T.exp2(s[i] * T.float32(c) - m[i % 4 // 2])
         tile_sum[i % 4 // 2] = tile_sum[i % 4 // 2] + s[i]
-        p[i] = T.Cast(dtype, s[i])
     for r in T.unroll(2):
         l[r] = l[r] * alpha[r] + tile_sum[r]  # a partial sum over this thread's columns; quad-summed at the end
-    for i in T.unroll(n_o):
-        o[i] = o[i] * alpha[i % 4 // 2]
 
 
 @T.macro
-def _accumulate_pv(o, n_o, p_regs, v_smem, slot, block_n, mma, v_box_units, desc_b):
-    """O += P V with P (this warpgroup's 64 x BN probabilities) as the register A operand and the
-    BN x head_dim V tile of ring slot ``slot`` read MN-major (head_dim contiguous): the descriptor
-    starts at row 16 kk of the first 64-column box, the leading offset is one box."""
+def _rescale_cast(s, p, n_s, o, n_o, alpha, dtype):
+    """O *= alpha and P in the dtype for the P V product (after the previous P V completed)."""
+    for i in T.unroll(n_o):
+        o[i] = o[i] * alpha[i % 4 // 2]
+    for i in T.unroll(n_s):
+        p[i] = T.Cast(dtype, s[i])
+
+
+@T.macro
+def _issue_pv(o, n_o, p_regs, v_smem, slot, block_n, mma, v_box_units, desc_b):
+    """Issue O += P V as one wgmma group (not waited for), P (this warpgroup's 64 x BN
+    probabilities) as the register A operand and the BN x head_dim V tile of ring slot ``slot`` read
+    MN-major (head_dim contiguous): the descriptor starts at row 16 kk of the first 64-column box,
+    the leading offset is one box."""
     T.ptx.wgmma.fence.sync.aligned()
     for kk in T.unroll(block_n // 16):
         T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_b), v_smem.ptr_to([slot, 0, kk * 16, 0]),
@@ -347,7 +381,6 @@ def _accumulate_pv(o, n_o, p_regs, v_smem, slot, block_n, mma, v_box_units, desc
         T.ptx[mma](*[o[i] for i in range(n_o)], p_regs[kk * 4], p_regs[kk * 4 + 1], p_regs[kk * 4 + 2],
                    p_regs[kk * 4 + 3], desc_b, True, 1, 1, 1)
     T.ptx.wgmma.commit_group.sync.aligned()
-    T.ptx.wgmma.wait_group.sync.aligned(0)
 
 
 def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = None):
@@ -362,6 +395,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
     mask_rows = dims["mask_rows"]
     masked = mask_rows > 0
     bm, bn, stages = BLOCK_M, knobs["block_n"], knobs["stages"]
+    overlap = bool(knobs["overlap"])
     group = hq // hkv
     offset = skv - sq                  # causal: query i sees keys <= i + offset
     boxes = hd // 64                   # 64-column TMA boxes per row
@@ -376,6 +410,25 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
     tma_kv = _tensor_map_args(kv_rows, hd, bn)
     kv_tile_bytes = 2 * bn * hd * 2
     v_box_units = bn * 64 * 2 // 16    # one 64-column box of the V tile, in 16-byte units
+    tiles = q_tiles * nb * hq          # (query tile, batch x head) work items
+    grid = prefill_grid(tiles, knobs)
+
+    @T.macro
+    def key_tile_softmax(s, m, l, m_new, alpha, tile_sum, j, n_tiles, n_unmasked, first_row, head, lane, q_empty,
+                         M_words, mask_pair, mask_word):
+        """After key tile j's scores landed: release the query tile after the item's last one, mask,
+        and the online softmax's update (``_softmax_tile``)."""
+        if j == n_tiles - 1:
+            if lane == 0:  # the query tile is read: the producer may load the next item's
+                T.ptx.mbarrier.arrive.shared.b64(T.address_of(q_empty[0]))
+        if causal:
+            if j >= n_unmasked:
+                _mask_above_diagonal(s, n_s, j * bn, first_row, offset, lane)
+        if masked:
+            _add_mask(s, n_s, M_words, mask_pair, mask_word,
+                      mask_word_index(head // hq, first_row, j * bn, lane, mask_rows, skv),
+                      4 * skv if mask_rows > 1 else 0, dims["scale"])
+        _softmax_tile(s, n_s, m, l, m_new, alpha, tile_sum, c, masked)
 
     # One body for both signatures (with and without the mask), spliced into each.
     @T.macro
@@ -387,7 +440,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         V_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", V_map, dtype, 2, V.data, *tma_kv)
         T.device_entry()
-        bx, by = T.cta_id([q_tiles, nb * hq])
+        cta = T.cta_id([grid])
         tx = T.thread_id([384])  # warpgroup 0: TMA producer (one thread); 1 and 2: consumers
         pool = T.SMEMPool()
         Qs = pool.alloc((boxes, bm, 64), dtype, align=1024)
@@ -396,6 +449,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         full = pool.alloc((stages,), "uint64", align=8)
         empty = pool.alloc((stages,), "uint64", align=8)
         q_full = pool.alloc((1,), "uint64", align=8)
+        q_empty = pool.alloc((1,), "uint64", align=8)
         pool.commit()
         desc_a: T.uint64
         desc_b: T.uint64
@@ -408,6 +462,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         m_new = T.alloc_buffer((2,), "float32", scope="local")
         alpha = T.alloc_buffer((2,), "float32", scope="local")
         tile_sum = T.alloc_buffer((2,), "float32", scope="local")
+        ring = T.alloc_buffer((1,), "int32", scope="local")  # key tiles through the ring before this work item
         out_pair = T.alloc_buffer((2,), dtype, scope="local")
         out_word = T.decl_buffer((1,), "uint32", data=out_pair.data, scope="local")
         O_words = T.decl_buffer((q_rows, hd // 2), "uint32", data=O.data)
@@ -416,80 +471,134 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
             M_words = T.decl_buffer((nb * mask_rows * skv // 2,), "uint32", data=Mk.data)
             mask_pair = T.alloc_buffer((2,), dtype, scope="local")
             mask_word = T.decl_buffer((1,), "uint32", data=mask_pair.data, scope="local")
-        # Causal: the longest query tiles first, so the short ones fill the last wave.
-        q_tile = T.meta_var(q_tiles - 1 - bx if causal else bx)
-        q_first = T.meta_var(q_tile * bm)
-        q_row0 = T.meta_var(by * sq + q_first)
-        kv_row0 = T.meta_var(by // group * skv)      # (b * heads + h) // group = b * kv_heads + h // group
-        # Key tiles this CTA visits; the last BM / BN of them (causal) cross the diagonal.
-        n_tiles = T.meta_var(causal_key_tiles(q_first, offset, bn)[0] if causal else skv // bn)
-        n_unmasked = T.meta_var(causal_key_tiles(q_first, offset, bn)[1])
+        else:
+            M_words = T.meta_var(None)
+            mask_pair = T.meta_var(None)
+            mask_word = T.meta_var(None)
+        # This CTA's work items: cta, cta + grid, ... (one each unless persistent)
+        items = T.meta_var((tiles - 1 - cta) // grid + 1)
         wg = T.meta_var(tx // 128 - 1)
         if tx == 0:
             for st in T.unroll(stages):
                 T.ptx.mbarrier.init.shared.b64(T.address_of(full[st]), T.uint32(1))
                 T.ptx.mbarrier.init.shared.b64(T.address_of(empty[st]), T.uint32(2))
             T.ptx.mbarrier.init.shared.b64(T.address_of(q_full[0]), T.uint32(1))
+            T.ptx.mbarrier.init.shared.b64(T.address_of(q_empty[0]), T.uint32(2))
         T.ptx.fence.proxy.async_.shared__cta()
         T.cuda.cta_sync()
+        ring[0] = 0
         if tx < 128:
+            if overlap:  # the producer's registers to the consumers, who hold S, P and O at once
+                T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGISTERS)
             if tx == 0:
-                for h in T.unroll(boxes):
-                    T.ptx[_TMA_LOAD](Qs.ptr_to([h, 0, 0]), T.address_of(Q_map), h * 64, q_row0,
-                                     T.address_of(q_full[0]))
-                T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(q_full[0]), T.uint32(bm * hd * 2))
-                for j in T.serial(n_tiles):
-                    st = T.meta_var(j % stages)
-                    if j >= stages:  # wait until both consumers released the slot's previous tile
-                        T.cuda.mbarrier_wait(T.address_of(empty[st]), (j // stages + 1) % 2)
+                for it in T.serial(items):
+                    q_tile = T.meta_var(prefill_work_item(cta + it * grid, q_tiles, nb * hq, causal)[0])
+                    head = T.meta_var(prefill_work_item(cta + it * grid, q_tiles, nb * hq, causal)[1])
+                    q_first = T.meta_var(q_tile * bm)
+                    kv_row0 = T.meta_var(head // group * skv)  # (b * heads + h) // group = b * kv_heads + h // group
+                    n_tiles = T.meta_var(causal_key_tiles(q_first, offset, bn)[0] if causal else skv // bn)
+                    if it > 0:  # both consumers issued their last Q K^T of the previous item
+                        T.cuda.mbarrier_wait(T.address_of(q_empty[0]), (it - 1) % 2)
                     for h in T.unroll(boxes):
-                        T.ptx[_TMA_LOAD](Ks.ptr_to([st, h, 0, 0]), T.address_of(K_map), h * 64, kv_row0 + j * bn,
-                                         T.address_of(full[st]))
-                        T.ptx[_TMA_LOAD](Vs.ptr_to([st, h, 0, 0]), T.address_of(V_map), h * 64, kv_row0 + j * bn,
-                                         T.address_of(full[st]))
-                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[st]), T.uint32(kv_tile_bytes))
+                        T.ptx[_TMA_LOAD](Qs.ptr_to([h, 0, 0]), T.address_of(Q_map), h * 64, head * sq + q_first,
+                                         T.address_of(q_full[0]))
+                    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(q_full[0]), T.uint32(bm * hd * 2))
+                    for j in T.serial(n_tiles):
+                        g = T.meta_var(ring[0] + j)
+                        st = T.meta_var(g % stages)
+                        if g >= stages:  # wait until both consumers released the slot's previous tile
+                            T.cuda.mbarrier_wait(T.address_of(empty[st]), (g // stages + 1) % 2)
+                        for h in T.unroll(boxes):
+                            T.ptx[_TMA_LOAD](Ks.ptr_to([st, h, 0, 0]), T.address_of(K_map), h * 64,
+                                             kv_row0 + j * bn, T.address_of(full[st]))
+                            T.ptx[_TMA_LOAD](Vs.ptr_to([st, h, 0, 0]), T.address_of(V_map), h * 64,
+                                             kv_row0 + j * bn, T.address_of(full[st]))
+                        T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[st]), T.uint32(kv_tile_bytes))
+                    ring[0] = ring[0] + n_tiles
         else:
             lane = T.meta_var(tx % 128)
-            for i in T.unroll(n_o):
-                o[i] = T.float32(0)
-            for r in T.unroll(2):
-                if masked:
-                    # the float32 minimum: no finite score with its mask is below it (a bfloat16
-                    # finfo.min is about -3.39e38), and m stays finite through rows of -inf keys
-                    m[r] = T.min_value("float32")
+            if overlap:
+                T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGISTERS)
+            for it in T.serial(items):
+                q_tile = T.meta_var(prefill_work_item(cta + it * grid, q_tiles, nb * hq, causal)[0])
+                head = T.meta_var(prefill_work_item(cta + it * grid, q_tiles, nb * hq, causal)[1])
+                q_first = T.meta_var(q_tile * bm)
+                q_row0 = T.meta_var(head * sq + q_first)
+                # Key tiles this item visits; the last BM / BN of them (causal) cross the diagonal.
+                n_tiles = T.meta_var(causal_key_tiles(q_first, offset, bn)[0] if causal else skv // bn)
+                n_unmasked = T.meta_var(causal_key_tiles(q_first, offset, bn)[1])
+                for i in T.unroll(n_o):
+                    o[i] = T.float32(0)
+                for r in T.unroll(2):
+                    if masked:
+                        # the float32 minimum: no finite score with its mask is below it (a bfloat16
+                        # finfo.min is about -3.39e38), and m stays finite through rows of -inf keys
+                        m[r] = T.min_value("float32")
+                    else:
+                        m[r] = T.float32(_INIT_MAX)
+                    l[r] = T.float32(0)
+                T.cuda.mbarrier_wait(T.address_of(q_full[0]), it % 2)
+                if overlap:
+                    # Tile j's Q K^T is issued before tile j - 1's P V, which then runs on the
+                    # tensor cores while tile j's softmax does (FlashAttention-3's intra-warpgroup
+                    # pipelining). The first tile is peeled, so no wgmma is issued under a branch.
+                    T.cuda.mbarrier_wait(T.address_of(full[ring[0] % stages]), ring[0] // stages % 2)
+                    _issue_scores(s, n_s, Qs, Ks, ring[0] % stages, wg, hd, mma_s, desc_a, desc_b)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    pin_registers(s, n_s, "float32")
+                    key_tile_softmax(s, m, l, m_new, alpha, tile_sum, 0, n_tiles, n_unmasked, q_first + wg * 64, head,
+                                     lane, q_empty, M_words, mask_pair, mask_word)
+                    _rescale_cast(s, p, n_s, o, n_o, alpha, dtype)
+                    for j1 in T.serial(n_tiles - 1):
+                        g = T.meta_var(ring[0] + j1 + 1)
+                        T.cuda.mbarrier_wait(T.address_of(full[g % stages]), g // stages % 2)
+                        _issue_scores(s, n_s, Qs, Ks, g % stages, wg, hd, mma_s, desc_a, desc_b)
+                        _issue_pv(o, n_o, p_regs, Vs, (g - 1) % stages, bn, mma_o, v_box_units, desc_b)
+                        T.ptx.wgmma.wait_group.sync.aligned(1)
+                        pin_registers(s, n_s, "float32")
+                        key_tile_softmax(s, m, l, m_new, alpha, tile_sum, j1 + 1, n_tiles, n_unmasked,
+                                         q_first + wg * 64, head, lane, q_empty, M_words, mask_pair, mask_word)
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        pin_registers(o, n_o, "float32")
+                        pin_registers(p_regs, n_s // 2, "uint32")
+                        if lane == 0:
+                            T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(g - 1) % stages]))
+                        _rescale_cast(s, p, n_s, o, n_o, alpha, dtype)
+                    last = T.meta_var((ring[0] + n_tiles - 1) % stages)
+                    _issue_pv(o, n_o, p_regs, Vs, last, bn, mma_o, v_box_units, desc_b)
+                    T.ptx.wgmma.wait_group.sync.aligned(0)
+                    pin_registers(o, n_o, "float32")
+                    if lane == 0:
+                        T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[last]))
                 else:
-                    m[r] = T.float32(_INIT_MAX)
-                l[r] = T.float32(0)
-            T.cuda.mbarrier_wait(T.address_of(q_full[0]), 0)
-            for j in T.serial(n_tiles):
-                st = T.meta_var(j % stages)
-                T.cuda.mbarrier_wait(T.address_of(full[st]), j // stages % 2)
-                _scores(s, n_s, Qs, Ks, st, wg, hd, mma_s, desc_a, desc_b)
-                if causal:
-                    if j >= n_unmasked:
-                        _mask_above_diagonal(s, n_s, j * bn, q_first + wg * 64, offset, lane)
-                if masked:
-                    _add_mask(s, n_s, M_words, mask_pair, mask_word,
-                              mask_word_index(by // hq, q_first + wg * 64, j * bn, lane, mask_rows, skv),
-                              4 * skv if mask_rows > 1 else 0, dims["scale"])
-                _online_softmax(s, p, n_s, o, n_o, m, l, m_new, alpha, tile_sum, c, dtype, masked)
-                _accumulate_pv(o, n_o, p_regs, Vs, st, bn, mma_o, v_box_units, desc_b)
-                if lane == 0:
-                    T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[st]))
-            for r in T.unroll(2):
-                if masked:
-                    # a row of -inf keys only has l = 0 (and O = 0): it stores 0, as the exports'
-                    # IsNaN/Where guard makes of the softmax's NaN
-                    m_new[r] = T.cuda.warp_reduce(l[r], "sum", 4)
-                    l[r] = T.if_then_else(m_new[r] > T.float32(0), T.float32(1) / m_new[r], T.float32(0))
-                else:
-                    l[r] = T.float32(1) / T.cuda.warp_reduce(l[r], "sum", 4)
-            for i in T.unroll(n_o // 2):
-                # pair i: columns 8 (i // 2) + q, +1 of row half i % 2
-                row = T.meta_var(q_row0 + wg * 64 + lane // 32 * 16 + lane % 32 // 4 + i % 2 * 8)
-                out_pair[0] = T.Cast(dtype, o[i * 2] * l[i % 2])
-                out_pair[1] = T.Cast(dtype, o[i * 2 + 1] * l[i % 2])
-                O_words[row, i // 2 * 4 + lane % 4] = out_word[0]
+                    for j in T.serial(n_tiles):
+                        g = T.meta_var(ring[0] + j)
+                        st = T.meta_var(g % stages)
+                        T.cuda.mbarrier_wait(T.address_of(full[st]), g // stages % 2)
+                        _issue_scores(s, n_s, Qs, Ks, st, wg, hd, mma_s, desc_a, desc_b)
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        key_tile_softmax(s, m, l, m_new, alpha, tile_sum, j, n_tiles, n_unmasked, q_first + wg * 64,
+                                         head, lane, q_empty, M_words, mask_pair, mask_word)
+                        _rescale_cast(s, p, n_s, o, n_o, alpha, dtype)
+                        _issue_pv(o, n_o, p_regs, Vs, st, bn, mma_o, v_box_units, desc_b)
+                        T.ptx.wgmma.wait_group.sync.aligned(0)
+                        if lane == 0:
+                            T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[st]))
+                ring[0] = ring[0] + n_tiles
+                for r in T.unroll(2):
+                    if masked:
+                        # a row of -inf keys only has l = 0 (and O = 0): it stores 0, as the exports'
+                        # IsNaN/Where guard makes of the softmax's NaN
+                        m_new[r] = T.cuda.warp_reduce(l[r], "sum", 4)
+                        l[r] = T.if_then_else(m_new[r] > T.float32(0), T.float32(1) / m_new[r], T.float32(0))
+                    else:
+                        l[r] = T.float32(1) / T.cuda.warp_reduce(l[r], "sum", 4)
+                for i in T.unroll(n_o // 2):
+                    # pair i: columns 8 (i // 2) + q, +1 of row half i % 2
+                    row = T.meta_var(q_row0 + wg * 64 + lane // 32 * 16 + lane % 32 // 4 + i % 2 * 8)
+                    out_pair[0] = T.Cast(dtype, o[i * 2] * l[i % 2])
+                    out_pair[1] = T.Cast(dtype, o[i * 2 + 1] * l[i % 2])
+                    O_words[row, i // 2 * 4 + lane % 4] = out_word[0]
 
     # a prim_func is parsed where it is defined: only the variant asked for
     if masked:

@@ -66,6 +66,36 @@ SM_COUNT = 132                    # streaming multiprocessors of an H100 SXM / H
 # A wave of CTAs whose SMs are less busy than this gets smaller tiles by default (``fill_tile``)
 WAVE_FILL_MIN = 0.75
 
+
+# Register pins: an empty asm that reads and writes one register. NVVM moves arithmetic across the
+# wgmma wait asm (it sees no operands there), and ptxas then serialises every wgmma of the kernel
+# (C7514) for an accumulator read before its wait; a pin after the wait holds those reads behind it
+# (CUTLASS's warpgroup_fence_operand). TVM's own cuda.wgmma_noop_barrier takes its register by value.
+_PIN_TYPES = {"float32": ("float", "f"), "uint32": ("uint32_t", "r")}
+
+
+def _register_pins() -> None:
+    from tvm.backend.cuda.codegen.schema import device_intrinsic
+    from tvm.tirx import CallEffectKind
+
+    for dtype, (ctype, constraint) in _PIN_TYPES.items():
+        name = f"autofuse_pin_{dtype}"
+        device_intrinsic(name, helper_name=name, c_signature=f"({ctype}& reg)",
+                         body=f'    asm volatile("" : "+{constraint}"(reg) :: "memory");')
+        # opaque: kept, and never moved across other calls
+        tvm.ir.register_op_attr(f"tirx.{name}", "TCallEffectKind", CallEffectKind.Opaque.value)
+
+
+_register_pins()
+
+
+@T.macro
+def pin_registers(regs, count, dtype):
+    """Pin regs[0 .. count) (a local buffer of float32 or uint32) at this point of the program."""
+    for i in T.unroll(count):
+        T.evaluate(T.call_intrin("", "tirx.autofuse_pin_" + dtype, regs[i]))
+
+
 KNOBS = {"block_n": (64, 128, 256), "warpgroups": (1, 2), "stages": (2, 3, 4, 5), "block_k": (64,),
          "wait_depth": (0, 1)}
 DEFAULT_KNOBS = {"block_n": 256, "warpgroups": 2, "stages": 4, "block_k": 64, "wait_depth": 1}

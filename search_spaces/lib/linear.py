@@ -297,9 +297,11 @@ def _relax_pattern(bias: bool, act: str):
         gate = _either("relax.add", is_op("relax.tanh")(_either("relax.multiply", inner, c["sqrt2_over_pi"])),
                        c["one"])
         fused = is_op("relax.nn.gelu_tanh")(h)
-    # 0.5 * x * gate in any grouping: (x * gate) * 0.5 or (x * 0.5) * gate
+    # 0.5 * x * gate in any grouping: (x * gate) * 0.5, (x * 0.5) * gate or x * (0.5 * gate) (the
+    # dynamo exporter's)
     root = (_either("relax.multiply", _either("relax.multiply", h, gate), c["half"])
-            | _either("relax.multiply", _either("relax.multiply", h, c["half"]), gate) | fused)
+            | _either("relax.multiply", _either("relax.multiply", h, c["half"]), gate)
+            | _either("relax.multiply", h, _either("relax.multiply", gate, c["half"])) | fused)
     named["root"] = root
     return root, named
 

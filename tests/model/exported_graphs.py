@@ -82,8 +82,8 @@ def layernorm_residual(path, eps=1e-12, shape=(1, 8, 32), seed=0):
 
 # linear(): the forms torch.onnx writes an nn.Linear (and its activation) in. A weight is (k, n)
 # as MatMul reads it; Gemm's is (n, k) with transB.
-LINEAR_FORMS = ("bias", "bias_2d", "gemm", "plain", "gelu_erf", "gelu_op", "gelu_tanh", "gelu_tanh_op", "relu",
-                "gelu_bad_constant", "residual", "weight_input", "activations", "scores")
+LINEAR_FORMS = ("bias", "bias_2d", "gemm", "plain", "gelu_erf", "gelu_erf_dynamo", "gelu_op", "gelu_tanh",
+                "gelu_tanh_op", "relu", "gelu_bad_constant", "residual", "weight_input", "activations", "scores")
 
 
 def linear(path, form, rows=8, k=32, n=48, seed=0):
@@ -94,6 +94,8 @@ def linear(path, form, rows=8, k=32, n=48, seed=0):
     - ``gemm``: Gemm(x (rows, k), W (n, k), b, transB=1), as nn.Linear on 2-D input;
     - ``plain``: MatMul only (Llama's projections);
     - ``gelu_erf``: ``bias`` then BERT's GELU: Div by sqrt 2, Erf, Add 1, Mul by the input, Mul 0.5;
+    - ``gelu_erf_dynamo``: the same GELU as the dynamo exporter groups it: Mul(0.5, Erf + 1), then Mul
+      by the input;
     - ``gelu_op``: ``bias`` then ONNX Gelu (opset 20);
     - ``gelu_tanh``: ``bias_2d`` then GPT-2's gelu_new: Pow 3, Mul 0.044715, Add, Mul sqrt(2/pi),
       Tanh, Mul 0.5 by the input, Add 1, Mul;
@@ -127,12 +129,15 @@ def linear(path, form, rows=8, k=32, n=48, seed=0):
         if form == "weight_input":
             inits = inits[1:]
             inputs.append(("w", [k, n]))
-    elif form in ("gelu_erf", "gelu_bad_constant"):
+    elif form in ("gelu_erf", "gelu_bad_constant", "gelu_erf_dynamo"):
         inits += [_const("sqrt2", 2.0 if form == "gelu_bad_constant" else np.sqrt(2.0)), _const("one", 1.0),
                   _const("half", 0.5)]
         nodes = bias + [helper.make_node("Div", ["h", "sqrt2"], ["s"]), helper.make_node("Erf", ["s"], ["e"]),
-                        helper.make_node("Add", ["e", "one"], ["e1"]), helper.make_node("Mul", ["h", "e1"], ["g"]),
-                        helper.make_node("Mul", ["g", "half"], ["y"])]
+                        helper.make_node("Add", ["e", "one"], ["e1"])]
+        if form == "gelu_erf_dynamo":
+            nodes += [helper.make_node("Mul", ["half", "e1"], ["g"]), helper.make_node("Mul", ["h", "g"], ["y"])]
+        else:
+            nodes += [helper.make_node("Mul", ["h", "e1"], ["g"]), helper.make_node("Mul", ["g", "half"], ["y"])]
     elif form in ("gelu_op", "gelu_tanh_op"):
         opset = 20
         nodes = bias + [helper.make_node("Gelu", ["h"], ["y"], approximate="tanh" if form == "gelu_tanh_op" else "none")]

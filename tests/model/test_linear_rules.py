@@ -18,6 +18,7 @@ EXPECTED = {
     "gemm": {"linear_bias": 1},
     "plain": {"linear": 1},
     "gelu_erf": {"linear_bias_gelu": 1},
+    "gelu_erf_dynamo": {"linear_bias_gelu": 1},
     "gelu_op": {"linear_bias_gelu": 1},
     "gelu_tanh": {"linear_bias_gelu_tanh": 1},
     "gelu_tanh_op": {"linear_bias_gelu_tanh": 1},
@@ -29,7 +30,7 @@ EXPECTED = {
     "scores": {},
 }
 # Built and checked against onnxruntime: each kernel form once (the rest share their kernels).
-BUILT = ("bias_2d", "gemm", "plain", "gelu_erf", "gelu_tanh", "gelu_bad_constant", "residual")
+BUILT = ("bias_2d", "gemm", "plain", "gelu_erf", "gelu_erf_dynamo", "gelu_tanh", "gelu_bad_constant", "residual")
 
 
 def test_every_form_has_an_expectation():
