@@ -47,12 +47,14 @@ Prefill: ``prefill_attention`` -> ``(q, k, v, out)``, or ``(q, k, v, mask, out)`
     key tiles while the consumers finish the last tile and store. 0: a CTA per work item.
     ``overlap`` 1: tile j's Q K^T is issued ahead of tile j - 1's P V, which then runs on the
     tensor cores during tile j's softmax (FlashAttention-3's intra-warpgroup pipelining); S, P and
-    O are all live then, so the producer gives its registers to the consumers (setmaxnreg 24/240),
-    and the accumulators are pinned after each wait so that ptxas keeps the wgmma pipeline.
+    O are all live then; the accumulators are pinned after each wait so that ptxas keeps the wgmma
+    pipeline. In every variant the producer gives its registers to the consumers (setmaxnreg 24 /
+    240): at the 168 each of 384 threads gets otherwise, the masked and persistent kernels spill.
 
     Knobs (``PREFILL_KNOBS``): ``block_n`` BN, keys per tile (64, 128); ``stages`` (2, 3);
-    ``persistent`` (0, 1); ``overlap`` (0, 1). seq_q must be a multiple of 128 and seq_kv of BN
-    (padded tiles are not done yet).
+    ``persistent`` (0, 1); ``overlap`` (0, 1). Defaults: BN 128, 2 stages, persistent, no overlap
+    (the fastest at seq 1024 and 2048 in an H100 sweep, where overlap was slower). seq_q must be a
+    multiple of 128 and seq_kv of BN (padded tiles are not done yet).
 
 Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new token per sequence
     split (q, k_cache, v_cache, part_o, part_ml, length) attends q (batch, heads, head_dim) over
@@ -99,7 +101,7 @@ BLOCK_M = 128                     # query rows per CTA: two consumer warpgroups 
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240  # per thread, setmaxnreg: 128 x 24 + 256 x 240 <= 65536
 
 PREFILL_KNOBS = {"block_n": (64, 128), "stages": (2, 3), "persistent": (0, 1), "overlap": (0, 1)}
-PREFILL_DEFAULT_KNOBS = {"block_n": 128, "stages": 2, "persistent": 1, "overlap": 1}
+PREFILL_DEFAULT_KNOBS = {"block_n": 128, "stages": 2, "persistent": 1, "overlap": 0}
 DECODE_KNOBS = {"warps": (4, 8), "keys": (1, 2, 4, 8), "splits": None}  # splits: None or a positive int
 DECODE_DEFAULT_KNOBS = {"warps": 8, "keys": 2, "splits": None}
 SPLIT_MIN_KEYS = 128     # keys per split (at max_seq) below which a CTA's fixed costs dominate
@@ -488,8 +490,9 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         T.cuda.cta_sync()
         ring[0] = 0
         if tx < 128:
-            if overlap:  # the producer's registers to the consumers, who hold S, P and O at once
-                T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGISTERS)
+            # the producer's registers to the consumers (S, P, O, the mask's words and, with
+            # overlap, all of them live at once; at the 168 a thread of 384 gets they spill)
+            T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGISTERS)
             if tx == 0:
                 for it in T.serial(items):
                     q_tile = T.meta_var(prefill_work_item(cta + it * grid, q_tiles, nb * hq, causal)[0])
@@ -517,8 +520,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                     ring[0] = ring[0] + n_tiles
         else:
             lane = T.meta_var(tx % 128)
-            if overlap:
-                T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGISTERS)
+            T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGISTERS)
             for it in T.serial(items):
                 q_tile = T.meta_var(prefill_work_item(cta + it * grid, q_tiles, nb * hq, causal)[0])
                 head = T.meta_var(prefill_work_item(cta + it * grid, q_tiles, nb * hq, causal)[1])
