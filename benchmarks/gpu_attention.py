@@ -273,12 +273,12 @@ def run_prefill(torch, timer, spec, log) -> dict:
 
     rows["torch-compile"] = _try(compiled_row)
 
-    configs = ca.prefill_configs(shape, dtype) if case in PREFILL_SWEEP and dtype == "float16" else [
-        dict(ca.PREFILL_DEFAULT_KNOBS)]
+    default = ca.prefill_default(shape)
+    configs = ca.prefill_configs(shape, dtype) if case in PREFILL_SWEEP and dtype == "float16" else [default]
     out = torch.empty_like(q)
     args = _tvm_args(tvm, (q, k, v, out))
     for knobs in configs:
-        name = "autofuse" if knobs == ca.PREFILL_DEFAULT_KNOBS else "autofuse " + ",".join(f"{n}={x}" for n, x in knobs.items())
+        name = "autofuse" if knobs == default else "autofuse " + ",".join(f"{n}={x}" for n, x in knobs.items())
 
         def ours_row():
             t0 = time.perf_counter()

@@ -50,12 +50,18 @@ def test_prefill_ctas_take_every_work_item_once(causal, persistent):
     assert grid == (min(q_tiles * heads, SM_COUNT) if persistent else q_tiles * heads)
     seen = []
     for cta in range(grid):
-        items = [ca.prefill_work_item(cta + it * grid, q_tiles, heads, causal)
+        seen += [ca.prefill_work_item(cta + it * grid, q_tiles, heads, causal)
                  for it in range((q_tiles * heads - 1 - cta) // grid + 1)]
-        if causal:  # the longest query tiles (most key tiles) first, CTA by CTA
-            assert [q for q, _ in items] == sorted((q for q, _ in items), reverse=True)
-        seen += items
     assert sorted(seen) == [(q, h) for q in range(q_tiles) for h in range(heads)]
+    # in item order a head's query tiles come together (its K/V stays in L2), causal the longest first
+    order = [ca.prefill_work_item(t, q_tiles, heads, causal) for t in range(q_tiles * heads)]
+    assert [h for _, h in order] == sorted(h for _, h in order)
+    assert [q for q, _ in order[:q_tiles]] == (list(range(q_tiles))[::-1] if causal else list(range(q_tiles)))
+
+
+def test_causal_prefill_is_not_persistent_by_default():
+    assert ca.check_prefill(dict(PREFILL, causal=1), "float16")[1]["persistent"] == 0
+    assert ca.check_prefill(dict(PREFILL, causal=0), "float16")[1]["persistent"] == 1
 
 
 @pytest.mark.parametrize("dtype,head_dim,causal", [("bfloat16", 64, 0), ("bfloat16", 128, 1), ("float16", 64, 1)])
@@ -73,7 +79,7 @@ def test_prefill_dtypes_and_head_dims_build(dtype, head_dim, causal):
 # overlap knobs): mask_rows 0 must leave it byte for byte (and flash_attention's kernel records
 # replaying). Update only for a deliberate change to the unmasked kernel.
 UNMASKED_SOURCE_SHA256 = {
-    "float16": "75ff68c5af7e64a2c29c5d32021ebe08d0e7fc3e290906728363f1735678e14e",
+    "float16": "64aeef0b4e72f7580eebcd418a242f165329f7c374530f6570af60c426fb0528",
     "bfloat16": "326b843e41801b447a39dde075554f56fa75b8bf1351f1577b13a67e83d82706",
 }
 
