@@ -97,11 +97,10 @@ def make_inputs(shape, dtype, seed):
     nb, hq, hkv, _, hd, smax, _ = _dims(shape)
     # Unit-variance q and k: scores q.k/sqrt(hd) of unit variance. Rows past cache_len hold values
     # too, so reading beyond the attended positions would show.
-    # Drawn as float32 and cast: a half-precision run gets the float32 run's inputs, rounded.
-    arrays = [rng.standard_normal((nb, hq, hd)), rng.standard_normal((nb, hkv, hd)),
-              rng.standard_normal((nb, hkv, hd)), rng.standard_normal((nb, hkv, smax, hd)),
-              rng.standard_normal((nb, hkv, smax, hd))]
-    return [a.astype(np.float32).astype(dtype) for a in arrays]
+    # Drawn in float32 and cast: a half-precision run gets the float32 run's inputs, rounded (and
+    # 4.6x faster to draw than float64: batch 16's caches at 32768 positions are 2 x 537M values).
+    sizes = [(nb, hq, hd), (nb, hkv, hd), (nb, hkv, hd), (nb, hkv, smax, hd), (nb, hkv, smax, hd)]
+    return [rng.standard_normal(size, dtype=np.float32).astype(dtype) for size in sizes]
 
 
 def flops(shape):
