@@ -53,8 +53,8 @@ PREFILL_CASES = [(8, 16, 16, s, 128, c) for s in (512, 1024, 2048, 4096, 8192) f
     (8, 32, 8, 2048, 128, 1), (1, 32, 32, 8192, 128, 1)]
 PREFILL_BF16 = [(8, 16, 16, 2048, 128, 0)]
 # every configuration at these cases (the others run the default knobs)
-PREFILL_SWEEP = [(8, 16, 16, 1024, 128, 0), (8, 16, 16, 1024, 128, 1), (8, 16, 16, 2048, 128, 0), (8, 16, 16, 2048, 128, 1),
-                 (8, 16, 16, 8192, 128, 1)]
+PREFILL_SWEEP = [(8, 16, 16, 1024, 128, 0), (8, 16, 16, 1024, 128, 1), (8, 16, 16, 2048, 128, 0),
+                 (8, 16, 16, 2048, 128, 1), (8, 16, 16, 8192, 128, 1)]
 PREFILL_GRID = dict(batch=(1, 8), heads=(16, 32), head_dim=(64, 128), seq=(512, 1024, 2048, 4096, 8192), causal=(0, 1))
 # (batch, cache): GQA 32/8, head_dim 128, max_seq = cache
 DECODE_CASES = [(b, n) for b in (1, 16, 64) for n in (1024, 4096, 16384, 32768)]

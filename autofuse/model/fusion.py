@@ -28,6 +28,7 @@ OPAQUE = 8
 
 
 _REDUCED_FLOATS = ("float16", "bfloat16")
+_SUMMING_OPS = ("relax.matmul", "relax.nn.conv1d", "relax.nn.conv2d")
 
 
 @relax.expr_functor.mutator
@@ -40,10 +41,9 @@ class _Float32Accumulation(relax.PyExprMutator):
     def visit_call_(self, call):
         call = self.visit_expr_post_order(call)
         name = call.op.name if isinstance(call.op, tvm.ir.Op) else None
-        if name in ("relax.matmul", "relax.nn.conv1d", "relax.nn.conv2d"):
-            call = self.builder_.normalize(call)
-        if name not in ("relax.matmul", "relax.nn.conv1d", "relax.nn.conv2d"):
+        if name not in _SUMMING_OPS:
             return call
+        call = self.builder_.normalize(call)  # its type, after the arguments were visited
         dtype = dtype_of(call)
         if dtype not in _REDUCED_FLOATS or any(dtype_of(a) != dtype for a in call.args):
             return call

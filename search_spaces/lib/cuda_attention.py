@@ -54,8 +54,8 @@ Prefill: ``prefill_attention`` -> ``(q, k, v, out)``, or ``(q, k, v, mask, out)`
     Knobs (``PREFILL_KNOBS``): ``block_n`` BN, keys per tile (64, 128); ``stages`` (2, 3);
     ``persistent`` (0, 1); ``overlap`` (0, 1). Defaults: BN 128, 2 stages, persistent unless causal
     (``prefill_default``), no overlap (the fastest at seq 1024 and 2048 in an H100 sweep, where
-    overlap was slower). seq_q must be a
-    multiple of 128 and seq_kv of BN (padded tiles are not done yet).
+    overlap was slower). seq_q must be a multiple of 128 and seq_kv of BN (padded tiles are not
+    done yet).
 
 Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new token per sequence
     split (q, k_cache, v_cache, part_o, part_ml, length) attends q (batch, heads, head_dim) over

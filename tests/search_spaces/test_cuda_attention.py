@@ -249,7 +249,8 @@ def test_nvcc_compiles_masked_prefill(tmp_path, rows, block_n):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("shape,block_n", [(PREFILL, 128), (dict(PREFILL, causal=0), 64), (dict(MASKED, mask_rows=1), 128)])
+@pytest.mark.parametrize("shape,block_n", [(PREFILL, 128), (dict(PREFILL, causal=0), 64),
+                                           (dict(MASKED, mask_rows=1), 128)])
 def test_nvcc_keeps_the_overlapped_prefill_pipelined(tmp_path, shape, block_n):
     # the consumers hold S, P and O at once: 240 registers after setmaxnreg, no spills, and the P V
     # product of one tile runs under the next tile's softmax (no serialised wgmma, checked in _ptxas)
