@@ -52,10 +52,11 @@ Prefill: ``prefill_attention`` -> ``(q, k, v, out)``, or ``(q, k, v, mask, out)`
     240): at the 168 each of 384 threads gets otherwise, the masked and persistent kernels spill.
 
     Knobs (``PREFILL_KNOBS``): ``block_n`` BN, keys per tile (64, 128); ``stages`` (2, 3);
-    ``persistent`` (0, 1); ``overlap`` (0, 1). Defaults: BN 128, 2 stages, persistent unless causal
-    (``prefill_default``), no overlap (the fastest at seq 1024 and 2048 in an H100 sweep, where
-    overlap was slower). seq_q must be a multiple of 128 and seq_kv of BN (padded tiles are not
-    done yet).
+    ``persistent`` (0, 1); ``overlap`` (0, 1). Defaults: BN 128, 3 stages, overlap, persistent
+    unless causal (``prefill_default``). Overlap needs the third stage: the consumers hold tile
+    j - 1's V and tile j's K at once, so with two stages the producer cannot load ahead (in an
+    H100 sweep overlap was the slowest with two stages and the fastest with three). seq_q must be a
+    multiple of 128 and seq_kv of BN (padded tiles are not done yet).
 
 Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new token per sequence
     split (q, k_cache, v_cache, part_o, part_ml, length) attends q (batch, heads, head_dim) over
@@ -102,7 +103,7 @@ BLOCK_M = 128                     # query rows per CTA: two consumer warpgroups 
 PRODUCER_REGISTERS, CONSUMER_REGISTERS = 24, 240  # per thread, setmaxnreg: 128 x 24 + 256 x 240 <= 65536
 
 PREFILL_KNOBS = {"block_n": (64, 128), "stages": (2, 3), "persistent": (0, 1), "overlap": (0, 1)}
-PREFILL_DEFAULT_KNOBS = {"block_n": 128, "stages": 2, "persistent": 1, "overlap": 0}
+PREFILL_DEFAULT_KNOBS = {"block_n": 128, "stages": 3, "persistent": 1, "overlap": 1}
 DECODE_KNOBS = {"warps": (4, 8), "keys": (1, 2, 4, 8), "splits": None}  # splits: None or a positive int
 DECODE_DEFAULT_KNOBS = {"warps": 8, "keys": 2, "splits": None}
 SPLIT_MIN_KEYS = 128     # keys per split (at max_seq) below which a CTA's fixed costs dominate
