@@ -33,7 +33,7 @@
 #             cache's last row: cache_len = CACHE - 1 of max_seq CACHE) at batch 1, 16, 64 x cache 1024,
 #             4096, 16384, 32768 through `autofuse compare` against torch SDPA (torch.compile with
 #             DECODE_BASELINES=torch-sdpa,torch-compile; its compiles cost minutes). Lands in
-#             $OUT/decode-grid.tar.gz, one report per shape
+#             $OUT/decode-grid.tar.gz, one report per shape (DECODE_TIMEOUT seconds each, default 150)
 #   prefill-grid  issue 23: flash_attention (float16, 16 heads, D128) at seq 1024 (batch 8), 2048
 #             (batch 8) and 4096 (batch 2), causal and not (PREFILL_SPECS: batch:seq:causal[:head_dim[:heads]] ...),
 #             through `autofuse compare` against torch SDPA (numpy's float64 reference bounds the
@@ -155,7 +155,7 @@ decode-grid)
   commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
   for cache in ${DECODE_CACHES:-1024 4096 16384 32768}; do
     for batch in ${DECODE_BATCHES:-1 16 64}; do
-      timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern gqa_decode_attention \
+      timeout ${DECODE_TIMEOUT:-150} "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern gqa_decode_attention \
         --shape batch=$batch,num_heads=32,num_kv_heads=8,head_dim=128,max_seq=$cache,cache_len=$((cache - 1)) \
         --baselines "${DECODE_BASELINES:-torch-sdpa}" --repeat 20 --no-plots --report "$work/decode-b$batch-c$cache"
       tar -C "$work" -czf "$OUT/decode-grid.tar.gz" .  # kept if the call is cut
