@@ -42,9 +42,11 @@ Prefill: ``prefill_attention`` -> ``(q, k, v, out)``, or ``(q, k, v, mask, out)`
     or computed (the tile count is per item), only the BM / BN tiles that cross it are masked, and
     a head's longest query tiles go first. At the end O / l is stored from registers.
 
-    ``persistent`` 1: one CTA per SM, each taking every grid-th work item; the producer loads the
-    next item's query tile (a "q_empty" mbarrier: both consumers issued their last Q K^T) and first
-    key tiles while the consumers finish the last tile and store. 0: a CTA per work item.
+    ``persistent`` 1: one CTA per SM, each taking every grid-th work item (causal: every grid-th
+    pair of a head's items of complementary length, so that the CTAs' shares are even); the
+    producer loads the next item's query tile (a "q_empty" mbarrier: both consumers issued their
+    last Q K^T) and first key tiles while the consumers finish the last tile and store. 0: a CTA
+    per work item.
     ``overlap`` 1: tile j's Q K^T is issued ahead of tile j - 1's P V, which then runs on the
     tensor cores during tile j's softmax (FlashAttention-3's intra-warpgroup pipelining); S, P and
     O are all live then; the accumulators are pinned after each wait so that ptxas keeps the wgmma
@@ -53,7 +55,7 @@ Prefill: ``prefill_attention`` -> ``(q, k, v, out)``, or ``(q, k, v, mask, out)`
 
     Knobs (``PREFILL_KNOBS``): ``block_n`` BN, keys per tile (64, 128); ``stages`` (2, 3);
     ``persistent`` (0, 1); ``overlap`` (0, 1). Defaults: BN 128, 3 stages, overlap, persistent
-    unless causal (``prefill_default``). Overlap needs the third stage: the consumers hold tile
+    (``prefill_default``). Overlap needs the third stage: the consumers hold tile
     j - 1's V and tile j's K at once, so with two stages the producer cannot load ahead (in an
     H100 sweep overlap was the slowest with two stages and the fastest with three). seq_q must be a
     multiple of 128 and seq_kv of BN (padded tiles are not done yet).
@@ -223,29 +225,59 @@ def prefill_configs(shape: dict, dtype: str) -> list[dict]:
     return _configs(PREFILL_KNOBS, lambda knobs: check_prefill(shape, dtype, knobs))
 
 
-def prefill_grid(tiles: int, knobs: dict) -> int:
+def prefill_paired(knobs: dict, causal) -> bool:
+    """Whether persistent CTAs take causal work items in pairs of complementary length (a head's
+    longest query tile with its shortest, ...): static shares of single items of unequal length
+    leave CTAs idle (B8 H16 S1024: with every 132nd item, one CTA drew 48 key tiles against a mean
+    of 35)."""
+    return bool(knobs["persistent"] and causal)
+
+
+def prefill_grid(tiles: int, knobs: dict, causal=False) -> int:
     """CTAs of a prefill launch over ``tiles`` work items: one each, or with ``persistent`` one per
-    SM, each looping over every grid-th item so that the next item's query tile and first keys load
-    while this one finishes its last tile and stores."""
-    return min(tiles, SM_COUNT) if knobs["persistent"] else tiles
+    SM, each looping over every grid-th item (every grid-th pair when paired) so that the next
+    item's query tile and first keys load while this one finishes its last tile and stores."""
+    if not knobs["persistent"]:
+        return tiles
+    return min((tiles + 1) // 2 if prefill_paired(knobs, causal) else tiles, SM_COUNT)
 
 
-def prefill_work_item(t, q_tiles: int, heads: int, causal: bool):
+def prefill_cta_items(cta, grid: int, tiles: int, paired: bool):
+    """Work items CTA ``cta`` (an int or the kernel's expression) takes; the u-th is
+    ``prefill_cta_item``. Paired: pairs cta, cta + grid, ...; the last pair of an odd count is one
+    item."""
+    if not paired:
+        return (tiles - 1 - cta) // grid + 1
+    return ((tiles + 1) // 2 - 1 - cta) // grid + 1 + (tiles // 2 - 1 - cta) // grid + 1
+
+
+def prefill_cta_item(cta, u, grid: int, paired: bool):
+    """The work item index of CTA ``cta``'s u-th item (``prefill_work_item`` maps it to a tile)."""
+    if not paired:
+        return cta + u * grid
+    return 2 * (cta + u // 2 * grid) + u % 2
+
+
+def prefill_work_item(t, q_tiles: int, heads: int, causal: bool, paired: bool = False):
     """(query tile, batch x head) of work item t (an int or the kernel's expression) of q_tiles x
     heads: a head's query tiles together, so that they share its K/V in L2 (taking every head's
     longest causal tile first instead made each head's K/V come from memory once per query tile:
-    B8 H16 S1024 causal 0.114 -> 0.134 ms on an H100); causal the longest first."""
+    B8 H16 S1024 causal 0.114 -> 0.134 ms on an H100); causal the longest first, or paired
+    longest, shortest, second longest, second shortest, ... so that items 2p and 2p + 1 visit
+    q_tiles + 1 key tiles (BN = BM) together."""
+    pos, head = t % q_tiles, t // q_tiles
+    if causal and paired:
+        odd = pos % 2
+        return odd * (pos // 2) + (1 - odd) * (q_tiles - 1 - pos // 2), head
     if causal:
-        return q_tiles - 1 - t % q_tiles, t // q_tiles
-    return t % q_tiles, t // q_tiles
+        return q_tiles - 1 - pos, head
+    return pos, head
 
 
 def prefill_default(shape: dict, dtype: str | None = None) -> dict:
-    """The default knobs at ``shape``: persistent CTAs unless causal, whose work items differ in
-    length, so that a static share of them leaves CTAs idle (the hardware's launch order balances
-    one CTA per item)."""
-    return dict(PREFILL_DEFAULT_KNOBS, persistent=0 if int(shape.get("causal", 0) or 0) else
-                PREFILL_DEFAULT_KNOBS["persistent"])
+    """The default knobs at ``shape``: persistent CTAs, causal ones taking their work items in
+    pairs of complementary length (``prefill_paired``)."""
+    return dict(PREFILL_DEFAULT_KNOBS)
 
 
 def _configs(space: dict, accept) -> list[dict]:
@@ -424,7 +456,12 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
     kv_tile_bytes = 2 * bn * hd * 2
     v_box_units = bn * 64 * 2 // 16    # one 64-column box of the V tile, in 16-byte units
     tiles = q_tiles * nb * hq          # (query tile, batch x head) work items
-    grid = prefill_grid(tiles, knobs)
+    paired = prefill_paired(knobs, causal)
+    grid = prefill_grid(tiles, knobs, causal)
+
+    def work_item(cta, it):
+        """(query tile, batch x head) of this CTA's it-th work item."""
+        return prefill_work_item(prefill_cta_item(cta, it, grid, paired), q_tiles, nb * hq, causal, paired)
 
     @T.macro
     def key_tile_softmax(s, m, l, m_new, alpha, tile_sum, j, n_tiles, n_unmasked, first_row, head, lane, q_empty,
@@ -488,8 +525,8 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
             M_words = T.meta_var(None)
             mask_pair = T.meta_var(None)
             mask_word = T.meta_var(None)
-        # This CTA's work items: cta, cta + grid, ... (one each unless persistent)
-        items = T.meta_var((tiles - 1 - cta) // grid + 1)
+        # This CTA's work items: cta, cta + grid, ... (one each unless persistent), or pairs of them
+        items = T.meta_var(prefill_cta_items(cta, grid, tiles, paired))
         wg = T.meta_var(tx // 128 - 1)
         if tx == 0:
             for st in T.unroll(stages):
@@ -506,8 +543,8 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
             T.ptx["setmaxnreg.dec.sync.aligned.u32"](PRODUCER_REGISTERS)
             if tx == 0:
                 for it in T.serial(items):
-                    q_tile = T.meta_var(prefill_work_item(cta + it * grid, q_tiles, nb * hq, causal)[0])
-                    head = T.meta_var(prefill_work_item(cta + it * grid, q_tiles, nb * hq, causal)[1])
+                    q_tile = T.meta_var(work_item(cta, it)[0])
+                    head = T.meta_var(work_item(cta, it)[1])
                     q_first = T.meta_var(q_tile * bm)
                     kv_row0 = T.meta_var(head // group * skv)  # (b * heads + h) // group = b * kv_heads + h // group
                     n_tiles = T.meta_var(causal_key_tiles(q_first, offset, bn)[0] if causal else skv // bn)
@@ -533,8 +570,8 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
             lane = T.meta_var(tx % 128)
             T.ptx["setmaxnreg.inc.sync.aligned.u32"](CONSUMER_REGISTERS)
             for it in T.serial(items):
-                q_tile = T.meta_var(prefill_work_item(cta + it * grid, q_tiles, nb * hq, causal)[0])
-                head = T.meta_var(prefill_work_item(cta + it * grid, q_tiles, nb * hq, causal)[1])
+                q_tile = T.meta_var(work_item(cta, it)[0])
+                head = T.meta_var(work_item(cta, it)[1])
                 q_first = T.meta_var(q_tile * bm)
                 q_row0 = T.meta_var(head * sq + q_first)
                 # Key tiles this item visits; the last BM / BN of them (causal) cross the diagonal.

@@ -42,26 +42,44 @@ def test_prefill_configs_are_the_whole_space():
     assert len(ca.prefill_configs(PREFILL, "float16")) == 16
 
 
+def _shares(q_tiles, heads, causal, persistent):
+    """Each CTA's work items, (query tile, head), in the order it takes them."""
+    knobs = {"persistent": persistent}
+    tiles, paired = q_tiles * heads, ca.prefill_paired(knobs, causal)
+    grid = ca.prefill_grid(tiles, knobs, causal)
+    return [[ca.prefill_work_item(ca.prefill_cta_item(cta, u, grid, paired), q_tiles, heads, causal, paired)
+             for u in range(ca.prefill_cta_items(cta, grid, tiles, paired))] for cta in range(grid)]
+
+
 @pytest.mark.parametrize("causal", [0, 1])
 @pytest.mark.parametrize("persistent", [0, 1])
-def test_prefill_ctas_take_every_work_item_once(causal, persistent):
-    q_tiles, heads = 8, 40                    # 320 items: a persistent CTA takes 2 or 3
-    grid = ca.prefill_grid(q_tiles * heads, {"persistent": persistent})
-    assert grid == (min(q_tiles * heads, SM_COUNT) if persistent else q_tiles * heads)
-    seen = []
-    for cta in range(grid):
-        seen += [ca.prefill_work_item(cta + it * grid, q_tiles, heads, causal)
-                 for it in range((q_tiles * heads - 1 - cta) // grid + 1)]
-    assert sorted(seen) == [(q, h) for q in range(q_tiles) for h in range(heads)]
+@pytest.mark.parametrize("q_tiles,heads", [(8, 40), (7, 41), (8, 16)])
+def test_prefill_ctas_take_every_work_item_once(causal, persistent, q_tiles, heads):
+    # 320 items: a persistent CTA takes 2 or 3 (pairs: 1 or 2); 287: an odd count, the last pair one
+    # item; 128: fewer pairs than SMs
+    shares = _shares(q_tiles, heads, causal, persistent)
+    assert len(shares) == (min(q_tiles * heads // (1 + causal), ca.SM_COUNT) if persistent else q_tiles * heads)
+    assert sorted(sum(shares, [])) == [(q, h) for q in range(q_tiles) for h in range(heads)]
     # in item order a head's query tiles come together (its K/V stays in L2), causal the longest first
     order = [ca.prefill_work_item(t, q_tiles, heads, causal) for t in range(q_tiles * heads)]
     assert [h for _, h in order] == sorted(h for _, h in order)
     assert [q for q, _ in order[:q_tiles]] == (list(range(q_tiles))[::-1] if causal else list(range(q_tiles)))
 
 
-def test_causal_prefill_is_not_persistent_by_default():
-    assert ca.check_prefill(dict(PREFILL, causal=1), "float16")[1]["persistent"] == 0
-    assert ca.check_prefill(dict(PREFILL, causal=0), "float16")[1]["persistent"] == 1
+def test_persistent_causal_shares_are_even():
+    # B8 H16 S1024 at BN = BM: query tile q visits q + 1 key tiles. Every 132nd single item gave a
+    # CTA 48 key tiles (the mean is 35); pairs of a head's longest and shortest give at most 36
+    q_tiles, heads = 8, 128
+    loads = [sum(q + 1 for q, _ in share) for share in _shares(q_tiles, heads, 1, 1)]
+    assert sum(loads) == heads * q_tiles * (q_tiles + 1) // 2
+    assert max(loads) <= 4 * (q_tiles + 1)
+    assert all(share[0][1] == share[1][1] and share[0][0] + share[1][0] == q_tiles - 1
+               for share in _shares(q_tiles, heads, 1, 1))
+
+
+def test_prefill_is_persistent_by_default():
+    for causal in (0, 1):
+        assert ca.check_prefill(dict(PREFILL, causal=causal), "float16")[1]["persistent"] == 1
 
 
 @pytest.mark.parametrize("dtype,head_dim,causal", [("bfloat16", 64, 0), ("bfloat16", 128, 1), ("float16", 64, 1)])
