@@ -15,6 +15,7 @@ from autofuse import kernel_templates as K
 from autofuse.measure import param_buffers
 from autofuse.registry import get_pattern
 from autofuse.target import parse_target
+from search_spaces.lib import cuda_attention
 
 H200 = parse_target("h200")
 A100 = parse_target('{"kind": "cuda", "arch": "sm_80"}')
@@ -194,7 +195,9 @@ def test_masked_attention_kernel_adds_the_mask_per_batch_or_per_query():
         assert _signature(func)[3] == ((shape["batch"], 1, rows, shape["seq_kv"]), "float16")
         body = _source(func).split('extern "C" __global__')[-1]
         loads = re.findall(r"\(\(uint\*\)Mk_ptr\)\[", body)
-        assert len(loads) == 128 // 8 * (1 if rows == 1 else 2)   # default BN 128: a word per 8 keys (and row half)
+        # default BN 128: a word per 8 keys (and row half), in the loop and, with overlap, the peeled first tile
+        per_tile = 128 // 8 * (1 if rows == 1 else 2)
+        assert len(loads) == per_tile * (2 if cuda_attention.PREFILL_DEFAULT_KNOBS["overlap"] else 1)
         assert "condval" in body                                    # the l == 0 guard: a row of -inf keys stores 0
 
 
