@@ -107,3 +107,25 @@ def test_framework_bound_admits_what_the_framework_computes_but_not_garbage():
     assert framework_bound(bound, [3 * bound]) == pytest.approx(3.75 * bound)
     assert framework_bound(bound, []) == bound
     assert framework_bound(bound, [0.5, math.inf, None]) == bound
+
+
+def test_large_outputs_are_compared_in_chunks(monkeypatch):
+    # a decode step's caches (2 x 537M values) are checked a chunk at a time: the worst error and
+    # a misplaced NaN must still be found in any chunk, and an exact copy takes the short way
+    from autofuse import accuracy
+
+    monkeypatch.setattr(accuracy, "_CHUNK", 7)
+    want = np.linspace(-2.0, 3.0, 60, dtype=np.float32).reshape(6, 10)
+    got = want.copy()
+    got[5, 9] += 0.25
+    check = compare([got], [want], bound=1.0)
+    assert check.max_abs_err == pytest.approx(0.25) and check.scaled_err == pytest.approx(0.25 / 3.0)
+    assert compare([want.copy()], [want]).scaled_err == 0.0
+    got = want.copy()
+    got[4, 3] = np.nan
+    assert not compare([got], [want], bound=1.0).ok
+    want_nan = want.copy()
+    want_nan[4, 3] = np.nan
+    assert compare([got], [want_nan]).ok and compare([got], [want_nan]).scaled_err == 0.0
+    got[4, 4] += 1.0
+    assert compare([got], [want_nan], bound=1.0).max_abs_err == pytest.approx(1.0)
