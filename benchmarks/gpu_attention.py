@@ -273,7 +273,7 @@ def run_prefill(torch, timer, spec, log) -> dict:
 
     rows["torch-compile"] = _try(compiled_row)
 
-    default = ca.prefill_default(shape)
+    default = dict(ca.PREFILL_DEFAULT_KNOBS)
     configs = ca.prefill_configs(shape, dtype) if case in PREFILL_SWEEP and dtype == "float16" else [default]
     out = torch.empty_like(q)
     args = _tvm_args(tvm, (q, k, v, out))

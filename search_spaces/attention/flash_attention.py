@@ -70,8 +70,7 @@ def _wgmma_prefill(shape, dtype, knobs):
 
 
 cuda_wgmma_flash = KernelTemplate("cuda_wgmma_flash", _wgmma_prefill, cuda_attention.PREFILL_KNOBS,
-                                  cuda_attention.PREFILL_DEFAULT_KNOBS, cuda_attention.check_prefill,
-                                  shape_default=cuda_attention.prefill_default, **HOPPER)
+                                  cuda_attention.PREFILL_DEFAULT_KNOBS, cuda_attention.check_prefill, **HOPPER)
 
 
 def onnx_graph(shape, dtype):

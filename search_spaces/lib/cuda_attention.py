@@ -54,11 +54,11 @@ Prefill: ``prefill_attention`` -> ``(q, k, v, out)``, or ``(q, k, v, mask, out)`
     240): at the 168 each of 384 threads gets otherwise, the masked and persistent kernels spill.
 
     Knobs (``PREFILL_KNOBS``): ``block_n`` BN, keys per tile (64, 128); ``stages`` (2, 3);
-    ``persistent`` (0, 1); ``overlap`` (0, 1). Defaults: BN 128, 3 stages, overlap, persistent
-    (``prefill_default``). Overlap needs the third stage: the consumers hold tile
-    j - 1's V and tile j's K at once, so with two stages the producer cannot load ahead (in an
-    H100 sweep overlap was the slowest with two stages and the fastest with three). seq_q must be a
-    multiple of 128 and seq_kv of BN (padded tiles are not done yet).
+    ``persistent`` (0, 1); ``overlap`` (0, 1). Defaults (``PREFILL_DEFAULT_KNOBS``, at every
+    shape): BN 128, 3 stages, overlap, persistent (causal: paired). Overlap needs the third stage:
+    the consumers hold tile j - 1's V and tile j's K at once, so with two stages the producer cannot
+    load ahead (in an H100 sweep overlap was the slowest with two stages and the fastest with
+    three). seq_q must be a multiple of 128 and seq_kv of BN (padded tiles are not done yet).
 
 Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new token per sequence
     split (q, k_cache, v_cache, part_o, part_ml, length) attends q (batch, heads, head_dim) over
@@ -187,7 +187,7 @@ def check_prefill(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[d
     """(dims, resolved knobs) when ``prefill_attention`` takes ``shape`` (keys PREFILL_SHAPE_KEYS,
     optional ``causal`` 0/1, ``scale`` and ``mask_rows`` 0/1/seq_q), ``dtype`` and ``knobs``;
     AttentionShapeError otherwise."""
-    knobs = _resolve(knobs, PREFILL_KNOBS, prefill_default(shape))
+    knobs = _resolve(knobs, PREFILL_KNOBS, PREFILL_DEFAULT_KNOBS)
     nb, hq, hkv, sq, skv, hd = _ints(shape, PREFILL_SHAPE_KEYS)
     _check_dtype_heads(dtype, hq, hkv, hd)
     causal = int(shape.get("causal", 0) or 0)
@@ -272,12 +272,6 @@ def prefill_work_item(t, q_tiles: int, heads: int, causal: bool, paired: bool = 
     if causal:
         return q_tiles - 1 - pos, head
     return pos, head
-
-
-def prefill_default(shape: dict, dtype: str | None = None) -> dict:
-    """The default knobs at ``shape``: persistent CTAs, causal ones taking their work items in
-    pairs of complementary length (``prefill_paired``)."""
-    return dict(PREFILL_DEFAULT_KNOBS)
 
 
 def _configs(space: dict, accept) -> list[dict]:

@@ -70,11 +70,11 @@ def test_persistent_causal_shares_are_even():
     # B8 H16 S1024 at BN = BM: query tile q visits q + 1 key tiles. Every 132nd single item gave a
     # CTA 48 key tiles (the mean is 35); pairs of a head's longest and shortest give at most 36
     q_tiles, heads = 8, 128
-    loads = [sum(q + 1 for q, _ in share) for share in _shares(q_tiles, heads, 1, 1)]
+    shares = _shares(q_tiles, heads, 1, 1)
+    loads = [sum(q + 1 for q, _ in share) for share in shares]
     assert sum(loads) == heads * q_tiles * (q_tiles + 1) // 2
     assert max(loads) <= 4 * (q_tiles + 1)
-    assert all(share[0][1] == share[1][1] and share[0][0] + share[1][0] == q_tiles - 1
-               for share in _shares(q_tiles, heads, 1, 1))
+    assert all(share[0][1] == share[1][1] and share[0][0] + share[1][0] == q_tiles - 1 for share in shares)
 
 
 def test_prefill_is_persistent_by_default():
