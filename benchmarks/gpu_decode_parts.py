@@ -1,6 +1,7 @@
 """Where a decode step's time goes: the appending split-KV kernel and the combine of
-search_spaces/lib/cuda_attention.py timed alone and together, at several knob settings, against a
-torch copy of the same bytes (the caches read and written once), on one GPU, one JSON.
+search_spaces/lib/cuda_attention.py timed alone and together (with and without programmatic
+dependent launch), at several knob settings, against a torch copy of the same bytes (the caches
+read and written once), on one GPU, one JSON.
 
     python benchmarks/gpu_decode_parts.py --cases 1:4096 1:16384 --commit SHA --out parts.json
         [--knobs '{"splits": 16}' ...]
@@ -67,6 +68,10 @@ def main(argv=None) -> int:
                 _, resolved = ca.check_decode(shape, "float16", knobs)
                 split_f, combine_f = ca.decode_attention(shape, "float16", knobs, append=True)
                 split, combine = (ca.build(f).mod[f.attrs["global_symbol"]] for f in (split_f, combine_f))
+                # the same kernels launched without programmatic dependent launch
+                plain_split, plain_combine = (
+                    ca.build(f).mod[f.attrs["global_symbol"]]
+                    for f in ca.decode_attention(shape, "float16", knobs, append=True, dependent=False))
                 part_o = torch.empty(nb, hq, resolved["splits"], d, device="cuda")
                 part_ml = torch.empty(nb, hq, resolved["splits"], 2, device="cuda")
                 out = torch.full_like(q, float("nan"))
@@ -78,8 +83,11 @@ def main(argv=None) -> int:
                 row = {"knobs": resolved, "err": scaled_error(out, ref),
                        "split": _brief(timer.measure(lambda: split(*sargs, length)), moved),
                        "combine": _brief(timer.measure(lambda: combine(*cargs)), 0),
-                       "both": _brief(timer.measure(lambda: (split(*sargs, length), combine(*cargs))), moved)}
-                row["both"]["pct_of_copy"] = copy["median_ms"] / row["both"]["median_ms"]
+                       "both": _brief(timer.measure(lambda: (split(*sargs, length), combine(*cargs))), moved),
+                       "both_without_dependent_launch": _brief(timer.measure(
+                           lambda: (plain_split(*sargs, length), plain_combine(*cargs))), moved)}
+                for key in ("both", "both_without_dependent_launch"):
+                    row[key]["pct_of_copy"] = copy["median_ms"] / row[key]["median_ms"]
             except Exception as err:  # noqa: BLE001 - one config failing must not stop the others
                 row = {"knobs": knobs, "error": f"{type(err).__name__}: {str(err).splitlines()[0][:300]}"}
             entry["configs"].append(row)
@@ -88,7 +96,8 @@ def main(argv=None) -> int:
             else:
                 print(f"  {row['knobs']}: err {row['err']:.1e} split {row['split']['median_ms']:.4f} combine "
                       f"{row['combine']['median_ms']:.4f} both {row['both']['median_ms']:.4f} ms "
-                      f"({row['both']['pct_of_copy']:.0%} of copy)", flush=True)
+                      f"({row['both']['pct_of_copy']:.0%} of copy; without dependent launch "
+                      f"{row['both_without_dependent_launch']['median_ms']:.4f})", flush=True)
         result["cases"].append(entry)
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

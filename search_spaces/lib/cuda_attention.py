@@ -88,6 +88,10 @@ Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new
     Only a split's last step checks row bounds. Knobs (``DECODE_KNOBS``): ``warps`` per CTA (4, 8);
     ``keys`` rows per lane group and step (1, 2, 4, 8); ``splits`` (None: ``default_splits``).
     Defaults: 8 warps, 2 keys (the faster from a 4k cache on in an H100 sweep).
+
+    Both kernels are launched with programmatic dependent launch (sm_90): the split kernel waits
+    for the kernel before it (griddepcontrol.wait) and at once allows its dependents, so the
+    combine's CTAs are resident, waiting on the split kernel's completion, when its last CTA ends.
 """
 
 from __future__ import annotations
@@ -120,6 +124,9 @@ DECODE_MAX_GROUP = 8              # query heads per K/V head: q and O of the gro
 _SWIZZLE_128B = 3  # CUtensorMapSwizzle and the wgmma descriptor's layout code for 128-byte swizzle
 _TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
 _INIT_MAX = -1.0e30  # running max before the first key: finite, so 2^(m - m') never sees inf - inf
+# TVM's launch tag (its spelling) for CUDA's programmatic dependent launch, set per device function
+# through "tirx.kernel_launch_params"; in a composite it reaches every kernel (``tirx_sequence``)
+DEPENDENT_LAUNCH_TAG = "tirx.use_programtic_dependent_launch"
 
 
 class AttentionShapeError(ValueError):
@@ -129,6 +136,13 @@ class AttentionShapeError(ValueError):
 def _mark(func, name: str):
     return (func.with_attr("global_symbol", name).with_attr("autofuse.tirx", True)
             .with_attr("tirx.is_scheduled", True))
+
+
+def dependent_launch(func):
+    """``func`` launched with programmatic dependent launch: it may start while the kernel before it
+    on the stream finishes, so it must execute griddepcontrol.wait before reading that kernel's
+    results (the decode kernels do, first thing)."""
+    return func.with_attr("tirx.kernel_launch_params", [DEPENDENT_LAUNCH_TAG])
 
 
 def _resolve(knobs: dict | None, space: dict, default: dict) -> dict:
@@ -763,7 +777,7 @@ def _seq_length(lengths, b, length):
 
 
 def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = None, append: bool = False,
-                     paged: tuple[int, int, int] | None = None):
+                     paged: tuple[int, int, int] | None = None, dependent: bool = True):
     """(split, combine) tirx PrimFuncs of split-KV decoding (module docstring) for ``shape``
     {batch, num_heads, num_kv_heads, head_dim, max_seq, scale (1/sqrt(head_dim))}; global symbols
     ``attention_decode_split`` (``attention_decode_append_split`` with ``append``) and
@@ -778,7 +792,11 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     kernel is ``(q, k_pages, v_pages, block_table, seq_lens, part_o, part_ml)``, pages (num_pages,
     kv_heads, page_size, head_dim), block_table (batch, max_pages) and seq_lens (batch,) int32;
     sequence b attends its first seq_lens[b] keys, key j in page block_table[b, j // page_size] at
-    row j % page_size (max_seq = max_pages * page_size). No append."""
+    row j % page_size (max_seq = max_pages * page_size). No append.
+
+    With ``dependent`` (the default) both kernels are launched with programmatic dependent launch
+    (``dependent_launch``): the combine is resident and waiting when the split kernel's last CTA
+    ends, instead of being launched then, a few microseconds of a short step."""
     if paged and append:
         raise ValueError("a paged decode kernel does not append")
     dims, knobs = check_decode(shape, dtype, knobs)
@@ -860,6 +878,10 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         T.device_entry()
         sp, hk, b = T.cta_id([splits, hkv, nb])
         tx = T.thread_id([threads])
+        # Programmatic dependent launch: wait for the kernel before (it may still be running),
+        # then let the combine be scheduled at once, so its launch hides behind this kernel.
+        T.ptx.griddepcontrol.wait()
+        T.ptx.griddepcontrol.launch_dependents()
         pool = T.SMEMPool()
         merge_o = pool.alloc((groups, group, hd), "float32", align=16)
         merge_m = pool.alloc((groups, group), "float32", align=16)
@@ -994,6 +1016,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         T.device_entry()
         h, b = T.cta_id([hq, nb])
         d = T.thread_id([hd])
+        T.ptx.griddepcontrol.wait()  # the split kernel's partials, complete and visible
         total = T.alloc_buffer((3,), "float32", scope="local")  # max, sum, output element
         w = T.alloc_buffer((1,), "float32", scope="local")
         # splits in unrolled chunks of COMBINE_UNROLL: their loads are in flight together
@@ -1014,7 +1037,10 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
 
     name = "attention_decode_append_split" if append else "attention_decode_paged_split" if paged \
         else "attention_decode_split"
-    return _mark(split, name), _mark(combine, "attention_decode_combine")
+    split, combine = _mark(split, name), _mark(combine, "attention_decode_combine")
+    if dependent:
+        split, combine = dependent_launch(split), dependent_launch(combine)
+    return split, combine
 
 
 def decode_kv_bytes(shape: dict, length: int, dtype: str = "float16") -> int:

@@ -171,6 +171,22 @@ def test_every_decode_config_builds(knobs):
     assert "attention_decode_combine_kernel" in _source(combine)
 
 
+@pytest.mark.parametrize("append", [False, True])
+def test_decode_kernels_use_dependent_launch(append):
+    # the combine waits for the split kernel's partials before reading them; the split kernel
+    # waits for whatever ran before it, then lets the combine be scheduled
+    split, combine = ca.decode_attention(DECODE, "float16", append=append)
+    for func in (split, combine):
+        assert ca.DEPENDENT_LAUNCH_TAG in func.attrs["tirx.kernel_launch_params"]
+    split_body, combine_body = (_source(func).split("__global__")[-1] for func in (split, combine))
+    wait = split_body.index("griddepcontrol_wait()")
+    assert wait < split_body.index("griddepcontrol_launch_dependents()") < split_body.index("Q_ptr)[")
+    assert combine_body.index("griddepcontrol_wait()") < combine_body.index("PML_ptr[")
+    # without it, neither the tag nor the instructions
+    split, combine = ca.decode_attention(DECODE, "float16", append=append, dependent=False)
+    assert "tirx.kernel_launch_params" not in split.attrs and "tirx.kernel_launch_params" not in combine.attrs
+
+
 def test_decode_bfloat16_head_dim_64_builds():
     shape = dict(DECODE, head_dim=64, num_kv_heads=8)
     split, combine = ca.decode_attention(shape, "bfloat16")
