@@ -20,8 +20,9 @@ kernel's default (``autofuse.verify`` checks it against the unscheduled kernel).
   a block of channels in parallel, an accumulator tile in registers, the epilogue on the tile;
   for a dense convolution (any stride) the tile is a few positions x vectors of channels, W
   repacked so that one window point's channels load as one vector (``channel_tile_conv``); for
-  a depthwise one, channels x a vector along the row (a strided one only where its row fits one
-  vector, over the padding copy's columns deinterleaved by the stride).
+  a depthwise one, and a dense one whose channels fill only half-width vectors where those are
+  half rate, channels x a vector along the row (a strided one over the padding copy's columns
+  deinterleaved by the stride; a depthwise one only where its row fits one vector).
 - ``parallel``: anything else with enough work (a wider strided depthwise convolution, pooling): each block's
   leading spatial loops, as few as give PARALLEL_TASKS tasks, fused and parallel, nothing else
   changed.
@@ -379,16 +380,26 @@ def conv(sch, target, knobs) -> None:
         _extent(iv)
     lanes = lanes_for(target, _write_dtype(sch, block))
     weight = _channel_only_read(sch, block)
-    channel_vectors = weight is not None and channel_vector(target, _write_dtype(sch, block),
-                                                            _extent(stmt.iter_vars[1])) is not None
+    channel_lanes = channel_vector(target, _write_dtype(sch, block), _extent(stmt.iter_vars[1])) \
+        if weight is not None else None
+    channel_vectors = channel_lanes is not None
+    if channel_vectors and channel_lanes < lanes and not vector_unit(target).half_rate_free \
+            and _extent(stmt.iter_vars[3]) >= channel_lanes and (_unit_stride(sch, block) or _deinterleavable(sch, block)):
+        # Half-width channel vectors run at half the FMA rate where the full width is as fast
+        # per instruction (AVX-512 on Intel): vectors along output rows at least as wide instead,
+        # a weight broadcast per FMA (the 8-channel 7x7 stride-2 stems of ResNet-18/50 on
+        # emeraldrapids: 0.55x the channel tile's time untuned, MobileNetV3's 8-72 channel 1x1
+        # convs at 14-56 columns 0.6-0.8x; at 7 columns 1.4x, so narrower rows keep the channels).
+        channel_vectors = False
     if not channel_vectors and not _unit_stride(sch, block):
         # Vectors along a strided row would be gathers, and so would the channels of a
         # depthwise one. Where an output row fits one vector, the padded input's columns are
         # deinterleaved by the stride, so that a row vector is contiguous again (MobileNetV3's
         # and ShuffleNetV2's at 7 and 14 columns: 0.2-0.6x the time of the loops as written); on
-        # wider rows LLVM vectorizes the loops as written, and the deinterleaving copy cost more
-        # than it saved (1.1-2x at 28 and 56 columns, 2-core znver4, one thread).
-        if _extent(stmt.iter_vars[3]) > lanes:
+        # wider depthwise rows LLVM vectorizes the loops as written, and the deinterleaving copy
+        # cost more than it saved (1.1-2x at 28 and 56 columns, 2-core znver4, one thread); a
+        # dense convolution reuses each copied column for all its output channels.
+        if weight is None and _extent(stmt.iter_vars[3]) > lanes:
             raise NotApplicable("a strided depthwise window over rows wider than a vector")
         _deinterleave_columns(sch, block)
     upstream, epilogue = _split_around(sch, block)
@@ -404,7 +415,8 @@ def conv(sch, target, knobs) -> None:
         channel_tile_conv(sch, block, epilogue, weight, knobs, target)
         return
     n, f, y, x, *reduce = sch.get_loops(block)
-    f0, f1 = sch.split(f, knobs.tile(f, 2, [4], max_innermost_factor=8))
+    # a dense convolution's channels share the input vector: 8 accumulators cover the FMA latency
+    f0, f1 = sch.split(f, knobs.tile(f, 2, [4 if weight is None else 8], max_innermost_factor=8))
     x0, x1 = sch.split(x, knobs.tile(x, 2, [lanes], max_innermost_factor=lanes))
     sch.reorder(n, f0, y, x0, *reduce, f1, x1)
     chain = _tile_in_registers(sch, block, epilogue, x0, [n, f0, y])
@@ -515,9 +527,21 @@ def _column_stride(index, x):
     return None
 
 
+def _deinterleavable(sch, block) -> bool:
+    """Whether ``_deinterleave_columns`` can make ``block``'s strided reads contiguous: each is of
+    a buffer the function allocates whose column count the stride divides."""
+    stmt = sch.get(block)
+    x = stmt.iter_vars[3].var
+    strided = [(read, _column_stride(read.region[-1].min, x)) for read in stmt.reads]
+    strided = [(read, stride) for read, stride in strided if stride is not None]
+    return len(strided) == 1 and all(
+        any(read.source.same_as(b) for b in _allocated(sch)) and isinstance(read.source.shape[-1], tirx.IntImm)
+        and int(read.source.shape[-1].value) % stride == 0 for read, stride in strided)
+
+
 def _deinterleave_columns(sch, block) -> None:
-    """A depthwise convolution of stride s whose input is a buffer the function allocates (the
-    padding copy): that buffer's columns stored as [row][j % s][j // s], so the read at column
+    """A convolution of stride s whose input is a buffer the function allocates (the padding
+    copy): that buffer's columns stored as [row][j % s][j // s], so the read at column
     s * x + rx becomes [rx % s][x + rx // s], contiguous along x. NotApplicable where the input
     is not so (a parameter, a column count that s does not divide)."""
     stmt = sch.get(block)

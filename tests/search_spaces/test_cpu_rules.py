@@ -93,19 +93,22 @@ def _attention():
 def _conv():
     """A 3x3 'same' conv with bias and ReLU, a depthwise one, a strided one, a strided
     depthwise one big enough to run in parallel, a 5x5 strided depthwise one over rows of 7
-    (MobileNetV3's), and a strided dense one with 48 output channels (three vectors)."""
+    (MobileNetV3's), a strided dense one with 48 output channels (three vectors), and a strided
+    dense one with 8 over rows of 64 (a stem's)."""
     nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
              helper.make_node("Relu", ["c"], ["y"]),
              helper.make_node("Conv", ["y", "wd"], ["d"], pads=[1, 1, 1, 1], group=8),
              helper.make_node("Conv", ["y", "ws"], ["s"], pads=[1, 1, 1, 1], strides=[2, 2]),
              helper.make_node("Conv", ["big", "wsd"], ["sd"], pads=[1, 1, 1, 1], strides=[2, 2], group=16),
              helper.make_node("Conv", ["small", "wsn"], ["sn"], pads=[2, 2, 2, 2], strides=[2, 2], group=24),
-             helper.make_node("Conv", ["small", "wwide"], ["sw"], pads=[1, 1, 1, 1], strides=[2, 2])]
+             helper.make_node("Conv", ["small", "wwide"], ["sw"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             helper.make_node("Conv", ["big", "wstem"], ["st"], pads=[1, 1, 1, 1], strides=[2, 2])]
     return _model(nodes, [("x", [1, 4, 8, 8]), ("big", [1, 16, 128, 128]), ("small", [1, 24, 14, 14])],
                   [("d", [1, 8, 8, 8]), ("s", [1, 8, 4, 4]), ("sd", [1, 16, 64, 64]), ("sn", [1, 24, 7, 7]),
-                   ("sw", [1, 48, 7, 7])],
+                   ("sw", [1, 48, 7, 7]), ("st", [1, 8, 64, 64])],
                   [_const("w", 8, 4, 3, 3), _const("b", 8), _const("wd", 8, 1, 3, 3), _const("ws", 8, 8, 3, 3),
-                   _const("wsd", 16, 1, 3, 3), _const("wsn", 24, 1, 5, 5), _const("wwide", 48, 24, 3, 3)])
+                   _const("wsd", 16, 1, 3, 3), _const("wsn", 24, 1, 5, 5), _const("wwide", 48, 24, 3, 3),
+                   _const("wstem", 8, 16, 3, 3)])
 
 
 @pytest.fixture(scope="module")
@@ -120,12 +123,18 @@ def graph_kernels(tmp_path_factory):
     return found
 
 
-def _rule_of(kernels_by_name, *needles):
+def _rule_of(kernels_by_name, *needles, target=TARGET):
     """The default rule of the one kernel whose name holds every needle, and the kernel."""
     matching = [k for name, k in kernels_by_name.items() if all(n in name for n in needles)]
     assert len(matching) == 1, (needles, sorted(kernels_by_name))
-    sch, source = untuned(matching[0].func, TARGET)
+    sch, source = untuned(matching[0].func, target)
     return source, sch, matching[0]
+
+
+# AVX-512 on 256-bit units (a ymm FMA as fast as a zmm one), and on Intel's 512-bit ones. The
+# schedules are made for these and built for the host to check them (any x86-64 runs them).
+ZNVER4 = parse_target('{"kind": "llvm", "mcpu": "znver4", "num-cores": 2}')
+SAPPHIRERAPIDS = parse_target('{"kind": "llvm", "mcpu": "sapphirerapids", "num-cores": 2}')
 
 
 # (kernel name parts, the rule that schedules it)
@@ -267,7 +276,7 @@ def test_dense_convs_run_on_the_channel_vector_tile_with_W_repacked(graph_kernel
     """W repacked to [f / V][window][V], the accumulators channel-innermost ([.., x, f]) in a local
     tile within TVM's stack limit, the update's innermost loop a vector of V output channels, the
     positions before it unrolled; and the kernel matches the unscheduled one."""
-    source, sch, kernel = _rule_of(graph_kernels, *needles)
+    source, sch, kernel = _rule_of(graph_kernels, *needles, target=ZNVER4)
     assert source == "cpu_conv"
     allocs = _allocs(sch)
     packed = [shape for name, (shape, _) in allocs.items() if name.endswith("_global")]
@@ -283,18 +292,41 @@ def test_dense_convs_run_on_the_channel_vector_tile_with_W_repacked(graph_kernel
     assert ok, message
 
 
+@pytest.mark.parametrize("needles,strided", [(("conv:", "conv2d6"), True), (("conv:", "conv2d_add_relu"), False)],
+                         ids=["stride2-8ch-64cols", "same-8ch"])
+def test_half_width_channel_vectors_give_way_to_row_vectors_where_they_are_half_rate(graph_kernels, needles,
+                                                                                     strided):
+    """On Intel's AVX-512 an 8-channel dense conv (half a zmm of channels) is vectorised along its
+    output rows instead, all 8 channels' accumulators at once, W not repacked; a strided one over
+    the padding copy's columns deinterleaved. 48 channels (whole vectors), and 8 over rows of 4
+    (narrower than the channel vector), keep the channel tile."""
+    source, sch, kernel = _rule_of(graph_kernels, *needles, target=SAPPHIRERAPIDS)
+    assert source == "cpu_conv"
+    allocs = _allocs(sch)
+    assert not any(name.endswith("_global") for name in allocs), "W as stored"
+    _, loops = _update_loops(sch)
+    assert sch.get(loops[-1]).kind == tvm.tirx.ForKind.VECTORIZED
+    assert sch.get(loops[-2]).kind == tvm.tirx.ForKind.UNROLLED and int(sch.get(loops[-2]).extent) == 8
+    assert ("% T.int64(2), v_rx // T.int64(2) + v_xx]" in sch.mod.script()) == strided
+    ok, message = checker(kernel, TARGET, DEV)(sch)
+    assert ok, message
+    for other in ("conv2d5", "conv2d2"):
+        source, sch, _ = _rule_of(graph_kernels, "conv:", other, target=SAPPHIRERAPIDS)
+        assert any(name.endswith("_global") for name in _allocs(sch)), f"{other}: the channel tile"
+
+
 def test_the_channel_vector_tile_takes_the_targets_vectors():
     """Vectors of 16 channels on AVX-512, 8 on AVX2 (half a vector where a whole one does not divide
     the channels), none below 4; tiles within the registers and the stack limit."""
     from tvm.target import Target
     from search_spaces.lib.cpu_gemm import vector_unit
     avx2 = Target({"kind": "llvm", "mcpu": "haswell", "num-cores": 2})
-    assert cpu_rules.channel_vector(TARGET, "float32", 48) == 16
-    assert cpu_rules.channel_vector(TARGET, "float32", 24) == 8
+    assert cpu_rules.channel_vector(ZNVER4, "float32", 48) == 16
+    assert cpu_rules.channel_vector(ZNVER4, "float32", 24) == 8
     assert cpu_rules.channel_vector(avx2, "float32", 24) == 8
     assert cpu_rules.channel_vector(avx2, "float32", 12) == 4
-    assert cpu_rules.channel_vector(TARGET, "float32", 12) is None
-    for target in (TARGET, avx2):
+    assert cpu_rules.channel_vector(ZNVER4, "float32", 12) is None
+    for target in (ZNVER4, avx2):
         unit = vector_unit(target)
         for lanes in (8, unit.lanes):
             for vectors in (1, 2, 3, 4, 64):
