@@ -1,8 +1,8 @@
 """Our Hopper wgmma GEMM kernels (search_spaces/lib/cuda_wgmma.py) against cuBLAS and torch.compile.
 
     source /opt/autofuse-gpu/env.sh && python benchmarks/gpu_gemm.py --commit SHA [--out PATH]
-        [--budget-secs 500] [--repeat 50] [--cases NAME,...]
-    python benchmarks/gpu_gemm.py --dry-run [--out PATH]     # no GPU: build every config's source, exit
+        [--budget-secs 500] [--repeat 50] [--cases NAME,...] [--knobs JSON]
+    python benchmarks/gpu_gemm.py --dry-run [--out PATH] [--knobs JSON]   # no GPU: build every config's source, exit
 
 Cases: linear_bias_relu, y = relu(x @ W^T + b), in float16 and bfloat16 at (m, n, k) in ``SHAPES``;
 then, budget permitting, the SwiGLU pair y = silu(x @ Wg^T) * (x @ Wu^T) at ``SWIGLU_SHAPES``.
@@ -15,7 +15,11 @@ torch.compile of the same function (default mode, dynamic=False, dynamo reset pe
 call's time is its compile time), then each knob configuration of our kernel: built, run once on
 NaN-filled outputs, checked, and timed when valid. float16 cases sweep ``sweep_configs``; a
 bfloat16 case (the same kernel with bf16 MMAs) runs the default plus the ``BF16_FROM_FP16`` fastest
-valid configurations of its float16 case. pct_of_cublas = 100 x (faster of torch eager and
+valid configurations of its float16 case. With ``--knobs`` every case runs its default and then
+exactly the configurations given instead: a JSON list of knob objects, or one object whose values
+are lists (their product), each over the case's default knobs (``cuda_wgmma.DEFAULT_KNOBS``, the
+SwiGLU pair's ``SWIGLU_DEFAULT_KNOBS``); those the case's shape or shared memory refuses are listed
+in its ``refused``. pct_of_cublas = 100 x (faster of torch eager and
 torch.compile, whatever compile's check said) / our best valid time.
 
 Timing: each call alone after a 256 MiB write that evicts L2, bracketed by CUDA events on torch's
@@ -34,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import itertools
 import json
 import math
 import os
@@ -76,7 +81,9 @@ def sweep_configs(m: int, n: int, k: int, dtype: str) -> list[dict]:
     the default, then wait depth 1, grids that fill more of the H200's 132 SMs, larger tiles,
     4 stages before 3 and 5."""
     shape = {"m": m, "n": n, "k": k}
-    space = {**cuda_wgmma.KNOBS, "block_n": (128, 256), "stages": (3, 4, 5), "wait_depth": (1,)}
+    # the one-role kernel in the default launch order (--knobs times the others)
+    space = {**cuda_wgmma.KNOBS, "block_n": (128, 256), "stages": (3, 4, 5), "wait_depth": (1,), "specialised": (0,),
+             "raster": (1,)}
     wanted = cuda_wgmma.configs(shape, dtype, space)
     for block_n in (256, 128):
         knobs = {**cuda_wgmma.DEFAULT_KNOBS, "block_n": block_n, "wait_depth": 0}
@@ -101,8 +108,50 @@ def sweep_configs(m: int, n: int, k: int, dtype: str) -> list[dict]:
 
 
 def config_name(knobs: dict) -> str:
+    """BN.._WG.._S.._BK.._W.., then _WS1 for the warp-specialised kernel and _R<n> for a grouped
+    launch order (the names of the one-role kernel in row order are those of earlier reports)."""
     return (f"BN{knobs['block_n']}_WG{knobs['warpgroups']}_S{knobs['stages']}_BK{knobs['block_k']}"
-            f"_W{knobs['wait_depth']}")
+            f"_W{knobs['wait_depth']}" + ("_WS1" if knobs.get("specialised") else "")
+            + (f"_R{knobs['raster']}" if knobs.get("raster", 1) != 1 else ""))
+
+
+def parse_knobs(text: str) -> list[dict]:
+    """--knobs: a JSON list of knob objects, or one object of value lists (their product), every
+    name one of ``cuda_wgmma.KNOBS``; ValueError otherwise."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"--knobs is not JSON: {err}") from None
+    if isinstance(value, dict):
+        lists = [v if isinstance(v, list) else [v] for v in value.values()]
+        value = [dict(zip(value, combo)) for combo in itertools.product(*lists)]
+    if not isinstance(value, list) or not value or not all(isinstance(k, dict) for k in value):
+        raise ValueError("--knobs takes a JSON list of knob objects or one object of value lists")
+    for knobs in value:
+        unknown = sorted(set(knobs) - set(cuda_wgmma.KNOBS))
+        if unknown:
+            raise ValueError(f"--knobs: unknown knob(s) {', '.join(unknown)}; knobs are {', '.join(cuda_wgmma.KNOBS)}")
+    return value
+
+
+def explicit_configs(case: dict, explicit: list[dict]) -> tuple[list[dict], list[dict]]:
+    """(the case's default and then each of ``explicit`` over it that the shape takes, once each;
+    the refused ones with the reason)."""
+    swiglu = case["kind"] == "swiglu"
+    space, default = ((cuda_wgmma.SWIGLU_KNOBS, cuda_wgmma.SWIGLU_DEFAULT_KNOBS) if swiglu
+                      else (cuda_wgmma.KNOBS, cuda_wgmma.DEFAULT_KNOBS))
+    shape = {"m": case["m"], "n": case["n"], "k": case["k"]}
+    out, refused = [], []
+    for knobs in [{}, *explicit]:
+        full = {**default, **knobs}
+        try:
+            cuda_wgmma.check(shape, case["dtype"], full, space=space, default=default, weights=2 if swiglu else 1)
+        except ValueError as err:
+            refused.append({"knobs": full, "reason": str(err)})
+            continue
+        if full not in out:
+            out.append(full)
+    return out, refused
 
 
 def case_name(kind: str, dtype: str, m: int, n: int, k: int) -> str:
@@ -122,8 +171,11 @@ def all_cases() -> list[dict]:
     return cases
 
 
-def case_configs(case: dict, report: dict) -> list[dict]:
-    """The configurations a case runs, in order (a bfloat16 case reads its float16 case's results)."""
+def case_configs(case: dict, report: dict, explicit: list[dict] | None = None) -> list[dict]:
+    """The configurations a case runs, in order (a bfloat16 case reads its float16 case's results;
+    with ``explicit``, the parsed --knobs, those of ``explicit_configs``)."""
+    if explicit is not None:
+        return explicit_configs(case, explicit)[0]
     m, n, k, dtype = case["m"], case["n"], case["k"], case["dtype"]
     if case["kind"] == "swiglu":
         out = []
@@ -153,7 +205,9 @@ def case_configs(case: dict, report: dict) -> list[dict]:
     return out
 
 
-def case_weight(case: dict) -> int:
+def case_weight(case: dict, explicit: list[dict] | None = None) -> int:
+    if explicit is not None:
+        return len(explicit_configs(case, explicit)[0]) + BASELINE_WEIGHT
     if case["kind"] == "swiglu":
         return len(SWIGLU_VARIANTS) + BASELINE_WEIGHT
     if case["dtype"] == "bfloat16":
@@ -412,7 +466,12 @@ def run(args) -> int:
               "repeat": args.repeat, "machine": machine(torch, tvm), "notes": NOTES, "cases": {},
               "not_started": []}
     out_path = args.out or DEFAULT_OUT
-    planned = sum(case_weight(c) - BASELINE_WEIGHT for c in cases)
+    explicit = parse_knobs(args.knobs) if args.knobs else None  # checked in main
+    if explicit is not None:
+        report["knobs"] = explicit
+        report["notes"] = NOTES + ["--knobs: every case ran its default, then the configurations of `knobs` over it "
+                                   "that its shape takes (those refused are in its `refused`), instead of the sweeps"]
+    planned = sum(case_weight(c, explicit) - BASELINE_WEIGHT for c in cases)
     log(f"{len(cases)} cases, {planned} kernel builds planned; writing {out_path}")
     with tvm_ffi.use_torch_stream():
         timer = Timer(torch, args.repeat)
@@ -423,7 +482,7 @@ def run(args) -> int:
             if now > args.budget_secs:
                 report["not_started"] = [c["name"] for c in cases[index:]]
                 break
-            weights = [case_weight(c) for c in cases[index:]]
+            weights = [case_weight(c, explicit) for c in cases[index:]]
             share = (args.budget_secs - now) * weights[0] / sum(weights)
 
             def save(entry, name=case["name"]):
@@ -432,8 +491,10 @@ def run(args) -> int:
                 write_json(out_path, report)
 
             try:
-                entry = run_case(torch, tvm, case, case_configs(case, report), timer,
+                entry = run_case(torch, tvm, case, case_configs(case, report, explicit), timer,
                                  time.perf_counter() + share, save, lambda msg: log(msg))
+                if explicit is not None:
+                    entry["refused"] = explicit_configs(case, explicit)[1]
             except Exception as err:  # a case that cannot even start (e.g. out of memory) is its entry
                 faulthandler.cancel_dump_traceback_later()
                 entry = {"status": f"error: {type(err).__name__}: {str(err).strip()[:600]}"}
@@ -465,16 +526,18 @@ def selected_cases(names: str | None) -> list[dict]:
 
 def dry_run(args) -> int:
     """Every configuration's CUDA source at one small shape, in both dtypes, plus the SwiGLU
-    variants; and the real run's plan."""
+    variants (with --knobs: each case's default and those); and the plan of the real run of
+    --cases."""
     m, n, k = DRY_RUN_SHAPE
     started = time.perf_counter()
     small = [{"kind": "linear_bias_relu", "dtype": d, "m": m, "n": n, "k": k} for d in DTYPES]
     small += [{"kind": "swiglu", "dtype": d, "m": m, "n": n, "k": k} for d in DTYPES]
     report = {"schema": SCHEMA, "dry_run": True, "commit": args.commit, "command": sys.argv, "cases": {}}
     failed = 0
+    explicit = parse_knobs(args.knobs) if args.knobs else None
     for case in small:
         name = case_name(case["kind"], case["dtype"], m, n, k)
-        configs = (case_configs(case, {"cases": {}}) if case["kind"] == "swiglu"
+        configs = (case_configs(case, {"cases": {}}, explicit) if case["kind"] == "swiglu" or explicit is not None
                    else sweep_configs(m, n, k, case["dtype"]))
         rows = []
         for knobs in configs:
@@ -490,7 +553,8 @@ def dry_run(args) -> int:
         print(f"{name}: {sum(r['built'] for r in rows)}/{len(rows)} configs built "
               f"({', '.join(r['name'] for r in rows)})", flush=True)
     plan = {c["name"]: len(sweep_configs(c["m"], c["n"], c["k"], c["dtype"])) if c["kind"] == "linear_bias_relu"
-            and c["dtype"] == "float16" else case_weight(c) - BASELINE_WEIGHT for c in all_cases()}
+            and c["dtype"] == "float16" and explicit is None else case_weight(c, explicit) - BASELINE_WEIGHT
+            for c in selected_cases(args.cases)}
     report["plan"] = plan
     report["secs"] = time.perf_counter() - started
     print(f"real run: {len(plan)} cases, {sum(plan.values())} kernel builds at most: "
@@ -509,17 +573,25 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=int, default=50, help="timed calls per contender (at least 30)")
     parser.add_argument("--cases", help="comma-separated case names (default: all)")
     parser.add_argument("--dry-run", action="store_true", help="no GPU: build every config's CUDA source for one small shape")
+    parser.add_argument("--knobs", help="the configurations to run after each case's default instead of its sweep: a "
+                        "JSON list of knob objects, or one object of value lists (their product), each over the "
+                        "case's default knobs, e.g. '{\"specialised\": [0, 1], \"stages\": [3, 4]}'")
     args = parser.parse_args(argv)
     if args.repeat < 30:
         parser.error("--repeat must be at least 30")
-    if args.dry_run:
-        return dry_run(args)
-    if not args.commit:
-        parser.error("--commit is required for a measured run (the GPU checkout has no .git)")
+    if args.knobs:
+        try:
+            parse_knobs(args.knobs)
+        except ValueError as err:
+            parser.error(str(err))
     try:
         selected_cases(args.cases)
     except ValueError as err:
         parser.error(str(err))
+    if args.dry_run:
+        return dry_run(args)
+    if not args.commit:
+        parser.error("--commit is required for a measured run (the GPU checkout has no .git)")
     return run(args)
 
 

@@ -12,22 +12,45 @@ or bfloat16 in and out, float32 accumulation, the epilogue in float32 and C roun
 be stored (K, N) (``b_layout="kn"``, the weight of ``x @ W``): it is then loaded in BN/64 boxes of BK
 rows x 64 columns and read by wgmma N-major (its transpose flag), so no transposed copy is made.
 
-The kernel (not warp-specialized). Each CTA computes one BM x BN tile of C with ``warpgroups``
-warpgroups of 128 threads, BM = 64 per warpgroup. Thread 0 issues TMA copies (128-byte swizzle) of
-BK-wide K slices of A and B into a ring of ``stages`` shared-memory slots, each with an mbarrier that
-completes when the slot's bytes have landed. For every K slice each warpgroup waits on the slot's
-barrier and issues BK/16 ``wgmma.mma_async m64nBNk16`` reading its 64 rows of A and all BN rows of B
-from shared memory into BN/2 float32 accumulator registers per thread. ``wait_depth`` 1 keeps the
-slice's wgmma group in flight while the CTA syncs and thread 0 refills the slot of the previous
-slice (retired by then in every warpgroup); 0 retires each group before its own slot is refilled.
-The epilogue (bias, activation, cast) runs on the accumulator registers and stores C directly.
+The kernel. Each CTA computes one BM x BN tile of C with ``warpgroups`` consumer warpgroups of
+128 threads, BM = 64 per warpgroup. BK-wide K slices of A and B come by TMA copies (128-byte
+swizzle) into a ring of ``stages`` shared-memory slots, each with a "full" mbarrier that completes
+when the slot's bytes have landed. For every K slice each warpgroup waits on the slot's barrier
+and issues BK/16 ``wgmma.mma_async m64nBNk16`` reading its 64 rows of A and all BN rows of B from
+shared memory into BN/2 float32 accumulator registers per thread. Who loads, and how a slot is
+freed, is the ``specialised`` knob:
+
+- 0, one role: the warpgroups compute, thread 0 also loads. ``wait_depth`` 1 keeps the slice's
+  wgmma group in flight while the CTA syncs (``__syncthreads``) and thread 0 refills the slot of
+  the previous slice (retired by then in every warpgroup); 0 retires each group before its own
+  slot is refilled.
+- 1, warp-specialised (FlashAttention-3's and CUTLASS's layout): one more warpgroup, the
+  producer, whose thread 0 issues the TMA copies of every slice, each into slot kt % stages once
+  the slot's "empty" mbarrier says the consumers are done with its previous slice (no wait on the
+  first pass over the ring). The consumer warpgroups never sync with each other: after issuing a
+  slice's wgmmas and waiting for all but ``wait_depth`` groups, one thread of each arrives on the
+  empty barrier of the slice whose group has retired (the previous slice at depth 1), which
+  completes once all ``warpgroups`` have arrived. Slice kt is phase kt // stages of its slot's
+  barriers, so the consumers wait for parity (kt // stages) % 2 on "full" and the producer,
+  refilling, for parity (kt // stages - 1) % 2 on "empty". With two consumer warpgroups the
+  producer gives its registers to them (setmaxnreg 40 / 232 of the 168 each of 384 threads
+  starts with, the launch bounds saying one CTA per SM so that ptxas keeps them). The epilogue
+  runs in the consumers.
+
+The epilogue (bias, activation, cast) runs on the accumulator registers and stores C directly, a
+thread's two adjacent columns of a row (accumulators i, i + 1) as one 4-byte word (two halves;
+8 bytes for float32 C). ``raster`` orders the tiles: 1, along the row of tiles (the grid's x is
+the column tile); 8, Triton's grouped order, the CTAs walking down 8 tile-rows before moving one
+tile-column on, so that the CTAs resident at once share B's column tiles in L2.
 
 Knobs (``KNOBS``; ``DEFAULT_KNOBS`` is the configuration measured best at 4096^3 on the H200, and
 ``fill_tile`` shrinks its tile where it would leave SMs idle):
-``block_n`` BN (64, 128 or 256: the wgmma N), ``warpgroups`` (1 or 2: BM 64 or 128), ``stages`` (ring
-depth, 2-5; 2-7 for int8), ``block_k`` BK (64 only: one 128-byte swizzle row of 2-byte elements per
-TMA box; 128 for int8), ``wait_depth`` (0 or 1). A configuration needs M % BM == N % BN == K % BK == 0 and at most
-``SHARED_MEMORY_LIMIT`` bytes of shared memory; anything else raises ValueError (callers fall back).
+``block_n`` BN (64, 128 or 256: the wgmma N), ``warpgroups`` (1 or 2 consumer warpgroups: BM 64
+or 128), ``stages`` (ring depth, 2-5; 2-7 for int8), ``block_k`` BK (64 only: one 128-byte swizzle
+row of 2-byte elements per TMA box; 128 for int8), ``wait_depth`` (0 or 1), ``specialised`` (0 or
+1; the empty barriers take 8 bytes a slot more), ``raster`` (1 or 8). A configuration needs M % BM
+== N % BN == K % BK == 0 and at most ``SHARED_MEMORY_LIMIT`` bytes of shared memory; anything else
+raises ValueError (callers fall back).
 
 ``swiglu`` computes out = silu(A @ Wg^T) * (A @ Wu^T): both weight tiles of a slice share the A tile
 and its barrier, and each warpgroup issues two wgmmas per k step into two accumulators; BN at most
@@ -97,8 +120,9 @@ def pin_registers(regs, count, dtype):
 
 
 KNOBS = {"block_n": (64, 128, 256), "warpgroups": (1, 2), "stages": (2, 3, 4, 5), "block_k": (64,),
-         "wait_depth": (0, 1)}
-DEFAULT_KNOBS = {"block_n": 256, "warpgroups": 2, "stages": 4, "block_k": 64, "wait_depth": 1}
+         "wait_depth": (0, 1), "specialised": (0, 1), "raster": (1, 8)}
+DEFAULT_KNOBS = {"block_n": 256, "warpgroups": 2, "stages": 4, "block_k": 64, "wait_depth": 1, "specialised": 0,
+                 "raster": 1}
 SWIGLU_KNOBS = {**KNOBS, "block_n": (64, 128)}
 SWIGLU_DEFAULT_KNOBS = {**DEFAULT_KNOBS, "block_n": 128}
 # int8 operands: a 128-byte swizzle row is 128 elements, so BK 128; a slot of the 128 x 256 tile is
@@ -134,6 +158,12 @@ ACTIVATIONS = {
     "silu": _silu,
 }
 
+# setmaxnreg of the specialised kernel, (producer, consumers) per thread, by consumer warpgroups:
+# with two, 128 x 40 + 256 x 232 = 384 x 168, the registers a thread of 384 starts with (CUTLASS's
+# warp-specialised GEMM). A consumer warpgroup alone has 256 threads' share, more than it needs,
+# so it starts with what ptxas gives it and nothing moves.
+SPECIALISED_REGISTERS = {2: (40, 232)}
+
 _SWIZZLE_128B = 3  # CUtensorMapSwizzle and the wgmma descriptor's layout code for 128-byte swizzle
 _TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
 
@@ -163,8 +193,10 @@ def slot_bytes(knobs: dict, dtype: str = "float16", weights: int = 1) -> int:
 
 
 def shared_memory_bytes(knobs: dict, dtype: str = "float16", weights: int = 1) -> int:
-    """Dynamic shared memory of a configuration: the ring of slots, plus a barrier per slot."""
-    return knobs["stages"] * (slot_bytes(knobs, dtype, weights) + 8)
+    """Dynamic shared memory of a configuration: the ring of slots, plus a barrier per slot ("full"),
+    and with ``specialised`` a second one ("empty")."""
+    barriers = 2 if knobs.get("specialised", 0) else 1
+    return knobs["stages"] * (slot_bytes(knobs, dtype, weights) + 8 * barriers)
 
 
 def check(shape: dict, dtype: str, knobs: dict | None = None, *, space: dict = KNOBS,
@@ -269,11 +301,12 @@ def _b_operand(n: int, k: int, knobs: dict, weights: int, b_layout: str, itemsiz
     return (knobs["stages"], weights * bn // 64, bk, 64), _tensor_map_args(k, n, bk, 64), bk * 64 * 2 // 16, 1
 
 
-# The pipelined main loop shared by the kernels. Not hygienic: it reads the names of the kernel
-# body it is expanded in (tensor maps, shared buffers, accumulators, block and thread indices) and
-# the configuration constants that each kernel binds with T.meta_var before expanding it.
+# The pipelined main loops shared by the kernels. Not hygienic: they read the names of the kernel
+# body they are expanded in (tensor maps, shared buffers, accumulators, block and thread indices)
+# and the configuration constants that each kernel binds with T.meta_var before expanding them.
 @T.macro(hygienic=False)
 def _main_loop():
+    # every warpgroup computes; thread 0 also loads, and a CTA-wide barrier per slice frees a slot
     if tx == 0:
         for s in T.unroll(STAGES):
             T.ptx.mbarrier.init.shared.b64(T.address_of(bars[s]), T.uint32(1))
@@ -282,27 +315,10 @@ def _main_loop():
     if tx == 0:
         for s in T.unroll(PROLOGUE):
             _load_slice(s, s)
-    for i in T.serial(NACC):
-        acc[i] = ACC_ZERO
-        if TWO_WEIGHTS:
-            acc_up[i] = ACC_ZERO
+    _zero_accumulators()
     for kt in T.serial(KT):
         T.cuda.mbarrier_wait(T.address_of(bars[kt % STAGES]), kt // STAGES % 2)
-        T.ptx.wgmma.fence.sync.aligned()
-        for kk in T.unroll(BK // KSTEP):
-            # 128-byte swizzle: stride 64 (8 rows of 128 B), in 16 B units; A K-major (leading offset 1);
-            # a k step is 32 bytes (16 2-byte or 32 1-byte elements)
-            T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), As.ptr_to([kt % STAGES, wg * 64, kk * KSTEP]), 1, 64, SWIZZLE)
-            _b_descriptor(kt % STAGES, 0, kk)
-            T.ptx[MMA](*[acc[i] for i in range(MMA_NACC)], desc_a, desc_b, *MMA_FLAGS)
-            if PARTS == 2:
-                # BN wider than one wgmma: B's second MMA_N rows into the second half of acc
-                _b_descriptor(kt % STAGES, 0, kk, MMA_N)
-                T.ptx[MMA](*[acc[MMA_NACC + i] for i in range(MMA_NACC)], desc_a, desc_b, *MMA_FLAGS)
-            if TWO_WEIGHTS:
-                _b_descriptor(kt % STAGES, 1, kk)
-                T.ptx[MMA](*[acc_up[i] for i in range(NACC)], desc_a, desc_b, *MMA_FLAGS)
-        T.ptx.wgmma.commit_group.sync.aligned()
+        _issue_slice(kt)
         if WAIT_DEPTH == 1:
             # slice kt's group stays in flight; slice kt-1's has retired in every warpgroup once
             # all have passed the barrier, so its slot takes slice kt-1+STAGES
@@ -318,6 +334,82 @@ def _main_loop():
                 if kt + STAGES < KT:
                     _load_slice(kt % STAGES, kt + STAGES)
     T.ptx.wgmma.wait_group.sync.aligned(0)
+
+
+@T.macro(hygienic=False)
+def _init_specialised_barriers():
+    # slot s's "full" barrier completes when the producer's bytes have landed (one arrival, the
+    # producer's expect_tx); its "empty" one once every consumer warpgroup is done reading it
+    if tx == 0:
+        for s in T.unroll(STAGES):
+            T.ptx.mbarrier.init.shared.b64(T.address_of(bars[s]), T.uint32(1))
+            T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(CONSUMERS))
+    T.ptx.fence.proxy.async_.shared__cta()
+    T.cuda.cta_sync()
+
+
+@T.macro(hygienic=False)
+def _producer_loop():
+    # Slice kt goes to slot kt % STAGES once the consumers released the slot's previous slice,
+    # kt - STAGES: the (kt // STAGES)-th completion of its empty barrier, which ends phase
+    # kt // STAGES - 1. The first pass over the ring (kt < STAGES) has nothing to wait for.
+    for kt in T.serial(KT):
+        if kt >= STAGES:
+            T.cuda.mbarrier_wait(T.address_of(empty[kt % STAGES]), (kt // STAGES + 1) % 2)
+        _load_slice(kt % STAGES, kt)
+
+
+@T.macro(hygienic=False)
+def _consumer_loop():
+    # Slice kt is phase kt // STAGES of its slot's full barrier. A slot is released (one arrival
+    # per consumer warpgroup on its empty barrier) once the wgmma group that read it retired: with
+    # wait depth 1 the previous slice's, while this slice's group stays in flight.
+    _zero_accumulators()
+    for kt in T.serial(KT):
+        T.cuda.mbarrier_wait(T.address_of(bars[kt % STAGES]), kt // STAGES % 2)
+        _issue_slice(kt)
+        if WAIT_DEPTH == 1:
+            T.ptx.wgmma.wait_group.sync.aligned(1)
+            if kt >= 1:
+                if tx % 128 == 0:
+                    T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[(kt - 1) % STAGES]))
+        else:
+            T.ptx.wgmma.wait_group.sync.aligned(0)
+            if tx % 128 == 0:
+                T.ptx.mbarrier.arrive.shared.b64(T.address_of(empty[kt % STAGES]))
+    T.ptx.wgmma.wait_group.sync.aligned(0)
+    # the epilogue's reads of the accumulators stay behind the wait (``_PIN_TYPES``)
+    pin_registers(acc, NACC, ACC_DTYPE)
+    if TWO_WEIGHTS:
+        pin_registers(acc_up, NACC, ACC_DTYPE)
+
+
+@T.macro(hygienic=False)
+def _zero_accumulators():
+    for i in T.serial(NACC):
+        acc[i] = ACC_ZERO
+        if TWO_WEIGHTS:
+            acc_up[i] = ACC_ZERO
+
+
+@T.macro(hygienic=False)
+def _issue_slice(kt):
+    # this warpgroup's wgmmas of K slice kt (in its ring slot, landed), as one committed group
+    T.ptx.wgmma.fence.sync.aligned()
+    for kk in T.unroll(BK // KSTEP):
+        # 128-byte swizzle: stride 64 (8 rows of 128 B), in 16 B units; A K-major (leading offset 1);
+        # a k step is 32 bytes (16 2-byte or 32 1-byte elements)
+        T.cuda.wgmma.encode_matrix_descriptor(T.address_of(desc_a), As.ptr_to([kt % STAGES, wg * 64, kk * KSTEP]), 1, 64, SWIZZLE)
+        _b_descriptor(kt % STAGES, 0, kk)
+        T.ptx[MMA](*[acc[i] for i in range(MMA_NACC)], desc_a, desc_b, *MMA_FLAGS)
+        if PARTS == 2:
+            # BN wider than one wgmma: B's second MMA_N rows into the second half of acc
+            _b_descriptor(kt % STAGES, 0, kk, MMA_N)
+            T.ptx[MMA](*[acc[MMA_NACC + i] for i in range(MMA_NACC)], desc_a, desc_b, *MMA_FLAGS)
+        if TWO_WEIGHTS:
+            _b_descriptor(kt % STAGES, 1, kk)
+            T.ptx[MMA](*[acc_up[i] for i in range(NACC)], desc_a, desc_b, *MMA_FLAGS)
+    T.ptx.wgmma.commit_group.sync.aligned()
 
 
 @T.macro(hygienic=False)
@@ -344,6 +436,20 @@ def _load_slice(slot, kslice):
         if TWO_WEIGHTS:
             T.ptx[TMA](Bs.ptr_to([slot, BN, 0]), T.address_of(U_map), kslice * BK, bx * BN, T.address_of(bars[slot]))
     T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[slot]), T.uint32(STAGE_BYTES))
+
+
+def raster_rows(cta, tiles_m: int, tiles_n: int, raster: int, minimum=min):
+    """Tile-rows in the group of CTA ``cta`` (``raster_tile``): ``raster``, fewer in a last group
+    that ``tiles_m`` does not fill (``minimum``: min on ints, T.min on the kernel's expressions)."""
+    return minimum(tiles_m - cta // (raster * tiles_n) * raster, raster)
+
+
+def raster_tile(cta, tiles_n: int, raster: int, rows):
+    """(column tile, row tile) of the linear CTA id ``cta`` in the grouped launch order (Triton's
+    matmul tutorial): groups of ``raster`` tile-rows, each group walked down its ``rows`` rows
+    (``raster_rows``) first, then across the ``tiles_n`` columns. ints or the kernel's expressions."""
+    group, within = cta // (raster * tiles_n), cta % (raster * tiles_n)
+    return within // rows, group * raster + within % rows
 
 
 # Where accumulator element i of thread tx lands in C. m64nN: warp w of the warpgroup holds rows
@@ -387,8 +493,10 @@ def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout:
         kind = DTYPES[dtype]
         mma = f"wgmma.mma_async.sync.aligned.m64n{mma_n}k16.f32.{kind}.{kind}"
         flags, acc_dtype = (True, 1, 1, 0, trans_b), "float32"
+    specialised = knobs["specialised"]
     return {"m": m, "n": n, "k": k, "bm": bm, "bn": bn, "bk": bk, "stages": knobs["stages"],
-            "threads": 128 * knobs["warpgroups"], "wait_depth": knobs["wait_depth"],
+            "threads": 128 * (knobs["warpgroups"] + specialised), "wait_depth": knobs["wait_depth"],
+            "specialised": specialised, "consumers": knobs["warpgroups"], "raster": knobs["raster"],
             "dtype": dtype, "out_dtype": out_dtype or dtype, "acc_dtype": acc_dtype,
             "mma": mma, "mma_flags": flags, "mma_n": mma_n, "parts": parts, "k_step": 32 // itemsize,
             "a_box": _tensor_map_args(m, k, bm, bk, itemsize), "b_box": b_box, "b_smem": b_smem,
@@ -404,16 +512,39 @@ def _accumulator(acc_dtype: str):
 
 
 def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
-    """The tirx PrimFunc ``(A, B, *X, C)``: the pipelined main loop (``_main_loop``) over A and B,
-    and with ``two_weights`` over A and the first X (a second weight stored as B is, its product in
+    """The tirx PrimFunc ``(A, B, *X, C)``: the pipelined main loop over A and B (``_main_loop``, or
+    with ``specialised`` ``_producer_loop`` and ``_consumer_loop`` in their warpgroups), and with
+    ``two_weights`` over A and the first X (a second weight stored as B is, its product in
     ``acc_up``), then C[row, col] = epilogue(acc, acc_up, [X...], row, col) rounded once, acc as
-    float32. ``operands``: the epilogue's, as (name, shape, dtype), the PrimFunc's parameters
-    between B and C in that order (buffer ``name``, parameter ``name`` in lower case)."""
+    float32, two adjacent columns per store. ``operands``: the epilogue's, as (name, shape,
+    dtype), the PrimFunc's parameters between B and C in that order (buffer ``name``, parameter
+    ``name`` in lower case)."""
     m, n, k, bm, bn, bk, stages = (cfg[key] for key in ("m", "n", "k", "bm", "bn", "bk", "stages"))
     dtype, acc_dtype = cfg["dtype"], cfg["acc_dtype"]
     out_dtype = cfg["out_dtype"]
     accumulator = _accumulator(acc_dtype)
     store = (lambda value: value) if out_dtype == "float32" else (lambda value: T.Cast(out_dtype, value))
+
+    # C as pairs of adjacent columns: a thread's accumulators i, i + 1 are (row, col), (row, col + 1),
+    # stored as one 4-byte word (two halves) or 8 bytes (two float32)
+    pair_dtype = "uint64" if out_dtype == "float32" else "uint32"
+    tiles_m, tiles_n = m // bm, n // bn
+    raster, specialised = cfg["raster"], bool(cfg["specialised"])
+    registers = SPECIALISED_REGISTERS.get(cfg["consumers"]) if specialised else None
+    share_registers = registers is not None
+
+    @T.macro
+    def store_tile(C_pairs, out_pair, out_word, acc, acc_up, XS, bx, by, wg, tx):
+        """The epilogue of this warpgroup's accumulators, a pair of adjacent columns per store."""
+        for j in T.unroll(bn // 8):
+            for half in T.unroll(2):
+                row = T.meta_var(_row(by, bm, wg, tx, half))
+                for pair in T.unroll(2):
+                    col = T.meta_var(_col(bx, bn, j, tx, pair))
+                    i = T.meta_var(j * 4 + half * 2 + pair)
+                    out_pair[pair] = store(epilogue(accumulator(acc[i]), acc_up[i] if two_weights else None, XS, row,
+                                                    col))
+                C_pairs[row, _col(bx, bn, j, tx, 0) // 2] = out_word[0]
 
     @T.macro
     def kernel(A, B, XS, C):
@@ -425,36 +556,63 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
             U_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
             T.call_packed("runtime.cuTensorMapEncodeTiled", U_map, dtype, 2, XS[0].data, *cfg["b_box"])
         T.device_entry()
-        bx, by = T.cta_id([n // bn, m // bm])
+        if share_registers:
+            # launch bounds (threads, 1): ptxas then knows the registers a thread starts with (65536 /
+            # threads, 168 at 384) and keeps the setmaxnreg below, balanced to that (it drops them
+            # otherwise, C7508, as it did for the smaller tiles)
+            T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
+        if raster == 1:
+            bx, by = T.cta_id([tiles_n, tiles_m])
+        else:
+            # grouped launch order: `raster` tile-rows at a time, down the rows first, so that the
+            # CTAs running together share B's column tiles (and A's rows) in L2
+            cta = T.cta_id([tiles_m * tiles_n])
+            rows: T.let[T.int32] = raster_rows(cta, tiles_m, tiles_n, raster, T.min)
+            bx: T.let[T.int32] = raster_tile(cta, tiles_n, raster, rows)[0]
+            by: T.let[T.int32] = raster_tile(cta, tiles_n, raster, rows)[1]
         tx = T.thread_id([cfg["threads"]])
         pool = T.SMEMPool()
         As = pool.alloc((stages, bm, bk), dtype, align=1024)
         # each slot: the B tile (then, with two weights, the X tile)
         Bs = pool.alloc(cfg["b_smem"], dtype, align=1024)
         bars = pool.alloc((stages,), "uint64", align=8)
+        if specialised:
+            empty = pool.alloc((stages,), "uint64", align=8)
         pool.commit()
         desc_a: T.uint64
         desc_b: T.uint64
         acc = T.alloc_buffer((bn // 2,), acc_dtype, scope="local")
         if two_weights:
             acc_up = T.alloc_buffer((bn // 2,), acc_dtype, scope="local")
-        wg = T.meta_var(tx // 128)
+        out_pair = T.alloc_buffer((2,), out_dtype, scope="local")
+        out_word = T.decl_buffer((1,), pair_dtype, data=out_pair.data, scope="local")
+        C_pairs = T.decl_buffer((m, n // 2), pair_dtype, data=C.data)
+        # the warpgroup's 64 rows of the tile (with ``specialised``, warpgroup 0 is the producer)
+        wg = T.meta_var(tx // 128 - 1 if specialised else tx // 128)
         BM, BN, BK, KT, STAGES, NACC = T.meta_var((bm, bn, bk, k // bk, stages, bn // 2))
         PROLOGUE = T.meta_var(min(stages, k // bk))
-        STAGE_BYTES, WAIT_DEPTH = T.meta_var((cfg["stage_bytes"], cfg["wait_depth"]))
+        STAGE_BYTES, WAIT_DEPTH, CONSUMERS = T.meta_var((cfg["stage_bytes"], cfg["wait_depth"], cfg["consumers"]))
         MMA, TMA, SWIZZLE = T.meta_var((cfg["mma"], _TMA_LOAD, _SWIZZLE_128B))
         MMA_FLAGS, MMA_N, PARTS, KSTEP = T.meta_var((cfg["mma_flags"], cfg["mma_n"], cfg["parts"], cfg["k_step"]))
-        MMA_NACC, ACC_ZERO = T.meta_var((cfg["mma_n"] // 2, tvm.tirx.const(0, acc_dtype)))
+        MMA_NACC, ACC_ZERO, ACC_DTYPE = T.meta_var((cfg["mma_n"] // 2, tvm.tirx.const(0, acc_dtype), acc_dtype))
         B_KN, B_LEADING, TRANS_B = T.meta_var((cfg["b_kn"], cfg["b_leading"], cfg["trans_b"]))
         TWO_WEIGHTS = T.meta_var(two_weights)
-        _main_loop()
-        for j in T.unroll(bn // 8):
-            for half in T.unroll(2):
-                for pair in T.unroll(2):
-                    row = T.meta_var(_row(by, bm, wg, tx, half))
-                    col = T.meta_var(_col(bx, bn, j, tx, pair))
-                    i = T.meta_var(j * 4 + half * 2 + pair)
-                    C[row, col] = store(epilogue(accumulator(acc[i]), acc_up[i] if two_weights else None, XS, row, col))
+        if specialised:
+            _init_specialised_barriers()
+            if tx < 128:
+                # the producer warpgroup: its registers to the consumers, one thread issues the copies
+                if share_registers:
+                    T.ptx["setmaxnreg.dec.sync.aligned.u32"](registers[0])
+                if tx == 0:
+                    _producer_loop()
+            else:
+                if share_registers:
+                    T.ptx["setmaxnreg.inc.sync.aligned.u32"](registers[1])
+                _consumer_loop()
+                store_tile(C_pairs, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by, wg, tx)
+        else:
+            _main_loop()
+            store_tile(C_pairs, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by, wg, tx)
 
     names = [op_name for op_name, _, _ in operands]
     # The parameter list varies with the operands, which the script's signatures cannot: the

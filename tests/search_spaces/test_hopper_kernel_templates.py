@@ -95,8 +95,13 @@ def _signature(func):
     return [(tuple(int(d) for d in b.shape), str(b.dtype)) for b in param_buffers(func)]
 
 
+def _epilogue(source: str) -> list[str]:
+    """The wgmma GEMMs' epilogue: each element of C, into the pair of columns stored at once."""
+    return [line for line in source.splitlines() if re.match(r"\s*out_pair_ptr\[[01]\] = ", line)]
+
+
 def _kernels(source: str) -> list[str]:
-    return re.findall(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(.*\{', source)
+    return re.findall(r'extern "C" __global__ void __launch_bounds__\([\d, ]+\) (\w+)\(.*\{', source)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -145,11 +150,10 @@ def test_swiglu_down_projection_applies_dropout_and_the_residual():
     assert "expf(" in gate and "acc_up_ptr" in gate  # silu(g) * u on the accumulators
     # weights as stored (in, out): N-major wgmma (its transpose flag) in both kernels
     assert "_1_1_0_1(" in gate and "_1_1_0_1(" in down and "_1_1_0_0(" not in source
-    store = next(line for line in down.splitlines() if "C_ptr[" in line)
+    store = _epilogue(down)[0]
     assert "X_ptr[" in store and "(uint)" in store  # residual (the operand X) + the hashed dropout mask
     without = _source(_default("swiglu_ffn", shape={**shape, "p_permille": 0}))
-    assert "(uint)" not in next(line for line in without.split('extern "C" __global__')[-1].splitlines()
-                                if "C_ptr[" in line)
+    assert "(uint)" not in _epilogue(without.split('extern "C" __global__')[-1])[0]
 
 
 def test_int8_dequant_wgmma_kernel():
@@ -159,7 +163,7 @@ def test_int8_dequant_wgmma_kernel():
     shape = CASES["int8_matmul_dequant"][0]
     body = _source(_default("int8_matmul_dequant")).split('extern "C" __global__')[-1]
     assert "cp_async_bulk_tensor_g2s" in body and body.count(S8_MMA + "m64n128k32_s32_s8_s8(") == 2 * 128 // 32
-    stores = [line for line in body.splitlines() if "C_ptr[" in line and "=" in line]
+    stores = _epilogue(body)
     assert stores and all("max(" in line and "(float)(*(int *)" in line for line in stores), stores[:1]
     # relu=0, BN 128 (n = 640 takes no BN 256 tile; 66 x 5 CTAs of 128 x 128 fill the SMs): one
     # m64n128k32 per k step and no ReLU
@@ -170,7 +174,8 @@ def test_int8_dequant_wgmma_kernel():
         pattern.build(plain, "float32"))
     body = _source(func).split('extern "C" __global__')[-1]
     assert body.count(S8_MMA + "m64n128k32_s32_s8_s8(") == 128 // 32
-    assert not any("max(" in line for line in body.splitlines() if "C_ptr[" in line)
+    stores = _epilogue(body)
+    assert stores and not any("max(" in line for line in stores)
     for bad in ({**shape, "m": 500}, {**shape, "k": 1000}):
         with pytest.raises(ValueError, match="not a positive multiple of the tile"):
             template.build(bad, "float32", template.default)
