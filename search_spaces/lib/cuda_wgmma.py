@@ -43,8 +43,9 @@ thread's two adjacent columns of a row (accumulators i, i + 1) as one 4-byte wor
 the column tile); 8, Triton's grouped order, the CTAs walking down 8 tile-rows before moving one
 tile-column on, so that the CTAs resident at once share B's column tiles in L2.
 
-Knobs (``KNOBS``; ``DEFAULT_KNOBS`` is the configuration measured best at 4096^3 on the H200, and
-``fill_tile`` shrinks its tile where it would leave SMs idle):
+Knobs (``KNOBS``; ``DEFAULT_KNOBS`` is the configuration measured best or within 2% of it at
+4096^3, 8192^3, 4096 x 11008 x 4096 and the SwiGLU pair on an H100 (README), and ``fill_tile``
+shrinks its tile where it would leave SMs idle):
 ``block_n`` BN (64, 128 or 256: the wgmma N), ``warpgroups`` (1 or 2 consumer warpgroups: BM 64
 or 128), ``stages`` (ring depth, 2-5; 2-7 for int8), ``block_k`` BK (64 only: one 128-byte swizzle
 row of 2-byte elements per TMA box; 128 for int8), ``wait_depth`` (0 or 1), ``specialised`` (0 or
@@ -121,8 +122,8 @@ def pin_registers(regs, count, dtype):
 
 KNOBS = {"block_n": (64, 128, 256), "warpgroups": (1, 2), "stages": (2, 3, 4, 5), "block_k": (64,),
          "wait_depth": (0, 1), "specialised": (0, 1), "raster": (1, 8)}
-DEFAULT_KNOBS = {"block_n": 256, "warpgroups": 2, "stages": 4, "block_k": 64, "wait_depth": 1, "specialised": 0,
-                 "raster": 1}
+DEFAULT_KNOBS = {"block_n": 256, "warpgroups": 2, "stages": 4, "block_k": 64, "wait_depth": 1, "specialised": 1,
+                 "raster": 8}
 SWIGLU_KNOBS = {**KNOBS, "block_n": (64, 128)}
 SWIGLU_DEFAULT_KNOBS = {**DEFAULT_KNOBS, "block_n": 128}
 # int8 operands: a 128-byte swizzle row is 128 elements, so BK 128; a slot of the 128 x 256 tile is
