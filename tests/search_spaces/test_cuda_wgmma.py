@@ -48,6 +48,9 @@ def _packed_stores(body: str, word: str = "uint") -> int:
     return len(stores)
 
 
+# The one-role kernel (thread 0 loads, a CTA-wide barrier per slice frees a slot) in the 2-D grid's
+# order: what the tests of the loads' and refills' structure build
+ONE_ROLE_KNOBS = {"specialised": 0, "raster": 1}
 # The one-role kernel's space (specialised 0, raster 1): its every configuration
 ONE_ROLE = [k for k in W.configs(SHAPE, "float16") if not k["specialised"] and k["raster"] == 1]
 
@@ -68,13 +71,15 @@ def test_every_config_builds_with_its_pipeline(knobs):
 
 def test_the_config_space():
     configs = W.configs(SHAPE, "float16")
-    assert W.DEFAULT_KNOBS in configs and not W.DEFAULT_KNOBS["specialised"] and W.DEFAULT_KNOBS["raster"] == 1
+    # the default: warp-specialised, in the grouped tile order
+    assert W.DEFAULT_KNOBS in configs and W.DEFAULT_KNOBS["specialised"] == 1 and W.DEFAULT_KNOBS["raster"] == 8
     assert all(W.shared_memory_bytes(k) <= W.SHARED_MEMORY_LIMIT for k in configs)
     # each knob value of the specialised layout and the launch order doubles the one-role space
     assert len(configs) == 4 * len(ONE_ROLE)
     # the specialised kernel's empty barriers: 8 bytes a slot
     specialised = {**W.DEFAULT_KNOBS, "specialised": 1}
-    assert W.shared_memory_bytes(specialised) == W.shared_memory_bytes(W.DEFAULT_KNOBS) + 8 * 4
+    one_role = {**W.DEFAULT_KNOBS, **ONE_ROLE_KNOBS}
+    assert W.shared_memory_bytes(specialised) == W.shared_memory_bytes(one_role) + 8 * 4
     assert W.fill_tile({"m": 128, "n": 4096, "k": 4096}, "float16", default=specialised)["specialised"] == 1
     too_big = {**W.DEFAULT_KNOBS, "stages": 5}  # 5 x 48 KiB slots of a 128x256 tile
     assert too_big not in configs and W.shared_memory_bytes(too_big) > W.SHARED_MEMORY_LIMIT
@@ -99,14 +104,14 @@ def test_activations_in_the_epilogue(act):
 
 def test_fewer_k_slices_than_stages():
     # k = 128: two slices for a 4-slot ring: two loads, nothing to refill
-    body = _kernel_body(_source(W.gemm_bias_act({**SHAPE, "k": 128}, "float16")))
+    body = _kernel_body(_source(W.gemm_bias_act({**SHAPE, "k": 128}, "float16", ONE_ROLE_KNOBS)))
     assert len(_expect_tx_bytes(body)) == 2
 
 
 def test_swiglu_shares_the_a_tile():
-    knobs = W.SWIGLU_DEFAULT_KNOBS
+    knobs = {**W.SWIGLU_DEFAULT_KNOBS, **ONE_ROLE_KNOBS}
     bm, bn, bk = W.tile_shape(knobs)
-    func = W.swiglu(SHAPE, "float16")
+    func = W.swiglu(SHAPE, "float16", ONE_ROLE_KNOBS)
     body = _kernel_body(_source(func))
     assert _expect_tx_bytes(body) == [(bm + 2 * bn) * bk * 2] * (knobs["stages"] + 1)
     assert body.count("cp_async_bulk_tensor_g2s") == 3 * (knobs["stages"] + 1)
@@ -119,7 +124,7 @@ def test_swiglu_shares_the_a_tile():
 @pytest.mark.parametrize("block_n", [64, 256])
 def test_weights_stored_k_by_n_load_in_64_column_boxes(block_n):
     """B stored (K, N) (x @ W's W): BN/64 TMA boxes per slot, N-major descriptors (trans-b)."""
-    knobs = {"block_n": block_n, "stages": 2}
+    knobs = {"block_n": block_n, "stages": 2, **ONE_ROLE_KNOBS}
     bm, bn, bk = W.tile_shape({**W.DEFAULT_KNOBS, **knobs})
     func = W.gemm_bias_act(SHAPE, "float16", knobs, "none", b_layout="kn")
     assert [int(x) for x in func.params[1].shape] == [SHAPE["k"], SHAPE["n"]]
@@ -132,7 +137,7 @@ def test_weights_stored_k_by_n_load_in_64_column_boxes(block_n):
 
 
 def test_swiglu_with_weights_stored_k_by_n():
-    body = _kernel_body(_source(W.swiglu(SHAPE, "bfloat16", {"block_n": 128}, b_layout="kn")))
+    body = _kernel_body(_source(W.swiglu(SHAPE, "bfloat16", {"block_n": 128, **ONE_ROLE_KNOBS}, b_layout="kn")))
     bm, bn, bk = W.tile_shape(W.SWIGLU_DEFAULT_KNOBS)
     assert _expect_tx_bytes(body)[0] == (bm + 2 * bn) * bk * 2
     assert body.count("cp_async_bulk_tensor_g2s") == (1 + 2 * bn // 64) * (W.SWIGLU_DEFAULT_KNOBS["stages"] + 1)
@@ -329,11 +334,12 @@ def test_the_grouped_launch_order_visits_every_tile_once():
 INT8_SHAPE = {"m": 256, "n": 512, "k": 1024}  # 8 K slices of 128
 
 
-@pytest.mark.parametrize("knobs", [None, {"block_n": 128, "stages": 6}, {"block_n": 64, "warpgroups": 1, "stages": 7,
-                                                                          "wait_depth": 0}],
-                         ids=["default", "bn128-6stages", "bn64-1wg-7stages-wait0"])
+@pytest.mark.parametrize("knobs", [{}, {"block_n": 128, "stages": 6}, {"block_n": 64, "warpgroups": 1, "stages": 7,
+                                                                        "wait_depth": 0}],
+                         ids=["default-tile", "bn128-6stages", "bn64-1wg-7stages-wait0"])
 def test_int8_builds_with_its_pipeline(knobs):
-    resolved = {**W.INT8_DEFAULT_KNOBS, **(knobs or {})}
+    knobs = {**knobs, **ONE_ROLE_KNOBS}
+    resolved = {**W.INT8_DEFAULT_KNOBS, **knobs}
     bm, bn, bk = W.tile_shape(resolved)
     assert bk == 128
     func = W.gemm_int8_dequant(INT8_SHAPE, knobs)
