@@ -52,8 +52,9 @@ def test_configs_enumerate_default_first():
     # n = 384 takes no BN 256 tile: the default falls to the largest that fills the 132 SMs (44 x 3)
     assert WGMMA.default_for({**SHAPE, "m": 5632, "n": 384}, "float16") == {**W.DEFAULT_KNOBS, "block_n": 128}
     # m = 128: 16 CTAs of 128 x 256 would leave 116 SMs idle; 128 of 64 x 64 fill them, 5 stages deep
+    # (one consumer warpgroup: the one-role kernel)
     assert WGMMA.default_for({"m": 128, "n": 4096, "k": 4096}, "float16") == {
-        **W.DEFAULT_KNOBS, "block_n": 64, "warpgroups": 1, "stages": 5}
+        **W.DEFAULT_KNOBS, "block_n": 64, "warpgroups": 1, "stages": 5, "specialised": 0}
 
 
 def test_where_the_kernel_template_applies():

@@ -129,7 +129,8 @@ SWIGLU_DEFAULT_KNOBS = {**DEFAULT_KNOBS, "block_n": 128}
 # int8 operands: a 128-byte swizzle row is 128 elements, so BK 128; a slot of the 128 x 256 tile is
 # then 48 KiB as in float16, and the deeper rings fit only the smaller tiles
 INT8_KNOBS = {**KNOBS, "stages": (2, 3, 4, 5, 6, 7), "block_k": (128,)}
-INT8_DEFAULT_KNOBS = {**DEFAULT_KNOBS, "block_k": 128}
+# int8: the one-role kernel until the specialised one is measured on int8
+INT8_DEFAULT_KNOBS = {**DEFAULT_KNOBS, "block_k": 128, "specialised": 0}
 
 # wgmma operand type per storage dtype: the float kernels', and the int8 GEMM's
 DTYPES = {"float16": "f16", "bfloat16": "bf16"}
@@ -256,6 +257,8 @@ def fill_tile(shape: dict, dtype: str, space: dict = KNOBS, default: dict = DEFA
     tiles = []  # (fills the SMs, BM x BN, BN, knobs) of every tile that computes the shape
     for block_n, warpgroups in itertools.product(space["block_n"], space["warpgroups"]):
         option = {**default, "block_n": block_n, "warpgroups": warpgroups}
+        if warpgroups not in SPECIALISED_REGISTERS:
+            option["specialised"] = 0  # one consumer warpgroup: the one-role kernel, the one measured
         try:
             m, n, _, _ = check(shape, dtype, option, space=space, default=default, weights=weights, dtypes=dtypes)
         except ValueError:

@@ -80,7 +80,7 @@ def test_the_config_space():
     specialised = {**W.DEFAULT_KNOBS, "specialised": 1}
     one_role = {**W.DEFAULT_KNOBS, **ONE_ROLE_KNOBS}
     assert W.shared_memory_bytes(specialised) == W.shared_memory_bytes(one_role) + 8 * 4
-    assert W.fill_tile({"m": 128, "n": 4096, "k": 4096}, "float16", default=specialised)["specialised"] == 1
+    assert W.fill_tile({"m": 5632, "n": 384, "k": 4096}, "float16", default=specialised)["specialised"] == 1
     too_big = {**W.DEFAULT_KNOBS, "stages": 5}  # 5 x 48 KiB slots of a 128x256 tile
     assert too_big not in configs and W.shared_memory_bytes(too_big) > W.SHARED_MEMORY_LIMIT
     # n = 128 drops every BN 256 config, n = 192 every BN but 64
@@ -198,8 +198,10 @@ def test_the_default_tile_shrinks_where_it_would_leave_sms_idle(m, n, k, tile):
     assert (knobs["warpgroups"], knobs["block_n"]) == tile
     # a 64 x 64 tile (a third of the default's bytes per k slice) takes the deepest ring that fits
     assert knobs["stages"] == (max(W.KNOBS["stages"]) if tile == (1, 64) else W.DEFAULT_KNOBS["stages"])
-    assert {key: v for key, v in knobs.items() if key not in ("warpgroups", "block_n", "stages")} == {
-        key: v for key, v in W.DEFAULT_KNOBS.items() if key not in ("warpgroups", "block_n", "stages")}
+    # one consumer warpgroup: the one-role kernel
+    assert knobs["specialised"] == (W.DEFAULT_KNOBS["specialised"] if tile[0] == 2 else 0)
+    assert {key: v for key, v in knobs.items() if key not in ("warpgroups", "block_n", "stages", "specialised")} == {
+        key: v for key, v in W.DEFAULT_KNOBS.items() if key not in ("warpgroups", "block_n", "stages", "specialised")}
     assert W.wave_fill(132) == W.wave_fill(264) == 1.0 and W.wave_fill(133) == 133 / 264
 
 
@@ -393,7 +395,8 @@ def test_int8_config_space():
     assert W.INT8_DEFAULT_KNOBS in configs and all(k["block_k"] == 128 for k in configs)
     assert all(W.shared_memory_bytes(k, "int8") <= W.SHARED_MEMORY_LIMIT for k in configs)
     # a 128 x 256 x 128 slot is 48 KiB, as float16's 128 x 256 x 64: 4 stages; 128 x 128 takes 7
-    assert W.shared_memory_bytes(W.INT8_DEFAULT_KNOBS, "int8") == W.shared_memory_bytes(W.DEFAULT_KNOBS, "float16")
+    assert W.shared_memory_bytes(W.INT8_DEFAULT_KNOBS, "int8") == W.shared_memory_bytes(
+        {**W.DEFAULT_KNOBS, "specialised": W.INT8_DEFAULT_KNOBS["specialised"]}, "float16")
     assert {**W.INT8_DEFAULT_KNOBS, "stages": 5} not in configs
     assert {**W.INT8_DEFAULT_KNOBS, "block_n": 128, "stages": 7} in configs
 
