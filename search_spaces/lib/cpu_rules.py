@@ -527,16 +527,25 @@ def _column_stride(index, x):
     return None
 
 
+def _strided_columns(sch, block) -> list:
+    """(read index, stride s) of each read of ``block`` whose column index is s * x + r, s > 1."""
+    x = sch.get(block).iter_vars[3].var
+    strided = [(index, _column_stride(read.region[-1].min, x)) for index, read in enumerate(sch.get(block).reads)]
+    return [(index, stride) for index, stride in strided if stride is not None]
+
+
+def _can_deinterleave(sch, buffer, stride: int) -> bool:
+    """Whether ``buffer``'s columns can be stored deinterleaved by ``stride``: the function
+    allocates it (the padding copy) and the stride divides its column count."""
+    width = buffer.shape[-1]
+    return any(buffer.same_as(b) for b in _allocated(sch)) and isinstance(width, tirx.IntImm) \
+        and int(width.value) % stride == 0
+
+
 def _deinterleavable(sch, block) -> bool:
-    """Whether ``_deinterleave_columns`` can make ``block``'s strided reads contiguous: each is of
-    a buffer the function allocates whose column count the stride divides."""
-    stmt = sch.get(block)
-    x = stmt.iter_vars[3].var
-    strided = [(read, _column_stride(read.region[-1].min, x)) for read in stmt.reads]
-    strided = [(read, stride) for read, stride in strided if stride is not None]
-    return len(strided) == 1 and all(
-        any(read.source.same_as(b) for b in _allocated(sch)) and isinstance(read.source.shape[-1], tirx.IntImm)
-        and int(read.source.shape[-1].value) % stride == 0 for read, stride in strided)
+    """Whether ``_deinterleave_columns`` makes ``block``'s one strided read contiguous."""
+    strided = _strided_columns(sch, block)
+    return len(strided) == 1 and _can_deinterleave(sch, sch.get(block).reads[strided[0][0]].source, strided[0][1])
 
 
 def _deinterleave_columns(sch, block) -> None:
@@ -544,29 +553,22 @@ def _deinterleave_columns(sch, block) -> None:
     copy): that buffer's columns stored as [row][j % s][j // s], so the read at column
     s * x + rx becomes [rx % s][x + rx // s], contiguous along x. NotApplicable where the input
     is not so (a parameter, a column count that s does not divide)."""
-    stmt = sch.get(block)
-    x = stmt.iter_vars[3].var
-    for index, read in enumerate(stmt.reads):
-        stride = _column_stride(read.region[-1].min, x)
-        if stride is None:
-            continue
-        buffer = read.source
-        width = buffer.shape[-1]
-        if not any(buffer.same_as(b) for b in _allocated(sch)) or not isinstance(width, tirx.IntImm) \
-                or int(width.value) % stride:
-            raise NotApplicable("a strided depthwise window over a buffer that cannot be deinterleaved")
-        sch.transform_layout(block, ("read", index), index_map=lambda *axes: (
-            *axes[:-1], axes[-1] % stride, axes[-1] // stride))
-        # The copy's loops in the order it now stores (contiguous writes, strided reads).
-        for producer in sch.get_producers(block):
-            if sch.get(producer).writes[0].source.same_as(sch.get(block).reads[index].source):
-                sch.transform_block_layout(producer, tirx.IndexMap.from_func(
-                    lambda *axes: (*axes[:-1], axes[-1] % stride, axes[-1] // stride),
-                    ndim=len(sch.get(producer).iter_vars)))
-        if not _unit_stride(sch, block):
-            raise NotApplicable("the deinterleaved columns are still strided")
-        return
-    raise NotApplicable("a strided window without channel vectors")
+    strided = _strided_columns(sch, block)
+    if not strided:
+        raise NotApplicable("a strided window without channel vectors")
+    index, stride = strided[0]
+    if not _can_deinterleave(sch, sch.get(block).reads[index].source, stride):
+        raise NotApplicable("a strided depthwise window over a buffer that cannot be deinterleaved")
+    sch.transform_layout(block, ("read", index), index_map=lambda *axes: (
+        *axes[:-1], axes[-1] % stride, axes[-1] // stride))
+    # The copy's loops in the order it now stores (contiguous writes, strided reads).
+    for producer in sch.get_producers(block):
+        if sch.get(producer).writes[0].source.same_as(sch.get(block).reads[index].source):
+            sch.transform_block_layout(producer, tirx.IndexMap.from_func(
+                lambda *axes: (*axes[:-1], axes[-1] % stride, axes[-1] // stride),
+                ndim=len(sch.get(producer).iter_vars)))
+    if not _unit_stride(sch, block):
+        raise NotApplicable("the deinterleaved columns are still strided")
 
 
 def _channel_only_read(sch, block):
