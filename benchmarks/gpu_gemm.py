@@ -65,7 +65,9 @@ FLUSH_BYTES = 256 << 20
 WARMUP = 3
 ERROR_FACTOR = 2.0
 BF16_FROM_FP16 = 3
-SWIGLU_VARIANTS = [{}, {"stages": 3}, {"warpgroups": 1, "stages": 5}, {"wait_depth": 0}]
+# the SwiGLU pair's default, then variants of the one-role kernel in the 2-D grid's order
+ONE_ROLE = {"specialised": 0, "raster": 1}
+SWIGLU_VARIANTS = [{}, {**ONE_ROLE, "stages": 3}, {**ONE_ROLE, "warpgroups": 1, "stages": 5}, {**ONE_ROLE, "wait_depth": 0}]
 HANG_SECS = {"ours": 90, "torch": 240}
 # Budget weight of a case, in configurations (baselines count as a few).
 BASELINE_WEIGHT = 4
@@ -75,18 +77,18 @@ SM_COUNT = 132  # H200
 # --- cases and configurations ---------------------------------------------------------------------
 
 def sweep_configs(m: int, n: int, k: int, dtype: str) -> list[dict]:
-    """float16 sweep: block_n x warpgroups x stages 3-5 with wait depth 1 (measured better than 0
-    at 4096^3), plus wait depth 0 at the two 2-warpgroup 4-stage tiles; only configurations that
-    fit the shape and shared memory. Most promising first, as a case's budget may cut the tail:
-    the default, then wait depth 1, grids that fill more of the H200's 132 SMs, larger tiles,
-    4 stages before 3 and 5."""
+    """float16 sweep of the one-role kernel in the 2-D grid's order: block_n x warpgroups x stages
+    3-5 with wait depth 1 (measured better than 0 at 4096^3), plus wait depth 0 at the two
+    2-warpgroup 4-stage tiles; only configurations that fit the shape and shared memory. Most
+    promising first, as a case's budget may cut the tail: the default (whatever its layout), then
+    wait depth 1, grids that fill more of the H200's 132 SMs, larger tiles, 4 stages before 3 and 5."""
     shape = {"m": m, "n": n, "k": k}
     # the one-role kernel in the default launch order (--knobs times the others)
-    space = {**cuda_wgmma.KNOBS, "block_n": (128, 256), "stages": (3, 4, 5), "wait_depth": (1,), "specialised": (0,),
-             "raster": (1,)}
+    space = {**cuda_wgmma.KNOBS, "block_n": (128, 256), "stages": (3, 4, 5), "wait_depth": (1,),
+             **{name: (value,) for name, value in ONE_ROLE.items()}}
     wanted = cuda_wgmma.configs(shape, dtype, space)
     for block_n in (256, 128):
-        knobs = {**cuda_wgmma.DEFAULT_KNOBS, "block_n": block_n, "wait_depth": 0}
+        knobs = {**cuda_wgmma.DEFAULT_KNOBS, **ONE_ROLE, "block_n": block_n, "wait_depth": 0}
         try:
             cuda_wgmma.check(shape, dtype, knobs)
         except ValueError:
