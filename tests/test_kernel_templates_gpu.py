@@ -48,6 +48,11 @@ CASES = [
     ("linear_bias_gelu_tanh", {"m": 256, "n": 384, "k": 512}, "bfloat16"),
     ("int8_matmul_dequant", {"m": 2048, "n": 2048, "k": 1024, "relu": 1}, "float32"),  # BN 256: two m64n128k32
     ("int8_matmul_dequant", {"m": 256, "n": 640, "k": 512, "relu": 0}, "float32"),    # 64 x 64
+    # W int4/int8 dequantised by the producer: 64 features x 128 tokens; a decode batch of 16 tokens;
+    # two consumer warpgroups (128 features) over 16 K slices, every ring refilled
+    ("woq_matmul", {"m": 256, "n": 512, "k": 1024, "group": 64, "bits": 4}, "float16"),
+    ("woq_matmul", {"m": 16, "n": 768, "k": 512, "group": 128, "bits": 8}, "bfloat16"),
+    ("woq_matmul", {"m": 512, "n": 4096, "k": 1024, "group": 32, "bits": 4}, "float16"),
     # a padding mask (one row, seeded lengths) over GQA heads; then causal + padding, a row per query
     ("masked_attention", {"batch": 2, "heads": 8, "kv_heads": 2, "seq_q": 256, "seq_kv": 512, "head_dim": 128,
                           "mask_rows": 1}, "float16"),

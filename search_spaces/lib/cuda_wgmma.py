@@ -716,6 +716,232 @@ def gemm_int8_dequant(shape: dict, knobs: dict | None = None, relu: bool = True)
     return _gemm(cfg, "gemm_int8_dequant_relu" if relu else "gemm_int8_dequant", operands, dequant, False)
 
 
+# Weight-only-quantised GEMM (``gemm_woq``): y = x @ dequant(W)^T + b with W int8 or packed int4.
+# The roles of the operands swap: wgmma's A is W dequantised (features, 64 a consumer warpgroup), its
+# N the tokens (``block_n``, down to 16 for a decode batch), so x is B, loaded by TMA as a weight is.
+WOQ_KNOBS = {**KNOBS, "block_n": (16, 32, 64, 128, 256), "specialised": (1,)}
+WOQ_DEFAULT_KNOBS = {**DEFAULT_KNOBS, "block_n": 128}
+# The producer dequantises (its registers hold 8 values, their scale and addresses; 40 spill), so
+# it keeps more of its share: 128 x 96 + 256 x 200 <= 384 x 168.
+WOQ_REGISTERS = {2: (96, 200)}
+WOQ_BITS = (4, 8)
+
+
+def woq_slot_bytes(knobs: dict, bits: int) -> int:
+    """One ring slot of the woq kernel: W's raw bytes, W dequantised (BM x BK) and x's tile (BN x BK)."""
+    bm, bn, bk = tile_shape(knobs)
+    return bm * bk * bits // 8 + (bm + bn) * bk * 2
+
+
+def woq_check(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[int, int, int, int, int, dict]:
+    """(m, n, k, bits, group, resolved knobs) when ``gemm_woq`` can compute ``shape`` ({"m", "n",
+    "k", "bits", "group"}: x (m, k), W (n, k) quantised to ``bits`` with a scale per ``group`` values
+    of a row) in ``dtype`` with ``knobs`` (``WOQ_KNOBS``); ValueError saying why not otherwise."""
+    if dtype not in DTYPES:
+        raise ValueError(f"wgmma kernels take {' or '.join(DTYPES)}, not {dtype}")
+    knobs = resolve_knobs(knobs, WOQ_KNOBS, WOQ_DEFAULT_KNOBS)
+    try:
+        m, n, k, bits, group = (int(shape[key]) for key in ("m", "n", "k", "bits", "group"))
+    except (KeyError, TypeError):
+        raise ValueError(f"shape needs integer m, n, k, bits, group; got {shape!r}") from None
+    if bits not in WOQ_BITS:
+        raise ValueError(f"bits={bits}: weights of 4 or 8 bits")
+    if group <= 0 or group % 8 or k % group:
+        raise ValueError(f"group={group}: a multiple of 8 (the values one thread dequantises) dividing k={k}")
+    bm, bn, bk = tile_shape(knobs)
+    for name, size, tile, what in (("m", m, bn, "block_n"), ("n", n, bm, "64 x warpgroups"), ("k", k, bk, "block_k")):
+        if size <= 0 or size % tile:
+            raise ValueError(f"{name}={size} is not a positive multiple of {tile} ({what})")
+    if m * n >= 1 << 31 or max(m, n) * k >= 1 << 31:
+        raise ValueError(f"m={m}, n={n}, k={k}: operands over 2^31 elements (int32 indices)")
+    smem = knobs["stages"] * (woq_slot_bytes(knobs, bits) + 24)
+    if smem > SHARED_MEMORY_LIMIT:
+        raise ValueError(f"{smem} bytes of shared memory (stages={knobs['stages']}, {bm} features x {bn} tokens) "
+                         f"exceed the {SHARED_MEMORY_LIMIT} a CTA may have")
+    return m, n, k, bits, group, knobs
+
+
+def woq_fill_tile(shape: dict, dtype: str) -> dict:
+    """Knobs over ``WOQ_DEFAULT_KNOBS`` for ``shape``: the widest token tile that divides m (up to
+    the default's), then one consumer warpgroup (64 features a CTA) where two would leave SMs idle."""
+    knobs = dict(WOQ_DEFAULT_KNOBS)
+    m, n = int(shape.get("m", 0)), int(shape.get("n", 0))
+    fitting = [bn for bn in WOQ_KNOBS["block_n"] if bn <= knobs["block_n"] and m % bn == 0]
+    if fitting:
+        knobs["block_n"] = max(fitting)
+    if n % 128 or wave_fill(n // 128 * max(m // knobs["block_n"], 1)) < WAVE_FILL_MIN:
+        knobs["warpgroups"] = 1
+    try:
+        return woq_check(shape, dtype, knobs)[5]
+    except ValueError:
+        return dict(WOQ_DEFAULT_KNOBS)
+
+
+@T.macro(hygienic=False)
+def _load_raw(slot, kslice):
+    # W's bytes of K slice `kslice` for the CTA's BM features into raw slot `slot`
+    T.ptx[TMA](Ws.ptr_to([slot, 0, 0]), T.address_of(W_map), kslice * RAW_BK, by * BM, T.address_of(raw_full[slot]))
+    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(raw_full[slot]), T.uint32(RAW_BYTES))
+
+
+@T.macro(hygienic=False)
+def _dequantise(kt):
+    # W's slice kt, raw in its slot, to `dtype` in the same slot of As, 8 values (one 16-byte chunk of
+    # a 128-byte row) at a time: thread tx takes chunk tx % 8 of rows tx // 8 + 16 i, stored at the
+    # chunk the 128-byte swizzle puts it (chunk ^ row % 8), as TMA would have
+    for i in T.unroll(BM // 16):
+        f = T.meta_var(i * 16 + tx // 8)
+        c = T.meta_var(tx % 8)
+        scale[0] = scales[by * BM + f, (kt * BK + c * 8) // GROUP]
+        if BITS == 8:
+            raw8[0] = W8[kt % STAGES, f, c]
+            for e in T.unroll(8):
+                out_h[e] = T.Cast(DTYPE, T.Cast("float32", raw_b[e]) * scale[0])
+        else:
+            raw4[0] = W4[kt % STAGES, f, c]
+            for e in T.unroll(8):
+                # nibble e (value kk = 2 byte + half): two's complement of 4 bits, (u ^ 8) - 8
+                out_h[e] = T.Cast(DTYPE, T.Cast("float32", T.Cast("int32", (raw4[0] >> T.uint32(4 * e)) & T.uint32(15) ^ T.uint32(8)) - 8)
+                                  * scale[0])
+        As16[kt % STAGES, f, T.bitwise_xor(c, tx // 8 % 8)] = out16[0]
+
+
+@T.macro(hygienic=False)
+def _dequant_producer_loop():
+    # The whole producer warpgroup: raw W runs up to STAGES slices ahead (its slot is free once
+    # dequantised); x's tile and W dequantised fill slot kt % STAGES once the consumers released it.
+    # The slot's full barrier takes thread 0's expect_tx and the 128 threads' arrivals after their
+    # stores (made visible to wgmma's async proxy by the fence).
+    if tx == 0:
+        for s in T.unroll(PROLOGUE):
+            _load_raw(s, s)
+    for kt in T.serial(KT):
+        if kt >= STAGES:
+            T.cuda.mbarrier_wait(T.address_of(empty[kt % STAGES]), (kt // STAGES + 1) % 2)
+        if tx == 0:
+            T.ptx[TMA](Bs.ptr_to([kt % STAGES, 0, 0]), T.address_of(B_map), kt * BK, bx * BN, T.address_of(bars[kt % STAGES]))
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[kt % STAGES]), T.uint32(STAGE_BYTES))
+        T.cuda.mbarrier_wait(T.address_of(raw_full[kt % STAGES]), kt // STAGES % 2)
+        _dequantise(kt)
+        T.ptx.fence.proxy.async_.shared__cta()
+        T.ptx.mbarrier.arrive.shared.b64(T.address_of(bars[kt % STAGES]))
+        # every producer thread has read raw slot kt % STAGES: it takes slice kt + STAGES
+        T.cuda.warpgroup_sync(1)
+        if tx == 0:
+            if kt + STAGES < KT:
+                _load_raw(kt % STAGES, kt + STAGES)
+
+
+def gemm_woq(shape: dict, dtype: str = "float16", knobs: dict | None = None):
+    """The tirx PrimFunc ``(x, w, scales, b, y)`` of the woq_matmul pattern: y = x @ dequant(W)^T + b,
+    x (m, k) and b, y in ``dtype``; W (n, k) int8, or for ``bits`` 4 uint8 (n, k / 2) with two's-
+    complement nibbles, even k low; scales (n, k / group) float32. The producer warpgroup TMA-loads
+    W's bytes and x's tile, dequantises W (q * scale in float32, rounded to ``dtype``) into the
+    swizzled A slot and releases the slot to the consumers, whose wgmmas make y^T's tile (features x
+    tokens) in float32; the epilogue adds b and stores y. Knobs from ``WOQ_KNOBS`` (always
+    specialised); global symbol ``gemm_woq``. ValueError when the shape, dtype or knobs do not fit."""
+    m, n, k, bits, group, knobs = woq_check(shape, dtype, knobs)
+    bm, bn, bk = tile_shape(knobs)
+    stages, consumers, raster = knobs["stages"], knobs["warpgroups"], knobs["raster"]
+    per = 8 // bits                      # values per stored byte
+    raw_bk = bk // per                   # W's bytes of a K slice's row
+    threads = 128 * (consumers + 1)
+    registers = WOQ_REGISTERS.get(consumers)
+    tiles_m, tiles_n = n // bm, m // bn  # feature tiles (wgmma's M), token tiles (its N)
+    w_dtype = "uint8" if bits == 4 else "int8"
+    kind = DTYPES[dtype]
+    mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{kind}.{kind}"
+    raw_map = [k // per, n, k // per, raw_bk, bm, 1, 1, 0, 0, 0, 0]  # no swizzle: rows of raw_bk bytes
+    x_map = _tensor_map_args(m, k, bn, bk)
+
+    @T.macro
+    def kernel(x, w, scales, b, y):
+        W_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", W_map, "int8", 2, w.data, *raw_map)
+        B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, dtype, 2, x.data, *x_map)
+        T.device_entry()
+        if registers is not None:
+            T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
+        if raster == 1:
+            bx, by = T.cta_id([tiles_n, tiles_m])
+        else:
+            cta = T.cta_id([tiles_m * tiles_n])
+            rows: T.let[T.int32] = raster_rows(cta, tiles_m, tiles_n, raster, T.min)
+            bx: T.let[T.int32] = raster_tile(cta, tiles_n, raster, rows)[0]
+            by: T.let[T.int32] = raster_tile(cta, tiles_n, raster, rows)[1]
+        tx = T.thread_id([threads])
+        pool = T.SMEMPool()
+        As = pool.alloc((stages, bm, bk), dtype, align=1024)
+        Bs = pool.alloc((stages, bn, bk), dtype, align=1024)
+        Ws = pool.alloc((stages, bm, raw_bk), "int8", align=128)
+        bars = pool.alloc((stages,), "uint64", align=8)
+        empty = pool.alloc((stages,), "uint64", align=8)
+        raw_full = pool.alloc((stages,), "uint64", align=8)
+        pool.commit()
+        # 16-byte chunks of As's rows; W's raw rows as 8-byte (int8) or 4-byte (int4) chunks of 8 values
+        # (views of the pool's buffers say where theirs start, in their own elements: the pool is one
+        # allocation)
+        As16 = T.decl_buffer((stages, bm, bk // 8), "uint32x4", data=As.data, elem_offset=As.elem_offset // 8,
+                             scope="shared.dyn")
+        W8 = T.decl_buffer((stages, bm, raw_bk // 8), "uint32x2", data=Ws.data, elem_offset=Ws.elem_offset // 8,
+                           scope="shared.dyn")
+        W4 = T.decl_buffer((stages, bm, raw_bk // 4), "uint32", data=Ws.data, elem_offset=Ws.elem_offset // 4,
+                           scope="shared.dyn")
+        desc_a: T.uint64
+        desc_b: T.uint64
+        acc = T.alloc_buffer((bn // 2,), "float32", scope="local")
+        scale = T.alloc_buffer((1,), "float32", scope="local")
+        raw8 = T.alloc_buffer((1,), "uint32x2", scope="local")
+        raw_b = T.decl_buffer((8,), "int8", data=raw8.data, scope="local")
+        raw4 = T.alloc_buffer((1,), "uint32", scope="local")
+        out16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        out_h = T.decl_buffer((8,), dtype, data=out16.data, scope="local")
+        wg = T.meta_var(tx // 128 - 1)
+        BM, BN, BK, KT, STAGES, NACC = T.meta_var((bm, bn, bk, k // bk, stages, bn // 2))
+        PROLOGUE = T.meta_var(min(stages, k // bk))
+        STAGE_BYTES, RAW_BYTES, RAW_BK = T.meta_var((bn * bk * 2, bm * raw_bk, raw_bk))
+        WAIT_DEPTH, BITS, GROUP, DTYPE = T.meta_var((knobs["wait_depth"], bits, group, dtype))
+        MMA, TMA, SWIZZLE = T.meta_var((mma, _TMA_LOAD, _SWIZZLE_128B))
+        MMA_FLAGS, MMA_N, PARTS, KSTEP = T.meta_var(((True, 1, 1, 0, 0), bn, 1, 16))
+        MMA_NACC, ACC_ZERO, ACC_DTYPE = T.meta_var((bn // 2, tvm.tirx.const(0, "float32"), "float32"))
+        B_KN, B_LEADING, TRANS_B, TWO_WEIGHTS = T.meta_var((False, 1, 0, False))
+        if tx == 0:
+            for s in T.unroll(STAGES):
+                # full: thread 0's expect_tx and the producer's 128 arrivals after dequantising
+                T.ptx.mbarrier.init.shared.b64(T.address_of(bars[s]), T.uint32(129))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(empty[s]), T.uint32(consumers))
+                T.ptx.mbarrier.init.shared.b64(T.address_of(raw_full[s]), T.uint32(1))
+        T.ptx.fence.proxy.async_.shared__cta()
+        T.cuda.cta_sync()
+        if tx < 128:
+            if registers is not None:
+                T.ptx["setmaxnreg.dec.sync.aligned.u32"](registers[0])
+            _dequant_producer_loop()
+        else:
+            if registers is not None:
+                T.ptx["setmaxnreg.inc.sync.aligned.u32"](registers[1])
+            _consumer_loop()
+            # acc[4j + 2 half + pair] is feature row (by, wg, tx, half), token column (bx, j, tx, pair)
+            for j in T.unroll(bn // 8):
+                for half in T.unroll(2):
+                    feature = T.meta_var(_row(by, bm, wg, tx, half))
+                    for pair in T.unroll(2):
+                        y[_col(bx, bn, j, tx, pair), feature] = T.Cast(
+                            dtype, acc[j * 4 + half * 2 + pair] + T.Cast("float32", b[feature]))
+
+    @T.prim_func
+    def gemm(x_h: T.handle, w_h: T.handle, scales_h: T.handle, b_h: T.handle, y_h: T.handle):
+        x = T.match_buffer(x_h, (m, k), dtype, align=16)
+        w = T.match_buffer(w_h, (n, k // per), w_dtype, align=16)
+        scales = T.match_buffer(scales_h, (n, k // group), "float32", align=16)
+        b = T.match_buffer(b_h, (n,), dtype, align=16)
+        y = T.match_buffer(y_h, (m, n), dtype, align=16)
+        kernel(x, w, scales, b, y)
+
+    return _mark(gemm, "gemm_woq")
+
+
 def build(func):
     """``func`` compiled for ``TARGET`` through the tirx pipeline (an Executable; ``.mod`` is the
     runtime module, callable on a GPU, whose CUDA source ``cuda_source`` reads anywhere)."""

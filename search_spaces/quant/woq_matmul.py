@@ -16,7 +16,9 @@ from tvm import tirx
 from tvm.script import tirx as T
 
 from autofuse.errors import AutofuseError
+from autofuse.kernel_templates import KernelTemplate
 from autofuse.pattern import Pattern, ShapeParam, template
+from search_spaces.lib import cuda_wgmma
 from search_spaces.lib.cpu_gemm import schedule_gemm
 from search_spaces.lib.cuda_gemm import cuda_vector_lanes
 from search_spaces.lib.gemm import gemm_shape
@@ -254,21 +256,38 @@ def cuda_warp_per_row(sch, target, knobs):
     sch.reverse_compute_at(bias, row, preserve_unit_loops=True)
 
 
+def _wgmma_woq(shape, dtype, knobs):
+    """Hopper tensor cores from 16 tokens (``search_spaces.lib.cuda_wgmma.gemm_woq``): a producer
+    warpgroup TMA-loads W's bytes and x, dequantises W into the swizzled shared-memory tile that
+    wgmma reads (features x tokens, float32 accumulators), then the bias; float16/bfloat16."""
+    return cuda_wgmma.gemm_woq(shape, dtype, knobs)
+
+
+def _wgmma_check(shape, dtype, knobs):
+    cuda_wgmma.woq_check(shape, dtype, knobs)
+
+
+cuda_wgmma_woq = KernelTemplate("cuda_wgmma_woq", _wgmma_woq, cuda_wgmma.WOQ_KNOBS, cuda_wgmma.WOQ_DEFAULT_KNOBS,
+                                _wgmma_check, shape_default=cuda_wgmma.woq_fill_tile, **cuda_wgmma.HOPPER)
+
+
 def onnx_graph(shape, dtype):
     """Opset 17 has no blocked DequantizeLinear (opset 21) and no int4 type, so the dequantisation
     is spelled out on the graph inputs, the packed bytes themselves: for int4 the nibbles are split
     with BitShift (hi = w >> 4, lo = w - (hi << 4), no shift overflows), interleaved back to k order
     (Unsqueeze + Concat + Reshape), cast, and made signed with Where(u >= 8, u - 16, u); int8 is a
     Cast. Then Reshape (n, k/group, group) * scales (n, k/group, 1), Reshape (n, k), Transpose,
-    MatMul, Add. Every baseline thus dequantises the whole of W into a float tensor per call."""
+    MatMul, Add; in float16/bfloat16 the float32 weights are cast to the dtype before the MatMul,
+    as the tensor-core kernel rounds them. Every baseline thus dequantises the whole of W into a
+    float tensor per call."""
     from onnx import helper
 
     m, n, k, bits, group, per = _dims(shape)
-    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype("float32"))
     consts = {"grouped": np.array([n, k // group, group], np.int64), "flat": np.array([n, k], np.int64),
               "axis2": np.array([2], np.int64)}
     if bits == 4:
-        consts.update(four=np.array(4, np.uint8), eight=np.array(8, dtype), sixteen=np.array(16, dtype))
+        consts.update(four=np.array(4, np.uint8), eight=np.array(8, np.float32), sixteen=np.array(16, np.float32))
         unpack = [
             helper.make_node("BitShift", ["w", "four"], ["hi"], direction="RIGHT"),
             helper.make_node("BitShift", ["hi", "four"], ["hi_shifted"], direction="LEFT"),
@@ -288,7 +307,8 @@ def onnx_graph(shape, dtype):
         helper.make_node("Reshape", ["q", "grouped"], ["qg"]),
         helper.make_node("Unsqueeze", ["scales", "axis2"], ["s3"]),
         helper.make_node("Mul", ["qg", "s3"], ["wg"]),
-        helper.make_node("Reshape", ["wg", "flat"], ["wf"]),
+        helper.make_node("Reshape", ["wg", "flat"], ["wf32"]),
+        helper.make_node("Cast", ["wf32"], ["wf"], to=helper.np_dtype_to_tensor_dtype(np.dtype(dtype))),
         helper.make_node("Transpose", ["wf"], ["wt"], perm=[1, 0]),
         helper.make_node("MatMul", ["x", "wt"], ["xw"]),
         helper.make_node("Add", ["xw", "b"], ["y"]),
@@ -305,6 +325,5 @@ PATTERN = Pattern.from_module(
     shape_params=[*gemm_shape((4, 2), (1024, 32), (1024, 64)),
                   ShapeParam("group", 64, 32, "values sharing one scale along k (divides k)"),
                   ShapeParam("bits", 4, 4, "weight bits: 4 (two per byte) or 8")],
-    dtypes=("float32",),
-    templates=[packed_dequant, dequant_on_load, cuda_warp_per_row],
+    templates=[packed_dequant, dequant_on_load, cuda_wgmma_woq, cuda_warp_per_row],
 )

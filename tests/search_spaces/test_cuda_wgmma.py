@@ -457,3 +457,104 @@ def test_nvcc_compiles_without_spills(name, tmp_path):
     # C two columns per store: one 4-byte (8-byte for float32) store instruction per pair
     ptx = (tmp_path / "kernel.ptx").read_text()
     assert re.findall(r"st\.global\.[\w.]+", ptx) == [f"st.global.{pair}"] * stores
+
+
+# --- weight-only-quantised GEMM (gemm_woq) ------------------------------------------------------
+
+WOQ_SHAPE = {"m": 256, "n": 512, "k": 512, "group": 64, "bits": 4}  # 8 K slices: every ring refills
+WOQ = [
+    ({"bits": 4}, {}),                                                   # 128 features x 128 tokens
+    ({"bits": 8, "group": 32}, {"block_n": 16, "warpgroups": 1, "stages": 3, "wait_depth": 0}),
+    ({"bits": 8}, {"block_n": 256, "raster": 1}),
+]
+_SCALE = re.compile(r"scale_ptr\[0\] = scales_ptr\[(.+)\];")
+_RAW = re.compile(r"raw[48]_ptr\[0\] = \(\((uint2?)\*\)pool_buf_ptr\)\[(.+)\];")
+_A_STORE = re.compile(r"\(\(uint4\*\)pool_buf_ptr\)\[(.+)\] = out16_ptr\[0\];")
+
+
+@pytest.mark.parametrize("over, knobs", WOQ, ids=["int4-default", "int8-bn16-one-consumer", "int8-bn256"])
+def test_woq_producer_dequantises_into_the_swizzled_a_tile(over, knobs):
+    """gemm_woq: the producer warpgroup dequantises raw W slices (their own TMA ring) into wgmma's
+    A tile where TMA's 128-byte swizzle would have put them, a scale per row and group; the full
+    barrier completes on x's bytes and the 128 producer threads; the consumers store y^T's tile."""
+    shape = {**WOQ_SHAPE, **over}
+    resolved = {**W.WOQ_DEFAULT_KNOBS, **knobs}
+    bm, bn, bk = W.tile_shape(resolved)
+    stages, consumers = resolved["stages"], resolved["warpgroups"]
+    bits, group, k = shape["bits"], shape["group"], shape["k"]
+    raw_bk = bk * bits // 8
+    body = _kernel_body(_source(W.gemm_woq(shape, "float16", knobs)))
+    start, producer, consumer = _roles(body)
+    # the pool: As, Bs (1024-aligned), the raw ring, then full, empty and raw barriers
+    raw_at = stages * (bm + bn) * bk * 2
+    full = (raw_at + stages * bm * raw_bk) // 8
+    inits = {_c_int(index): int(count) for index, count in _INIT.findall(start)}
+    assert inits == {**{full + s: 129 for s in range(stages)}, **{full + stages + s: consumers for s in range(stages)},
+                     **{full + 2 * stages + s: 1 for s in range(stages)}}
+    assert (f"setmaxnreg_dec_sync_aligned_u32_{W.WOQ_REGISTERS[2][0]}();" in producer) == (consumers == 2)
+    # thread 0 prefetches a ring of raw slices, then per slice x's tile and the raw refill
+    assert _expect_tx_bytes(producer) == [bm * raw_bk] * stages + [bn * bk * 2, bm * raw_bk]
+    assert "tvm_builtin_cuda_warpgroup_sync(1);" in producer and "fence_proxy_proxy_async_shared__cta" in producer
+    # each thread: BM / 16 chunks of 8 values, row tx / 8 + 16 i, chunk tx % 8
+    raws, stores, scales = _RAW.findall(producer), _A_STORE.findall(producer), _SCALE.findall(producer)
+    assert len(raws) == len(stores) == len(scales) == bm // 16
+    word = 8 * bits // 8  # bytes of 8 values
+    for i, ((ctype, raw), store, scale) in enumerate(zip(raws, stores, scales)):
+        assert ctype == ("uint2" if bits == 8 else "uint")
+        for kt in (0, 5):
+            for t in (0, 9, 127):
+                row, chunk = i * 16 + t // 8, t % 8
+                names = {"kt": kt, "threadIdx.x": t}
+                # CTA (0, 0): the first tile of features and of tokens
+                expr = lambda e: _c_int(re.sub(r"\(\(int\)blockIdx\.[xy]\)", "0", e.replace("((int)threadIdx.x)", str(t))),
+                                        **names)
+                assert expr(raw) * word == raw_at + (kt % stages) * bm * raw_bk + row * raw_bk + chunk * word
+                assert expr(store) * 16 == (kt % stages) * bm * bk * 2 + row * 128 + (chunk ^ row % 8) * 16
+                assert expr(scale) == row * (k // group) + (kt * bk + chunk * 8) // group
+    assert "mma_async" not in producer and "y_ptr[" not in producer
+    assert consumer.count(f"{F16_WGMMA}m64n{bn}k16_f32_f16_f16_1_1_0_0(") == bk // 16
+    assert "cp_async_bulk_tensor_g2s" not in consumer
+    # y[token, feature]: one store per accumulator, the bias per feature
+    assert consumer.count("y_ptr[") == bn // 2 and len(re.findall(r"\bb_ptr\[", consumer)) == bn // 2
+
+
+F16_WGMMA = "wgmma_f16_ss_mma_async_sync_aligned_"
+
+
+@pytest.mark.parametrize("shape, dtype, knobs, message", [
+    ({**WOQ_SHAPE, "group": 4}, "float16", None, "multiple of 8"),
+    ({**WOQ_SHAPE, "bits": 2}, "float16", None, "weights of 4 or 8 bits"),
+    ({**WOQ_SHAPE, "m": 8}, "float16", {"block_n": 16}, "m=8 is not a positive multiple of 16"),
+    ({**WOQ_SHAPE, "n": 96}, "float16", {"warpgroups": 2}, "n=96 is not a positive multiple of 128"),
+    (WOQ_SHAPE, "float32", None, "float16 or bfloat16, not float32"),
+    (WOQ_SHAPE, "float16", {"specialised": 0}, "knob specialised=0"),
+])
+def test_what_the_woq_kernel_cannot_compute_raises(shape, dtype, knobs, message):
+    with pytest.raises(ValueError, match=message):
+        W.gemm_woq(shape, dtype, knobs)
+
+
+@pytest.mark.parametrize("m, n, expected", [
+    (16, 4096, {"block_n": 16, "warpgroups": 1}),     # a decode batch: 64 features a CTA
+    (4096, 4096, {}),                                 # 32 x 32 CTAs of the default
+    (96, 4096, {"block_n": 32, "warpgroups": 1}),
+])
+def test_the_woq_default_tile_follows_the_tokens(m, n, expected):
+    shape = {"m": m, "n": n, "k": 4096, "group": 128, "bits": 4}
+    assert W.woq_fill_tile(shape, "float16") == {**W.WOQ_DEFAULT_KNOBS, **expected}
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+@pytest.mark.parametrize("bits, knobs", [(4, None), (8, {"block_n": 16, "warpgroups": 1})], ids=["int4", "int8-bn16"])
+def test_nvcc_compiles_the_woq_kernel_without_spills(bits, knobs, tmp_path):
+    src = tmp_path / "kernel.cu"
+    src.write_text(_source(W.gemm_woq({"m": 4096, "n": 4096, "k": 4096, "group": 128, "bits": bits}, "bfloat16",
+                                      knobs)))
+    result = subprocess.run(["nvcc", "-gencode=arch=compute_90a,code=sm_90a", "-cubin", "-Xptxas", "-v",
+                             "-o", str(tmp_path / "kernel.cubin"), str(src)], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ptxas = result.stdout + result.stderr
+    assert "0 bytes spill stores" in ptxas and "0 bytes spill loads" in ptxas, ptxas[-2000:]
+    assert "serialized" not in ptxas and "C7508" not in ptxas, ptxas[-2000:]
+    if knobs is None:
+        assert "Used 168 registers" in ptxas, ptxas[-2000:]

@@ -39,6 +39,8 @@ CASES = {
                           "mask_rows": 1}, 1, F16_MMA + "m64n128k16"),
     # BN 256: two m64n128k32 per k step (TVM 0.27's s8 wgmma stops at N 224)
     "int8_matmul_dequant": ({"m": 2048, "n": 2048, "k": 1024, "relu": 1}, 1, S8_MMA + "m64n128k32_s32_s8_s8"),
+    # W dequantised is wgmma's A (features), the 64 tokens its N
+    "woq_matmul": ({"m": 64, "n": 512, "k": 512, "group": 64, "bits": 4}, 1, F16_MMA + "m64n64k16"),
 }
 # The dtypes each kernel template computes: half types, but int8_matmul_dequant's is its output's
 DTYPES = {"int8_matmul_dequant": ("float32",)}
@@ -57,6 +59,8 @@ REFUSED = {
                          ({"head_dim": 96}, "float16"), ({"mask_rows": 2}, "float16"), ({}, "float32")],
     "int8_matmul_dequant": [({"m": 500}, "float32"), ({"n": 600}, "float32"), ({"k": 1000}, "float32"),
                             ({}, "float16")],
+    # decode's few tokens stay on the GEMV (cuda_warp_per_row); a scale per 4 values; float32
+    "woq_matmul": [({"m": 8}, "float16"), ({"group": 4}, "float16"), ({"n": 500}, "float16"), ({}, "float32")],
 }
 # The shapes of compare's GPU session (benchmarks/gpu_session.sh kernels), compiled with nvcc
 # (linear_bias_relu's and int8_matmul_dequant's defaults at 4096^3 are tests/search_spaces/test_cuda_wgmma.py's).
@@ -69,6 +73,8 @@ LARGE = {
     # not in the session: flash_attention's shape with a mask row per query (causal + padding)
     "masked_attention": {"batch": 8, "heads": 16, "kv_heads": 16, "seq_q": 2048, "seq_kv": 2048, "head_dim": 128,
                          "mask_rows": 2048},
+    # not in the session: a batch of 16 tokens through a 4096^2 int4 layer
+    "woq_matmul": {"m": 16, "n": 4096, "k": 4096, "group": 128, "bits": 4},
 }
 
 
