@@ -48,6 +48,10 @@
 #             programs (models/real/export.py --programs), each through `autofuse compare MODEL
 #             --torch-program` against torch eager and torch.compile of the module itself. Lands in
 #             $OUT/real-models.tar.gz, one report per model
+#   woq       issue 22: woq_matmul (float16, int4 weights, a scale per 128, n = k = 4096) at WOQ_TOKENS
+#             (default 16 128 4096) tokens through `autofuse compare` against torch eager and
+#             torch.compile of its ONNX graph (which dequantises all of W, then a cuBLAS GEMM).
+#             Lands in $OUT/woq.tar.gz, one report per shape
 #   hopper-tune  the wgmma GEMM kernel template of linear_bias_relu (float16, 4096^3) searched
 #             (benchmarks/gpu_tune_kernels.py, every config of its space within TUNE_SECS, default
 #             330, resumable through $DB),
@@ -227,8 +231,19 @@ hopper-tune)
   timeout 120 "${COMPARE[@]}" "${commit[@]}" --db "$DB" "${GEMM[@]}" --baselines torch-eager,torch-compile \
     --repeat 20 --report "$work/compare-tuned-linear-4096-float16"
   ;;
+woq)
+  work=$(mktemp -d)
+  trap 'tar -C "$work" -czf "$OUT/woq.tar.gz" .' EXIT
+  exec > >(tee "$work/woq.log") 2>&1
+  commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  for m in ${WOQ_TOKENS:-16 128 4096}; do
+    timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern woq_matmul \
+      --shape "woq_matmul:m=$m,n=4096,k=4096,group=128,bits=${WOQ_BITS:-4}" --baselines torch-eager,torch-compile \
+      --repeat 20 --no-plots --report "$work/compare-woq-m$m-float16"
+  done
+  ;;
 *)
-  echo "usage: $0 measure|tune|check|kernels|parity|decode-grid|prefill-grid|gemm-sweep|hopper-tune" >&2
+  echo "usage: $0 measure|tune|check|kernels|parity|decode-grid|prefill-grid|gemm-sweep|hopper-tune|woq" >&2
   exit 2
   ;;
 esac

@@ -1,5 +1,6 @@
 """Hopper (sm_90a) tensor-core GEMM kernels: C = act(A @ B^T [+ bias]), the SwiGLU pair, a GEMM
-with an elementwise epilogue on a residual, and an int8 GEMM with a dequantising epilogue.
+with an elementwise epilogue on a residual, an int8 GEMM with a dequantising epilogue, and a GEMM
+on int4/int8 weights dequantised in shared memory.
 
 TVM 0.27's schedule primitives reach the H200's tensor cores only through WMMA / mma.sync, far from
 cuBLAS; the H200 needs TMA bulk copies into swizzled shared memory, mbarrier rings and asynchronous
@@ -68,6 +69,16 @@ along the descriptors), and the accumulators are int32 in uint32 registers, read
 epilogue. int8 wgmma reads both operands K-major (no transpose flag), so B is (N, K) only. TVM
 0.27 registers the s8 wgmma up to N 224, so a BN 256 tile issues two m64n128k32 per k step, into
 the two halves of the accumulators (the m64n256 fragment's column order).
+
+``gemm_woq`` is the weight-only-quantised linear layer, y = x @ dequant(W)^T + b with W int8 or
+packed int4 and a float32 scale per row and group of k. Its producer warpgroup (always specialised)
+TMA-loads W's raw bytes into a ring of their own, a slice ahead of need, and x's tile; all 128 of
+its threads then turn a raw slice into wgmma's operand: 8 values at a time, q * scale in float32
+rounded to the dtype, stored as one 16-byte chunk where TMA's 128-byte swizzle would have put it,
+then fence.proxy.async and an arrival on the slot's full barrier (129 arrivals: theirs and thread
+0's expect_tx for x's bytes). The roles swap: W dequantised is wgmma's A (64 features a consumer
+warpgroup), x is B and the tokens are wgmma's N (``block_n`` from 16, a decode batch), so each
+consumer holds a features x tokens tile of y^T and stores y element by element.
 
 Functions carry ``autofuse.tirx`` = True (a mixed Relax pipeline sends them through the tirx
 lowering) and ``tirx.is_scheduled`` = True (dlight leaves them alone).
