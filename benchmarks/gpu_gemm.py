@@ -17,9 +17,10 @@ NaN-filled outputs, checked, and timed when valid. float16 cases sweep ``sweep_c
 bfloat16 case (the same kernel with bf16 MMAs) runs the default plus the ``BF16_FROM_FP16`` fastest
 valid configurations of its float16 case. With ``--knobs`` every case runs its default and then
 exactly the configurations given instead: a JSON list of knob objects, or one object whose values
-are lists (their product), each over the case's default knobs (``cuda_wgmma.DEFAULT_KNOBS``, the
-SwiGLU pair's ``SWIGLU_DEFAULT_KNOBS``); those the case's shape or shared memory refuses are listed
-in its ``refused``. pct_of_cublas = 100 x (faster of torch eager and
+are lists (their product), each over the case's default knobs; those the case's shape or shared
+memory refuses are listed in its ``refused``. A case's default is what the pattern would run there:
+``cuda_wgmma.fill_tile`` of ``DEFAULT_KNOBS`` (``SWIGLU_DEFAULT_KNOBS`` for the pair), a smaller tile
+where the default's would leave SMs idle (m = 128). pct_of_cublas = 100 x (faster of torch eager and
 torch.compile, whatever compile's check said) / our best valid time.
 
 Timing: each call alone after a 256 MiB write that evicts L2, bracketed by CUDA events on torch's
@@ -100,7 +101,7 @@ def sweep_configs(m: int, n: int, k: int, dtype: str) -> list[dict]:
         ctas = (m // bm) * (n // bn)
         return (-knobs["wait_depth"], -min(ctas, SM_COUNT), -bm * bn, abs(knobs["stages"] - 4), knobs["stages"])
 
-    default = dict(cuda_wgmma.DEFAULT_KNOBS)
+    default = cuda_wgmma.fill_tile(shape, dtype)
     rest = sorted((knobs for knobs in wanted if knobs != default), key=promise)
     try:
         cuda_wgmma.check(shape, dtype, default)
@@ -143,6 +144,7 @@ def explicit_configs(case: dict, explicit: list[dict]) -> tuple[list[dict], list
     space, default = ((cuda_wgmma.SWIGLU_KNOBS, cuda_wgmma.SWIGLU_DEFAULT_KNOBS) if swiglu
                       else (cuda_wgmma.KNOBS, cuda_wgmma.DEFAULT_KNOBS))
     shape = {"m": case["m"], "n": case["n"], "k": case["k"]}
+    default = cuda_wgmma.fill_tile(shape, case["dtype"], space, default, weights=2 if swiglu else 1)
     out, refused = [], []
     for knobs in [{}, *explicit]:
         full = {**default, **knobs}
@@ -198,7 +200,7 @@ def case_configs(case: dict, report: dict, explicit: list[dict] | None = None) -
         return sweep
     ranked = sorted((row for row in fp16["configs"] if row.get("valid") and row.get("median_ms")),
                     key=lambda row: row["median_ms"])
-    out = [dict(cuda_wgmma.DEFAULT_KNOBS)]
+    out = [cuda_wgmma.fill_tile({"m": m, "n": n, "k": k}, dtype)]
     for row in ranked:
         if len(out) > BF16_FROM_FP16:
             break

@@ -463,7 +463,7 @@ def test_nvcc_compiles_without_spills(name, tmp_path):
 
 WOQ_SHAPE = {"m": 256, "n": 512, "k": 512, "group": 64, "bits": 4}  # 8 K slices: every ring refills
 WOQ = [
-    ({"bits": 4}, {}),                                                   # 128 features x 128 tokens
+    ({"bits": 4}, {}),                                                   # 128 features x 256 tokens
     ({"bits": 8, "group": 32}, {"block_n": 16, "warpgroups": 1, "stages": 3, "wait_depth": 0}),
     ({"bits": 8}, {"block_n": 256, "raster": 1}),
 ]
