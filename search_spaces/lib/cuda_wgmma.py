@@ -78,7 +78,10 @@ rounded to the dtype, stored as one 16-byte chunk where TMA's 128-byte swizzle w
 then fence.proxy.async and an arrival on the slot's full barrier (129 arrivals: theirs and thread
 0's expect_tx for x's bytes). The roles swap: W dequantised is wgmma's A (64 features a consumer
 warpgroup), x is B and the tokens are wgmma's N (``block_n`` from 16, a decode batch), so each
-consumer holds a features x tokens tile of y^T and stores y element by element.
+consumer holds a features x tokens tile of y^T and stores y element by element. Its knob
+``dequant_first`` 1 instead dequantises W once into a workspace (``dequantise_weights``) and runs
+``gemm_bias_act`` at that GEMM's own default tile, two kernels in one PrimFunc: where many token
+tiles would each dequantise the same W.
 
 Functions carry ``autofuse.tirx`` = True (a mixed Relax pipeline sends them through the tirx
 lowering) and ``tirx.is_scheduled`` = True (dlight leaves them alone).
@@ -730,10 +733,10 @@ def gemm_int8_dequant(shape: dict, knobs: dict | None = None, relu: bool = True)
 # Weight-only-quantised GEMM (``gemm_woq``): y = x @ dequant(W)^T + b with W int8 or packed int4.
 # The roles of the operands swap: wgmma's A is W dequantised (features, 64 a consumer warpgroup), its
 # N the tokens (``block_n``, down to 16 for a decode batch), so x is B, loaded by TMA as a weight is.
-WOQ_KNOBS = {**KNOBS, "block_n": (16, 32, 64, 128, 256), "specialised": (1,)}
+WOQ_KNOBS = {**KNOBS, "block_n": (16, 32, 64, 128, 256), "specialised": (1,), "dequant_first": (0, 1)}
 # 256 tokens a tile: each CTA dequantises its features' W once per token tile, so the widest tile
 # dequantises least (m = n = k = 4096 on an H100: 0.305 ms against BN 128's 0.480; README)
-WOQ_DEFAULT_KNOBS = {**DEFAULT_KNOBS, "block_n": 256}
+WOQ_DEFAULT_KNOBS = {**DEFAULT_KNOBS, "block_n": 256, "dequant_first": 0}
 # The producer dequantises (its registers hold 8 values, their scale and addresses; 40 spill), so
 # it keeps more of its share: 128 x 96 + 256 x 200 <= 384 x 168.
 WOQ_REGISTERS = {2: (96, 200)}
@@ -767,6 +770,13 @@ def woq_check(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[int, 
             raise ValueError(f"{name}={size} is not a positive multiple of {tile} ({what})")
     if m * n >= 1 << 31 or max(m, n) * k >= 1 << 31:
         raise ValueError(f"m={m}, n={n}, k={k}: operands over 2^31 elements (int32 indices)")
+    if knobs["dequant_first"]:
+        # W dequantised once, then the GEMM at its own default tile: one configuration, the other
+        # knobs at their defaults
+        if any(knobs[name] != WOQ_DEFAULT_KNOBS[name] for name in KNOBS):
+            raise ValueError("dequant_first=1 runs the GEMM's own tile: the other knobs stay at their defaults")
+        check({"m": m, "n": n, "k": k}, dtype, fill_tile({"m": m, "n": n, "k": k}, dtype))
+        return m, n, k, bits, group, knobs
     smem = knobs["stages"] * (woq_slot_bytes(knobs, bits) + 24)
     if smem > SHARED_MEMORY_LIMIT:
         raise ValueError(f"{smem} bytes of shared memory (stages={knobs['stages']}, {bm} features x {bn} tokens) "
@@ -845,6 +855,70 @@ def _dequant_producer_loop():
                 _load_raw(kt % STAGES, kt + STAGES)
 
 
+def dequantise_weights(n: int, k: int, bits: int, group: int, dtype: str = "float16", threads: int = 256):
+    """The tirx PrimFunc ``(w, scales, wd)`` writing W dequantised, wd (n, k) in ``dtype`` = q *
+    scale in float32, rounded once (as ``gemm_woq``'s producer does): a thread per 8 values, one 16-
+    byte store each. Global symbol ``woq_dequantise``."""
+    per, chunks = 8 // bits, n * k // 8
+    blocks = -(-chunks // threads)
+    w_dtype = "uint8" if bits == 4 else "int8"
+
+    @T.macro
+    def kernel(w, scales, wd):
+        T.device_entry()
+        bx = T.cta_id([blocks])
+        tx = T.thread_id([threads])
+        # 8 values: 8 bytes of int8 or 4 of packed int4; 16 bytes of the dtype
+        W8 = T.decl_buffer((chunks,), "uint32x2", data=w.data)
+        W4 = T.decl_buffer((chunks,), "uint32", data=w.data)
+        WD16 = T.decl_buffer((chunks,), "uint32x4", data=wd.data)
+        raw8 = T.alloc_buffer((1,), "uint32x2", scope="local")
+        raw_b = T.decl_buffer((8,), "int8", data=raw8.data, scope="local")
+        raw4 = T.alloc_buffer((1,), "uint32", scope="local")
+        out16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        out_h = T.decl_buffer((8,), dtype, data=out16.data, scope="local")
+        scale = T.alloc_buffer((1,), "float32", scope="local")
+        chunk = T.meta_var(bx * threads + tx)
+        if chunk < chunks:
+            scale[0] = scales[chunk // (k // 8), chunk % (k // 8) * 8 // group]
+            if bits == 8:
+                raw8[0] = W8[chunk]
+                for e in T.unroll(8):
+                    out_h[e] = T.Cast(dtype, T.Cast("float32", raw_b[e]) * scale[0])
+            else:
+                raw4[0] = W4[chunk]
+                for e in T.unroll(8):
+                    out_h[e] = T.Cast(dtype, T.Cast("float32", T.Cast(
+                        "int32", (raw4[0] >> T.uint32(4 * e)) & T.uint32(15) ^ T.uint32(8)) - 8) * scale[0])
+            WD16[chunk] = out16[0]
+
+    @T.prim_func
+    def dequantise(w_h: T.handle, scales_h: T.handle, wd_h: T.handle):
+        w = T.match_buffer(w_h, (n, k // per), w_dtype, align=16)
+        scales = T.match_buffer(scales_h, (n, k // group), "float32", align=16)
+        wd = T.match_buffer(wd_h, (n, k), dtype, align=16)
+        kernel(w, scales, wd)
+
+    return _mark(dequantise, "woq_dequantise")
+
+
+def _woq_dequant_first(m: int, n: int, k: int, bits: int, group: int, dtype: str):
+    """W dequantised once into a workspace, then ``gemm_bias_act`` (no activation) at its own
+    default tile: two kernels in one PrimFunc (``tirx_sequence``), the composite's parameters the
+    pattern's."""
+    from .tirx_sequence import buffer, sequence, workspace
+
+    per = 8 // bits
+    shape = {"m": m, "n": n, "k": k}
+    gemm = gemm_bias_act(shape, dtype, fill_tile(shape, dtype), act="none")
+    x, b, y = buffer("x", (m, k), dtype), buffer("b", (n,), dtype), buffer("y", (m, n), dtype)
+    w = buffer("w", (n, k // per), "uint8" if bits == 4 else "int8")
+    scales = buffer("scales", (n, k // group), "float32")
+    wd = workspace("wd", (n, k), dtype)
+    return sequence("gemm_woq", [x, w, scales, b, y],
+                    [(dequantise_weights(n, k, bits, group, dtype), [w, scales, wd]), (gemm, [x, wd, b, y])], [wd])
+
+
 def gemm_woq(shape: dict, dtype: str = "float16", knobs: dict | None = None):
     """The tirx PrimFunc ``(x, w, scales, b, y)`` of the woq_matmul pattern: y = x @ dequant(W)^T + b,
     x (m, k) and b, y in ``dtype``; W (n, k) int8, or for ``bits`` 4 uint8 (n, k / 2) with two's-
@@ -854,6 +928,8 @@ def gemm_woq(shape: dict, dtype: str = "float16", knobs: dict | None = None):
     tokens) in float32; the epilogue adds b and stores y. Knobs from ``WOQ_KNOBS`` (always
     specialised); global symbol ``gemm_woq``. ValueError when the shape, dtype or knobs do not fit."""
     m, n, k, bits, group, knobs = woq_check(shape, dtype, knobs)
+    if knobs["dequant_first"]:
+        return _woq_dequant_first(m, n, k, bits, group, dtype)
     bm, bn, bk = tile_shape(knobs)
     stages, consumers, raster = knobs["stages"], knobs["warpgroups"], knobs["raster"]
     per = 8 // bits                      # values per stored byte

@@ -545,7 +545,8 @@ def test_the_woq_default_tile_follows_the_tokens(m, n, expected):
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
-@pytest.mark.parametrize("bits, knobs", [(4, None), (8, {"block_n": 16, "warpgroups": 1})], ids=["int4", "int8-bn16"])
+@pytest.mark.parametrize("bits, knobs", [(4, None), (8, {"block_n": 16, "warpgroups": 1}), (4, {"dequant_first": 1})],
+                         ids=["int4", "int8-bn16", "int4-dequant-first"])
 def test_nvcc_compiles_the_woq_kernel_without_spills(bits, knobs, tmp_path):
     src = tmp_path / "kernel.cu"
     src.write_text(_source(W.gemm_woq({"m": 4096, "n": 4096, "k": 4096, "group": 128, "bits": bits}, "bfloat16",
@@ -554,7 +555,28 @@ def test_nvcc_compiles_the_woq_kernel_without_spills(bits, knobs, tmp_path):
                              "-o", str(tmp_path / "kernel.cubin"), str(src)], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     ptxas = result.stdout + result.stderr
-    assert "0 bytes spill stores" in ptxas and "0 bytes spill loads" in ptxas, ptxas[-2000:]
+    assert "spill" in ptxas and not re.search(r"[1-9]\d* bytes spill", ptxas), ptxas[-2000:]
     assert "serialized" not in ptxas and "C7508" not in ptxas, ptxas[-2000:]
     if knobs is None:
         assert "Used 168 registers" in ptxas, ptxas[-2000:]
+
+
+def test_woq_dequant_first_is_two_kernels_and_one_configuration():
+    """dequant_first=1: W dequantised once into a workspace (8 values, one 16-byte store a thread,
+    q * scale in float32 rounded once), then the float16 GEMM at its own default tile, bias only;
+    the other knobs stay at their defaults, so the search meets it once."""
+    shape = {"m": 256, "n": 512, "k": 512, "group": 64, "bits": 4}
+    func = W.gemm_woq(shape, "float16", {"dequant_first": 1})
+    assert [str(b.dtype) for b in param_buffers(func)] == ["float16", "uint8", "float32", "float16", "float16"]
+    source = _source(func)
+    kernels = source.split('extern "C" __global__')[-2:]
+    dequant, gemm = kernels
+    assert "wd_ptr)[" in dequant and "= out16_ptr[0];" in dequant and "mma_async" not in dequant
+    assert dequant.count("scale_ptr[0]))") == 8
+    bm, bn, _ = W.tile_shape(W.fill_tile({"m": 256, "n": 512, "k": 512}, "float16"))
+    assert f"m64n{bn}k16" in gemm and "cp_async_bulk_tensor_g2s" in gemm and "max(" not in gemm
+    for knobs in ({"dequant_first": 1, "stages": 3}, {"dequant_first": 1, "block_n": 128}):
+        with pytest.raises(ValueError, match="other knobs stay at their defaults"):
+            W.gemm_woq(shape, "float16", knobs)
+    with pytest.raises(ValueError, match="not a positive multiple"):  # the GEMM's 64-row tile
+        W.gemm_woq({**shape, "m": 16}, "float16", {"dequant_first": 1})
