@@ -22,7 +22,9 @@ kernel's default (``autofuse.verify`` checks it against the unscheduled kernel).
   repacked so that one window point's channels load as one vector (``channel_tile_conv``); for
   a depthwise one, and a dense one whose channels fill only half-width vectors where those are
   half rate, channels x a vector along the row (a strided one over the padding copy's columns
-  deinterleaved by the stride; a depthwise one only where its row fits one vector).
+  deinterleaved by the stride; a depthwise one only where its row fits one vector); a pointwise
+  (1x1, unit stride, unpadded) one whose output plane fills whole vectors as the GEMM it is, over
+  the flattened plane (``flat_pointwise_conv``).
 - ``parallel``: anything else with enough work (a wider strided depthwise convolution, pooling): each block's
   leading spatial loops, as few as give PARALLEL_TASKS tasks, fused and parallel, nothing else
   changed.
@@ -403,6 +405,9 @@ def conv(sch, target, knobs) -> None:
             raise NotApplicable("a strided depthwise window over rows wider than a vector")
         _deinterleave_columns(sch, block)
     upstream, epilogue = _split_around(sch, block)
+    if weight is not None and len(epilogue) <= 1 and _flat_pointwise(sch, block, lanes):
+        flat_pointwise_conv(sch, block, upstream, epilogue, knobs, target)
+        return
     for producer in upstream:
         if _guarded(sch, producer):
             parallel_copy(sch, producer)
@@ -423,6 +428,68 @@ def conv(sch, target, knobs) -> None:
     sch.unroll(f1)
     sch.vectorize(x1)
     _vectorize_tile(sch, block, reduce[0], chain)
+
+
+def _flat_pointwise(sch, block, lanes: int) -> bool:
+    """Whether ``block`` is a pointwise convolution (a 1 x 1 window, unit stride, no padding: its
+    input rows are its output rows) whose output positions, rows after rows, fill whole vectors:
+    a GEMM of W (f, c) by the input's (c, y * W + x) plane."""
+    stmt = sch.get(block)
+    ivs = stmt.iter_vars
+    height, width = _extent(ivs[2]), _extent(ivs[3])
+    if _product(_extent(iv) for iv in ivs[5:]) != 1 or (height * width) % lanes:
+        return False
+    y, x = ivs[2].var, ivs[3].var
+    for read in stmt.reads:
+        used = {v for r in read.region for v in undefined_vars(r.min)}
+        if not any(v.same_as(x) for v in used):
+            continue
+        rows, cols = (_static(e) for e in read.source.shape[-2:])
+        last_two = [r.min for r in read.region[-2:]]
+        if (rows, cols) != (height, width) or not all(
+                isinstance(i, tirx.Var) and i.same_as(v) or isinstance(i, tirx.Add) and any(
+                    isinstance(side, tirx.Var) and side.same_as(v) for side in (i.a, i.b))
+                for i, v in zip(last_two, (y, x))):
+            return False
+    return True
+
+
+def flat_pointwise_conv(sch, block, upstream, epilogue, knobs, target) -> None:
+    """A pointwise convolution (``_flat_pointwise``) as the GEMM it is: output positions flattened
+    (y * W + x), so that vectors run along whole planes rather than rows (a row of 28, 14 or 7 is
+    no multiple of a vector; 28 x 28 is); a register tile of 8 output channels x vectors of
+    positions, a weight broadcast per FMA, the (single) epilogue block on the tile; copies in
+    front inlined where they will go. Channel blocks in parallel. The accumulator is flattened as
+    a buffer, so that compute-at sees the tile's positions as one range."""
+    width = _extent(sch.get(block).iter_vars[3])
+    lanes = lanes_for(target, _write_dtype(sch, block))
+    for producer in upstream:
+        try:
+            sch.compute_inline(producer)
+        except Exception:  # a padding copy under a condition, say: kept, in parallel
+            parallel_vectorize(sch, knobs, target, producer)
+    accumulate = sch.cache_write(block, 0, "local")
+    if epilogue:
+        sch.reverse_compute_inline(epilogue[0])
+    sch.transform_layout(block, ("write", 0), index_map=lambda n, f, y, x: (n, f, y * width + x))
+    sch.transform_block_layout(block, tirx.IndexMap.from_func(
+        lambda n, f, y, x, *reduce: (n, f, y * width + x, *reduce), ndim=len(sch.get(block).iter_vars)))
+    sch.transform_block_layout(accumulate, lambda n, f, y, x: (n, f, y * width + x))
+    n, f, p, *reduce = sch.get_loops(block)
+    f0, f1 = sch.split(f, knobs.tile(f, 2, [8], max_innermost_factor=8))
+    pp, p1 = sch.split(p, [None, lanes])
+    p0, pv = sch.split(pp, knobs.tile(pp, 2, [2], max_innermost_factor=4))
+    sch.reorder(n, f0, p0, *reduce, f1, pv, p1)
+    sch.reverse_compute_at(accumulate, p0, preserve_unit_loops=True)
+    tasks = sch.fuse(n, f0)
+    if _product(_extent(iv) for iv in sch.get(block).iter_vars) >= PARALLEL_MIN_ELEMENTS:
+        sch.parallel(tasks)
+    sch.unroll(f1)
+    sch.unroll(pv)
+    sch.vectorize(p1)
+    init = sch.decompose_reduction(block, reduce[0])
+    sch.vectorize(sch.get_loops(init)[-1])
+    sch.vectorize(sch.split(sch.get_loops(accumulate)[-1], [None, lanes])[1])
 
 
 # A copy before a convolution that runs in parallel (the padded input, the repacked W) runs in

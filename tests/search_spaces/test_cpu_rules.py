@@ -111,11 +111,24 @@ def _conv():
                    _const("wstem", 8, 16, 3, 3)])
 
 
+def _pointwise():
+    """Pointwise (1x1) convolutions: 16 to 32 channels over 28 x 28 with bias, a residual and ReLU
+    (ResNet's expansion), 24 to 32 over 14 x 14 (no multiple of a vector), 16 to 32 at stride 2."""
+    nodes = [helper.make_node("Conv", ["plane", "wpw", "bpw"], ["pc"]),
+             helper.make_node("Add", ["pc", "res"], ["pr"]),
+             helper.make_node("Relu", ["pr"], ["pw"]),
+             helper.make_node("Conv", ["small", "wpw14"], ["pw14"]),
+             helper.make_node("Conv", ["plane", "wpw"], ["pws"], strides=[2, 2])]
+    return _model(nodes, [("plane", [1, 16, 28, 28]), ("res", [1, 32, 28, 28]), ("small", [1, 24, 14, 14])],
+                  [("pw", [1, 32, 28, 28]), ("pw14", [1, 32, 14, 14]), ("pws", [1, 32, 14, 14])],
+                  [_const("wpw", 32, 16, 1, 1), _const("bpw", 32), _const("wpw14", 32, 24, 1, 1)])
+
+
 @pytest.fixture(scope="module")
 def graph_kernels(tmp_path_factory):
     """Every kernel of the three graphs under FuseOps, by name."""
     found = {}
-    for name, model in (("ffn", _ffn()), ("attention", _attention()), ("conv", _conv())):
+    for name, model in (("ffn", _ffn()), ("attention", _attention()), ("conv", _conv()), ("pointwise", _pointwise())):
         path = tmp_path_factory.mktemp("graphs") / f"{name}.onnx"
         onnx.save(model, str(path))
         for kernel in kernels(prepare(str(path), "auto").mod):
@@ -228,7 +241,7 @@ def test_rules_refuse_what_they_do_not_describe(graph_kernels):
 
 @pytest.mark.parametrize("needles", [("ffn:", "erf"), ("attention:", "matmul", "multiply"), ("attention:", "softmax"),
                                      ("conv:", "conv2d_add_relu"), ("conv:", "conv2d2"), ("conv:", "conv2d4"),
-                                     ("conv:", "conv2d5")])
+                                     ("conv:", "conv2d5"), ("pointwise:", "relu")])
 def test_a_knob_sample_replays_and_still_matches(graph_kernels, needles):
     """As MetaSchedule replays a rule's trace with new decisions: sampled, replayed on a fresh
     schedule, checked."""
@@ -384,3 +397,28 @@ def test_conv2d_bn_relus_first_template_is_the_channel_tile_from_two_vectors(c_o
             assert "pad" not in [sch.get(b).name_hint for b in _all_blocks(sch)], "a 1x1 kernel reads x itself"
         result = check_module(pattern, tvm.tirx.build(sch.mod, target=TARGET), func, shape, "float32", DEV)
         assert result.ok, result.message
+
+
+@pytest.mark.parametrize("target", [ZNVER4, SAPPHIRERAPIDS], ids=["znver4", "sapphirerapids"])
+def test_pointwise_convs_run_as_gemms_over_the_flattened_plane(graph_kernels, target):
+    """A 1x1, unit-stride convolution whose 28 x 28 output positions fill whole vectors runs as the
+    GEMM it is: positions flattened (one loop of 784, vectors along it, not along rows of 28), a
+    tile of 8 channels x vectors, the bias, residual and ReLU stored from the tile; one at 14 x 14
+    (196 positions) and one at stride 2 keep the channel tile. Each matches the unscheduled kernel."""
+    lanes = cpu_rules.lanes_for(target, "float32")
+    source, sch, kernel = _rule_of(graph_kernels, "pointwise:", "relu", target=target)
+    assert source == "cpu_conv"
+    kinds = [inst.kind.name for inst in sch.trace.insts]
+    assert kinds.count("TransformBlockLayout") == 2 and "CacheRead" not in kinds  # W not repacked
+    _, loops = _update_loops(sch)
+    assert sch.get(loops[-1]).kind == tvm.tirx.ForKind.VECTORIZED and int(sch.get(loops[-1]).extent) == lanes
+    assert int(sch.get(loops[-3]).extent) == 8 and sch.get(loops[-3]).kind == tvm.tirx.ForKind.UNROLLED
+    names = [sch.get(b).name_hint for b in _all_blocks(sch)]
+    assert not any(name.startswith("T_add") or name == "compute" for name in names), names  # epilogue on the tile
+    ok, message = checker(kernel, TARGET, DEV)(sch)
+    assert ok, message
+    for other in ("conv2d1", "conv2d2"):
+        source, sch, kernel = _rule_of(graph_kernels, "pointwise:", other, target=target)
+        assert source == "cpu_conv" and "TransformBlockLayout" not in [i.kind.name for i in sch.trace.insts]
+        ok, message = checker(kernel, TARGET, DEV)(sch)
+        assert ok, message
