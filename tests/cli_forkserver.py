@@ -23,6 +23,7 @@ import select
 import signal
 import sys
 
+from popen_zygote import use_zygote
 from small_search import use_small_search
 
 # What autofuse/cli.py imports, not cli itself: runpy runs that as __main__ (and warns if it is loaded).
@@ -42,6 +43,7 @@ def _preload():
     all_patterns()
     register_tensor_intrinsics(parse_target("llvm"))  # what every CPU tuning session does first
     use_small_search()
+    use_zygote()  # the commands' build and run processes: forked by the test process's zygote
 
 
 def _child(request, inherited):

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+import popen_zygote
 from small_search import use_small_search
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -38,6 +39,10 @@ def _getmodule_without_a_futile_scan(real):
 inspect.getmodule = _getmodule_without_a_futile_scan(inspect.getmodule)
 
 use_small_search()
+# MetaSchedule's build and run processes, here and in the commands forked below, forked from a
+# process that has imported TVM (tests/popen_zygote.py); named before any command is forked.
+popen_zygote.configure()
+popen_zygote.use_zygote(owner=True)
 # Two test workers share 2 cores: each runs TVM's kernels on one (autofuse would use them all).
 os.environ.setdefault("TVM_NUM_THREADS", "1")
 
@@ -176,15 +181,21 @@ _servers = []  # every one started, closed (reaped) when pytest ends
 forked_cpu_seconds = 0.0
 
 
+# Set by importing jax (a test's compare, a baseline), read by jax and XLA alone, which the fork
+# server does not import: its imports are the same with them, and each command gets them anyway
+# (it runs in the test's environment of the moment).
+_NOT_READ_BY_THE_SERVER = {"PYTEST_CURRENT_TEST", "TF_CPP_MIN_LOG_LEVEL", "TPU_SKIP_MDS_QUERY"}
+
+
 def _environment():
     """The environment a fork server's imports saw, or would see now (pytest names the running test
     in PYTEST_CURRENT_TEST; a command gets that too)."""
-    return {k: v for k, v in os.environ.items() if k != "PYTEST_CURRENT_TEST"}
+    return {k: v for k, v in os.environ.items() if k not in _NOT_READ_BY_THE_SERVER}
 
 
 def _fork_server():
     """The running fork server, started on first use and again when the environment has changed
-    since (its imports saw that environment: importing jax in a test sets two variables); None
+    since (its imports saw that environment; see _NOT_READ_BY_THE_SERVER for what does not count); None
     where commands get a fresh interpreter: AUTOFUSE_TEST_FRESH_CLI=1, no pidfd here, or the
     server failed to start."""
     global _server
@@ -208,6 +219,7 @@ def _fork_server():
 def _close_fork_servers():
     for server in _servers:
         server.close()
+    popen_zygote.stop()
 
 
 def pytest_unconfigure(config):
@@ -218,6 +230,7 @@ def start_cli(*args, cwd=None):
     """``autofuse ARGS`` started in its own process, as a user starts it; stdout and stderr are
     captured. The process is forked from one that has already imported TVM and the patterns
     (tests/cli_forkserver.py), or else is ``python -m autofuse.cli`` (see _fork_server)."""
+    popen_zygote.start()  # before the command: it cannot start one that outlives it
     server = _fork_server()
     if server is not None:
         return server.start(args, cwd or REPO)

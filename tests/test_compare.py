@@ -22,9 +22,10 @@ def _fake_roofline(db_root):
     folder = os.path.join(db_root, target_key(parse_target("llvm")))
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "roofline.json"), "w") as f:
+        # With its peak_label: a stored roofline without one is an older figure, measured again.
         json.dump({"bandwidth_gbps": 20.0, "peak_gflops": 200.0, "bandwidth_method": "test",
                    "peak_method": "test", "threads": len(os.sched_getaffinity(0)),
-                   "bandwidth_ladder": [[1 << 20, 60.0], [1 << 28, 20.0]]}, f)
+                   "bandwidth_ladder": [[1 << 20, 60.0], [1 << 28, 20.0]], "peak_label": "FMA peak"}, f)
 
 
 CPU_BASELINES = ["tvm-untuned", "tvm-auto", "onnxruntime", "xla"]

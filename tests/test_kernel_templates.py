@@ -100,8 +100,10 @@ class FakeDevice:
 
 
 def _tune(db, trials, device):
-    todo = [k for k in WGMMA.configs(SHAPE, "float16")
-            if K._knobs_key(k) not in K._recorded(db, Job(PATTERN, SHAPE, "float16"), WGMMA)]
+    # The configurations left, as tune_kernels finds them: the recorded ones read once (a Job
+    # builds its PrimFunc, and each recorded kernel is rebuilt to see it is not stale).
+    recorded = K._recorded(db, Job(PATTERN, SHAPE, "float16"), WGMMA)
+    todo = [k for k in WGMMA.configs(SHAPE, "float16") if K._knobs_key(k) not in recorded]
     device._knobs = todo
     device.measured = []
     return K.tune_kernels([Job(PATTERN, SHAPE, "float16")], H200, db, trials=trials, dev="h200",

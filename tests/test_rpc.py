@@ -37,6 +37,14 @@ def test_queue_counts_registered_servers():
     assert queue(info, "npu") == {"total": 0, "free": 0, "pending": 0}
 
 
+@pytest.fixture(scope="module")
+def farm(tmp_path_factory):
+    """A tracker and two servers (key cpu) on loopback, started once for the module: the take
+    kernel is measured on them, then one of them is killed mid-tuning (the last test here)."""
+    with LocalFarm(2, key="cpu", log_dir=str(tmp_path_factory.mktemp("farm"))) as farm:
+        yield farm
+
+
 def test_unreachable_tracker_is_exit_2_before_any_work(tmp_path):
     start = time.monotonic()
     port = free_port()
@@ -49,37 +57,6 @@ def test_unreachable_tracker_is_exit_2_before_any_work(tmp_path):
         assert len(lines) == 1 and "cannot reach the RPC tracker" in lines[0], result.stderr
     assert not os.listdir(tmp_path)
     assert time.monotonic() - start < 120  # not TVM's minute of retries per call
-
-
-def test_two_servers_share_the_measurements_and_a_killed_one_loses_nothing(tmp_path):
-    trials = 16  # two rounds of 8: the kill lands in the first, the survivor measures the rest
-    with LocalFarm(2, key="cpu", log_dir=str(tmp_path)) as farm:
-        empty = run_cli("tune", "--rpc", f"{farm.address.host}:{farm.address.port}:gpu", "--small",
-                        "--db", str(tmp_path / "none"))
-        assert empty.returncode == 2 and "no RPC server is registered under key 'gpu'" in empty.stderr
-
-        status = run_cli("rpc", "status", "--tracker", f"{farm.address.host}:{farm.address.port}")
-        assert status.returncode == 0 and "key cpu: 2 servers" in status.stdout, status.stdout
-
-        db = str(tmp_path / "db")
-        proc = start_cli("tune", "--pattern", "linear_bias_relu", "--small", "--trials", str(trials), "--seed", "3",
-                         "--db", db, "--no-progress", "--rpc", str(farm.address), "--rpc-workers", "2")
-        deadline = time.monotonic() + 600
-        while time.monotonic() < deadline and (min(farm.measured()) < 1 or sum(farm.measured()) < 4):
-            time.sleep(0.2)
-        before_kill = farm.measured()
-        assert min(before_kill) >= 1, f"both servers should have measured: {before_kill}"
-        os.killpg(farm.servers[0].pid, signal.SIGKILL)
-        out, err = proc.communicate(timeout=900)
-        assert proc.returncode == 0, err[-3000:]
-        assert farm.measured()[1] > before_kill[1], "the surviving server took over"
-    pattern = get_pattern("linear_bias_relu")
-    valid, total = TuningDatabase(db, parse_target("llvm")).count(pattern.build(pattern.small_shape(), "float32"))
-    assert total == trials, "every measured candidate is stored"
-    # A candidate whose session died with the server is measured again on the other one, not
-    # stored as failed.
-    assert valid == trials, f"{trials - valid} of {trials} candidates stored as failed"
-    assert "linear_bias_relu" in out
 
 
 def test_a_lost_session_is_retried_and_a_timeout_is_not():
@@ -144,7 +121,7 @@ def test_the_rpc_runner_gives_integer_arguments_valid_indices():
         assert len(np.unique(values.numpy())) > 1
 
 
-def test_a_kernel_that_indexes_with_an_input_is_measured_through_rpc(tmp_path):
+def test_a_kernel_that_indexes_with_an_input_is_measured_through_rpc(farm, tmp_path):
     """An embedding lookup (take) tuned through a server: its int64 ids arrive as valid indices and
     its candidates are stored valid (with MetaSchedule's random fill each one read far past the
     table and was stored failed)."""
@@ -154,9 +131,43 @@ def test_a_kernel_that_indexes_with_an_input_is_measured_through_rpc(tmp_path):
 
     target = parse_target("llvm")
     db = TuningDatabase(str(tmp_path / "db"), target)
-    with LocalFarm(1, key="cpu", log_dir=str(tmp_path)) as farm:
-        stats = tune([Task("take", take)], target, db.ms, db.work_dir, trials_per_task=2, space="generic", seed=0,
-                     runner=make_runner(farm.address, 1, 10, retries=0))
+    stats = tune([Task("take", take)], target, db.ms, db.work_dir, trials_per_task=2, space="generic", seed=0,
+                 runner=make_runner(farm.address, 1, 10, retries=0))
     assert stats.trials.get(0, 0) >= 1 and not stats.failed.get(0), stats
     valid, total = db.count(take)
     assert total >= 1 and valid == total
+
+
+def test_two_servers_share_the_measurements_and_a_killed_one_loses_nothing(farm, tmp_path):
+    trials = 16  # two rounds of 8: the kill lands in the first, the survivor measures the rest
+    earlier = farm.measured()  # what the module's earlier tests measured on these servers
+
+    def measured():
+        return [now - then for now, then in zip(farm.measured(), earlier)]
+
+    empty = run_cli("tune", "--rpc", f"{farm.address.host}:{farm.address.port}:gpu", "--small",
+                    "--db", str(tmp_path / "none"))
+    assert empty.returncode == 2 and "no RPC server is registered under key 'gpu'" in empty.stderr
+
+    status = run_cli("rpc", "status", "--tracker", f"{farm.address.host}:{farm.address.port}")
+    assert status.returncode == 0 and "key cpu: 2 servers" in status.stdout, status.stdout
+
+    db = str(tmp_path / "db")
+    proc = start_cli("tune", "--pattern", "linear_bias_relu", "--small", "--trials", str(trials), "--seed", "3",
+                     "--db", db, "--no-progress", "--rpc", str(farm.address), "--rpc-workers", "2")
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline and (min(measured()) < 1 or sum(measured()) < 4):
+        time.sleep(0.2)
+    before_kill = measured()
+    assert min(before_kill) >= 1, f"both servers should have measured: {before_kill}"
+    os.killpg(farm.servers[0].pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=900)
+    assert proc.returncode == 0, err[-3000:]
+    assert measured()[1] > before_kill[1], "the surviving server took over"
+    pattern = get_pattern("linear_bias_relu")
+    valid, total = TuningDatabase(db, parse_target("llvm")).count(pattern.build(pattern.small_shape(), "float32"))
+    assert total == trials, "every measured candidate is stored"
+    # A candidate whose session died with the server is measured again on the other one, not
+    # stored as failed.
+    assert valid == trials, f"{trials - valid} of {trials} candidates stored as failed"
+    assert "linear_bias_relu" in out

@@ -65,9 +65,23 @@ def test_every_export_imports_with_static_shapes(entry):
     to_relax(model, entry["file"])  # raises on anything it cannot import, or a shape known only at run time
 
 
+@pytest.fixture(scope="module")
+def prepared_once():
+    """``prepare(FILE, "patterns")`` once per file for the module: the build test and the FLOP-share
+    test read the same fused module of GPT-2, Llama and ViT (build_model leaves it as it was)."""
+    done = {}
+
+    def get(entry):
+        if entry["file"] not in done:
+            done[entry["file"]] = prepare(_path(entry), "patterns")
+        return done[entry["file"]]
+
+    return get
+
+
 @pytest.mark.parametrize("entry", SUITE, ids=lambda m: m["architecture"])
-def test_torchscript_export_builds_and_matches_onnxruntime(entry, tmp_path):
-    prepared = prepare(_path(entry), "patterns")
+def test_torchscript_export_builds_and_matches_onnxruntime(entry, tmp_path, prepared_once):
+    prepared = prepared_once(entry)
     result = build_model(prepared, TARGET, None, str(tmp_path / "m.so"), repeat=1)
     assert result.verified, f"{entry['file']}: {result.message}"
 
@@ -77,12 +91,12 @@ TRANSFORMERS = [m for m in EXPORTED if m["exporter"] == "torchscript" and m["axe
 
 
 @pytest.mark.parametrize("entry", TRANSFORMERS, ids=lambda m: m["architecture"])
-def test_most_of_a_transformers_flops_run_in_pattern_kernels(entry):
+def test_most_of_a_transformers_flops_run_in_pattern_kernels(entry, prepared_once):
     """The projections and FFN GEMMs are the linear patterns (with their bias and GELU), so at
     least 80% of the FLOPs run in pattern kernels, counted as ``autofuse build`` reports them."""
     from autofuse.model.kernels import pattern_share
 
-    share = pattern_share(prepare(_path(entry), "patterns").mod)
+    share = pattern_share(prepared_once(entry).mod)
     assert share["flop_fraction"] >= 0.8, share
 
 
