@@ -17,6 +17,7 @@ Where the zygote cannot be reached (not started, no pidfd here, AUTOFUSE_TEST_FR
 worker is started as TVM starts it.
 """
 
+import gc
 import json
 import os
 import select
@@ -71,6 +72,7 @@ def _serve(path):
 
     for name in PRELOAD:
         importlib.import_module(name)
+    gc.freeze()  # as the CLI fork server does: a worker's collections do not walk (nor copy) the preload
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)

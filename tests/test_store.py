@@ -126,7 +126,11 @@ def _commit_many(folder, n, count, offset):
 
 
 def test_two_processes_committing_at_once_lose_nothing(tmp_path):
-    ctx = multiprocessing.get_context("spawn")  # fork after jax or TVM threads start can deadlock
+    # Not forked from this process (fork after jax or TVM threads start can deadlock): from
+    # multiprocessing's fork server, a fresh single-threaded process that has imported TVM once
+    # (each spawned writer imported it itself, 2.5 s of CPU apiece, so they barely overlapped).
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["tvm", "tvm.s_tir.meta_schedule", "autofuse.store"])
     jobs = [(16, 0), (32, 1000), (16, 2000), (48, 3000)]  # two of them share a workload
     procs = [ctx.Process(target=_commit_many, args=(tmp_path, n, 40, offset)) for n, offset in jobs]
     for p in procs:
