@@ -19,6 +19,7 @@ from autofuse.registry import get_pattern
 from autofuse.target import device_for, parse_target
 from autofuse.tune_patterns import Job
 from conftest import REPO
+from search_spaces.lib import cuda_wgmma
 
 H200 = parse_target("h200")
 DEV = device_for(H200)
@@ -91,6 +92,20 @@ def test_a_short_search_records_checked_configs_and_choose_is_never_worse(name, 
     choice, _ = verify.choose(job, db, H200, DEV)
     assert choice.record_source.startswith(K.SOURCE_PREFIX)
     assert choice.secs == min(choice.record_secs, choice.default_secs)
+
+
+@pytest.mark.parametrize("shape, dtype", [
+    ({"m": 512, "n": 1024, "k": 1024, "group": 128, "bits": 4}, "float16"),
+    ({"m": 256, "n": 768, "k": 512, "group": 64, "bits": 8}, "bfloat16"),
+])
+def test_woq_dequantised_first_passes_its_check(shape, dtype):
+    """The woq knob no default takes: W dequantised once into a workspace, then the wgmma GEMM
+    (two kernels in one PrimFunc), checked as a search's trial is."""
+    pattern = get_pattern("woq_matmul")
+    (template,) = K.kernel_templates_for(pattern, shape, dtype, H200)
+    func = template.build(shape, dtype, {**cuda_wgmma.WOQ_DEFAULT_KNOBS, "dequant_first": 1})
+    result = verify.check_module(pattern, B.build_tirx(func, H200), pattern.build(shape, dtype), shape, dtype, DEV)
+    assert result.ok, result.message
 
 
 @pytest.mark.parametrize("dtype,rows", [("bfloat16", 256), ("float16", 1)])
