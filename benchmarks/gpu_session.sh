@@ -50,8 +50,9 @@
 #             $OUT/real-models.tar.gz, one report per model
 #   woq       issue 22: woq_matmul (float16, int4 weights, a scale per 128, n = k = 4096) at WOQ_TOKENS
 #             (default 16 128 4096) tokens through `autofuse compare` against torch eager and
-#             torch.compile of its ONNX graph (which dequantises all of W, then a cuBLAS GEMM).
-#             Lands in $OUT/woq.tar.gz, one report per shape
+#             torch.compile of its ONNX graph (which dequantises all of W, then a cuBLAS GEMM);
+#             with WOQ_TRIALS=N, the first N configurations of each shape searched into $DB first
+#             and compared with those records. Lands in $OUT/woq.tar.gz, one report per shape
 #   hopper-tune  the wgmma GEMM kernel template of linear_bias_relu (float16, 4096^3) searched
 #             (benchmarks/gpu_tune_kernels.py, every config of its space within TUNE_SECS, default
 #             330, resumable through $DB),
@@ -233,12 +234,19 @@ hopper-tune)
   ;;
 woq)
   work=$(mktemp -d)
-  trap 'tar -C "$work" -czf "$OUT/woq.tar.gz" .' EXIT
   exec > >(tee "$work/woq.log") 2>&1
   commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  trap 'cp -r "$DB" "$work/db" 2>/dev/null; tar -C "$work" -czf "$OUT/woq.tar.gz" .' EXIT
+  db=none
   for m in ${WOQ_TOKENS:-16 128 4096}; do
-    timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern woq_matmul \
-      --shape "woq_matmul:m=$m,n=4096,k=4096,group=128,bits=${WOQ_BITS:-4}" --baselines torch-eager,torch-compile \
+    shape="m=$m,n=4096,k=4096,group=128,bits=${WOQ_BITS:-4}"
+    if [[ ${WOQ_TRIALS:-0} -gt 0 ]]; then  # the first configurations of the space (dequant_first among them)
+      db=$DB
+      timeout 150 python3 benchmarks/gpu_tune_kernels.py --pattern woq_matmul --dtype float16 --shape "$shape" \
+        "${commit[@]}" --db "$DB" --trials "$WOQ_TRIALS" --budget-secs 100 --out "$work/tune-woq-m$m-float16.json"
+    fi
+    timeout 150 "${COMPARE[@]}" "${commit[@]}" --db "$db" --dtype float16 --pattern woq_matmul \
+      --shape "woq_matmul:$shape" --baselines torch-eager,torch-compile \
       --repeat 20 --no-plots --report "$work/compare-woq-m$m-float16"
   done
   ;;
