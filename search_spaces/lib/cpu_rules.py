@@ -430,14 +430,19 @@ def conv(sch, target, knobs) -> None:
     _vectorize_tile(sch, block, reduce[0], chain)
 
 
+# Output positions (in vectors) from which a pointwise convolution runs over its flattened plane:
+# 7 x 7 = 49 positions padded to 4 vectors of 16 wastes a quarter of its FMAs.
+FLAT_MIN_VECTORS = 3
+
+
 def _flat_pointwise(sch, block, lanes: int) -> bool:
     """Whether ``block`` is a pointwise convolution (a 1 x 1 window, unit stride, no padding: its
-    input rows are its output rows) whose output positions, rows after rows, fill whole vectors:
+    input rows are its output rows) whose output plane holds ``FLAT_MIN_VECTORS`` vectors or more:
     a GEMM of W (f, c) by the input's (c, y * W + x) plane."""
     stmt = sch.get(block)
     ivs = stmt.iter_vars
     height, width = _extent(ivs[2]), _extent(ivs[3])
-    if _product(_extent(iv) for iv in ivs[5:]) != 1 or (height * width) % lanes:
+    if _product(_extent(iv) for iv in ivs[5:]) != 1 or height * width < FLAT_MIN_VECTORS * lanes:
         return False
     y, x = ivs[2].var, ivs[3].var
     for read in stmt.reads:
@@ -461,20 +466,26 @@ def flat_pointwise_conv(sch, block, upstream, epilogue, knobs, target) -> None:
     positions, a weight broadcast per FMA, the (single) epilogue block on the tile; copies in
     front inlined where they will go. Channel blocks in parallel. The accumulator is flattened as
     a buffer, so that compute-at sees the tile's positions as one range."""
-    width = _extent(sch.get(block).iter_vars[3])
+    stmt = sch.get(block)
+    height, width = _extent(stmt.iter_vars[2]), _extent(stmt.iter_vars[3])
     lanes = lanes_for(target, _write_dtype(sch, block))
-    for producer in upstream:
-        try:
-            sch.compute_inline(producer)
-        except Exception:  # a padding copy under a condition, say: kept, in parallel
-            parallel_vectorize(sch, knobs, target, producer)
-    accumulate = sch.cache_write(block, 0, "local")
-    if epilogue:
-        sch.reverse_compute_inline(epilogue[0])
-    sch.transform_layout(block, ("write", 0), index_map=lambda n, f, y, x: (n, f, y * width + x))
-    sch.transform_block_layout(block, tirx.IndexMap.from_func(
-        lambda n, f, y, x, *reduce: (n, f, y * width + x, *reduce), ndim=len(sch.get(block).iter_vars)))
-    sch.transform_block_layout(accumulate, lambda n, f, y, x: (n, f, y * width + x))
+    if (height * width) % lanes:
+        _pad_plane(sch, block, epilogue, width, lanes)
+        block = sch.get_sblock(stmt.name_hint)
+        accumulate = sch.get_consumers(block)[0]
+    else:
+        for producer in upstream:
+            try:
+                sch.compute_inline(producer)
+            except Exception:  # a padding copy under a condition, say: kept, in parallel
+                parallel_vectorize(sch, knobs, target, producer)
+        accumulate = sch.cache_write(block, 0, "local")
+        if epilogue:
+            sch.reverse_compute_inline(epilogue[0])
+        sch.transform_layout(block, ("write", 0), index_map=lambda n, f, y, x: (n, f, y * width + x))
+        sch.transform_block_layout(block, tirx.IndexMap.from_func(
+            lambda n, f, y, x, *reduce: (n, f, y * width + x, *reduce), ndim=len(sch.get(block).iter_vars)))
+        sch.transform_block_layout(accumulate, lambda n, f, y, x: (n, f, y * width + x))
     n, f, p, *reduce = sch.get_loops(block)
     f0, f1 = sch.split(f, knobs.tile(f, 2, [8], max_innermost_factor=8))
     pp, p1 = sch.split(p, [None, lanes])
@@ -489,7 +500,43 @@ def flat_pointwise_conv(sch, block, upstream, epilogue, knobs, target) -> None:
     sch.vectorize(p1)
     init = sch.decompose_reduction(block, reduce[0])
     sch.vectorize(sch.get_loops(init)[-1])
-    sch.vectorize(sch.split(sch.get_loops(accumulate)[-1], [None, lanes])[1])
+    if (height * width) % lanes == 0:
+        sch.vectorize(sch.split(sch.get_loops(accumulate)[-1], [None, lanes])[1])
+    # else the last tile's positions are guarded: LLVM's vectorizer masks them, TVM's would not
+
+
+def _pad_plane(sch, block, epilogue, width: int, lanes: int) -> None:
+    """``flat_pointwise_conv``'s plane when it is no multiple of a vector (14 x 14 = 196): the
+    block over (n, f, y * width + x, c) padded to whole vectors (``pad_einsum``), its input copied
+    once into a zero-padded flat plane (in parallel), the epilogue storing the real positions only.
+    Leaves the block and its accumulator (its consumer, the epilogue inlined) as the unpadded path
+    does."""
+    stmt = sch.get(block)
+    x = stmt.iter_vars[3].var
+    (source,) = [i for i, r in enumerate(stmt.reads)
+                 if any(v.same_as(x) for reg in r.region for v in undefined_vars(reg.min))]
+    if not any(w.source.same_as(stmt.reads[source].source)
+               for producer in sch.get_producers(block) for w in sch.get(producer).writes):
+        sch.cache_read(block, source, "global")  # a parameter's layout is fixed: flatten a copy
+    plane = sch.get(block).reads[source].source.name
+    accumulate = sch.cache_write(block, 0, "local")
+    if epilogue:
+        sch.reverse_compute_inline(epilogue[0])
+    flat = lambda n, f, y, x: (n, f, y * width + x)  # noqa: E731
+    # 1 x 1 window: its unit axes dropped, so the block is the einsum pad_einsum wants
+    sch.transform_block_layout(block, tirx.IndexMap.from_func(
+        lambda n, f, y, x, c, *unit: (n, f, y * width + x, c), ndim=len(stmt.iter_vars)))
+    sch.transform_layout(block, ("write", 0), index_map=flat)
+    (source,) = [i for i, r in enumerate(sch.get(block).reads) if r.source.name == plane]
+    sch.transform_layout(block, ("read", source), index_map=flat)
+    sch.transform_block_layout(accumulate, flat)
+    sch.pad_einsum(block, [1, 1, lanes, 1])
+    for producer in sch.get_producers(accumulate):  # the padded accumulator's copy back
+        sch.compute_inline(producer)
+    (padded,) = [p for p in sch.get_producers(block) if _guarded(sch, p)]
+    while sch.get_producers(padded):
+        sch.compute_inline(sch.get_producers(padded)[0])
+    parallel_copy(sch, padded)
 
 
 # A copy before a convolution that runs in parallel (the padded input, the repacked W) runs in

@@ -113,14 +113,20 @@ def _conv():
 
 def _pointwise():
     """Pointwise (1x1) convolutions: 16 to 32 channels over 28 x 28 with bias, a residual and ReLU
-    (ResNet's expansion), 24 to 32 over 14 x 14 (no multiple of a vector), 16 to 32 at stride 2."""
+    (ResNet's expansion), 24 to 32 over 14 x 14 with a residual and ReLU (196 positions, no multiple
+    of a vector), 16 to 32 at stride 2, 24 to 32 over 6 x 6 (36 positions)."""
     nodes = [helper.make_node("Conv", ["plane", "wpw", "bpw"], ["pc"]),
              helper.make_node("Add", ["pc", "res"], ["pr"]),
              helper.make_node("Relu", ["pr"], ["pw"]),
-             helper.make_node("Conv", ["small", "wpw14"], ["pw14"]),
-             helper.make_node("Conv", ["plane", "wpw"], ["pws"], strides=[2, 2])]
-    return _model(nodes, [("plane", [1, 16, 28, 28]), ("res", [1, 32, 28, 28]), ("small", [1, 24, 14, 14])],
-                  [("pw", [1, 32, 28, 28]), ("pw14", [1, 32, 14, 14]), ("pws", [1, 32, 14, 14])],
+             helper.make_node("Conv", ["small", "wpw14"], ["pc14"]),
+             helper.make_node("Add", ["pc14", "res14"], ["pr14"]),
+             helper.make_node("Relu", ["pr14"], ["pw14"]),
+             helper.make_node("Conv", ["plane", "wpw"], ["pws"], strides=[2, 2]),
+             helper.make_node("Conv", ["tiny", "wpw14"], ["pw6"])]
+    return _model(nodes, [("plane", [1, 16, 28, 28]), ("res", [1, 32, 28, 28]), ("small", [1, 24, 14, 14]),
+                          ("res14", [1, 32, 14, 14]), ("tiny", [1, 24, 6, 6])],
+                  [("pw", [1, 32, 28, 28]), ("pw14", [1, 32, 14, 14]), ("pws", [1, 32, 14, 14]),
+                   ("pw6", [1, 32, 6, 6])],
                   [_const("wpw", 32, 16, 1, 1), _const("bpw", 32), _const("wpw14", 32, 24, 1, 1)])
 
 
@@ -241,7 +247,8 @@ def test_rules_refuse_what_they_do_not_describe(graph_kernels):
 
 @pytest.mark.parametrize("needles", [("ffn:", "erf"), ("attention:", "matmul", "multiply"), ("attention:", "softmax"),
                                      ("conv:", "conv2d_add_relu"), ("conv:", "conv2d2"), ("conv:", "conv2d4"),
-                                     ("conv:", "conv2d5"), ("pointwise:", "relu")])
+                                     ("conv:", "conv2d5"), ("pointwise:", "add1_relu"),
+                                     ("pointwise:", "conv2d1_add2")])
 def test_a_knob_sample_replays_and_still_matches(graph_kernels, needles):
     """As MetaSchedule replays a rule's trace with new decisions: sampled, replayed on a fresh
     schedule, checked."""
@@ -403,21 +410,26 @@ def test_conv2d_bn_relus_first_template_is_the_channel_tile_from_two_vectors(c_o
 def test_pointwise_convs_run_as_gemms_over_the_flattened_plane(graph_kernels, target):
     """A 1x1, unit-stride convolution whose 28 x 28 output positions fill whole vectors runs as the
     GEMM it is: positions flattened (one loop of 784, vectors along it, not along rows of 28), a
-    tile of 8 channels x vectors, the bias, residual and ReLU stored from the tile; one at 14 x 14
-    (196 positions) and one at stride 2 keep the channel tile. Each matches the unscheduled kernel."""
+    tile of 8 channels x vectors, the bias, residual and ReLU stored from the tile. At 14 x 14 the
+    196 positions are padded to 13 vectors (its input copied once into a zero-padded plane); one at
+    stride 2 and one of 36 positions keep the channel tile. Each matches the unscheduled kernel."""
     lanes = cpu_rules.lanes_for(target, "float32")
-    source, sch, kernel = _rule_of(graph_kernels, "pointwise:", "relu", target=target)
-    assert source == "cpu_conv"
-    kinds = [inst.kind.name for inst in sch.trace.insts]
-    assert kinds.count("TransformBlockLayout") == 2 and "CacheRead" not in kinds  # W not repacked
-    _, loops = _update_loops(sch)
-    assert sch.get(loops[-1]).kind == tvm.tirx.ForKind.VECTORIZED and int(sch.get(loops[-1]).extent) == lanes
-    assert int(sch.get(loops[-3]).extent) == 8 and sch.get(loops[-3]).kind == tvm.tirx.ForKind.UNROLLED
-    names = [sch.get(b).name_hint for b in _all_blocks(sch)]
-    assert not any(name.startswith("T_add") or name == "compute" for name in names), names  # epilogue on the tile
-    ok, message = checker(kernel, TARGET, DEV)(sch)
-    assert ok, message
-    for other in ("conv2d1", "conv2d2"):
+    for needles, padded in ((("pointwise:", "conv2d_add_add1_relu"), False), (("pointwise:", "conv2d1_add2"), True)):
+        source, sch, kernel = _rule_of(graph_kernels, *needles, target=target)
+        assert source == "cpu_conv"
+        kinds = [inst.kind.name for inst in sch.trace.insts]
+        assert kinds.count("TransformBlockLayout") == 2 and "CacheRead" not in kinds  # W not repacked
+        assert kinds.count("PadEinsum") == padded
+        _, loops = _update_loops(sch)
+        assert sch.get(loops[-1]).kind == tvm.tirx.ForKind.VECTORIZED and int(sch.get(loops[-1]).extent) == lanes
+        assert int(sch.get(loops[-3]).extent) == 8 and sch.get(loops[-3]).kind == tvm.tirx.ForKind.UNROLLED
+        names = [sch.get(b).name_hint for b in _all_blocks(sch)]
+        assert not any(name.startswith("T_add") or name == "compute" for name in names), names  # epilogue on the tile
+        if padded:
+            assert ([1, 24, 13 * lanes], "global") in _allocs(sch).values(), _allocs(sch)  # the padded plane
+        ok, message = checker(kernel, TARGET, DEV)(sch)
+        assert ok, message
+    for other in ("conv2d2", "conv2d3"):
         source, sch, kernel = _rule_of(graph_kernels, "pointwise:", other, target=target)
         assert source == "cpu_conv" and "TransformBlockLayout" not in [i.kind.name for i in sch.trace.insts]
         ok, message = checker(kernel, TARGET, DEV)(sch)
