@@ -784,11 +784,23 @@ def woq_check(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[int, 
     return m, n, k, bits, group, knobs
 
 
+# Tokens from which W dequantised once, then the GEMM (``dequant_first``), beats dequantising W's
+# tiles per token tile (n = k = 4096 on an H100: 0.072 against 0.080 ms at 1024 tokens, 0.223
+# against 0.305 at 4096; at 512 the fused kernel's 0.048 was the best found; README)
+WOQ_DEQUANT_FIRST_TOKENS = 1024
+
+
 def woq_fill_tile(shape: dict, dtype: str) -> dict:
-    """Knobs over ``WOQ_DEFAULT_KNOBS`` for ``shape``: the widest token tile that divides m (up to
-    the default's), then one consumer warpgroup (64 features a CTA) where two would leave SMs idle."""
+    """Knobs over ``WOQ_DEFAULT_KNOBS`` for ``shape``: from ``WOQ_DEQUANT_FIRST_TOKENS`` tokens W
+    dequantised first; else the widest token tile that divides m (up to the default's), then one
+    consumer warpgroup (64 features a CTA) where two would leave SMs idle."""
     knobs = dict(WOQ_DEFAULT_KNOBS)
     m, n = int(shape.get("m", 0)), int(shape.get("n", 0))
+    if m >= WOQ_DEQUANT_FIRST_TOKENS:
+        try:
+            return woq_check(shape, dtype, {**knobs, "dequant_first": 1})[5]
+        except ValueError:
+            pass
     fitting = [bn for bn in WOQ_KNOBS["block_n"] if bn <= knobs["block_n"] and m % bn == 0]
     if fitting:
         knobs["block_n"] = max(fitting)

@@ -536,7 +536,9 @@ def test_what_the_woq_kernel_cannot_compute_raises(shape, dtype, knobs, message)
 
 @pytest.mark.parametrize("m, n, expected", [
     (16, 4096, {"block_n": 16, "warpgroups": 1}),     # a decode batch: 64 features a CTA
-    (4096, 4096, {}),                                 # 32 x 32 CTAs of the default
+    (512, 4096, {"warpgroups": 1}),                   # 256 tokens x 64 features a CTA
+    (1024, 4096, {"dequant_first": 1}),               # from 1024 tokens W is dequantised first
+    (4096, 4096, {"dequant_first": 1}),
     (96, 4096, {"block_n": 32, "warpgroups": 1}),
 ])
 def test_the_woq_default_tile_follows_the_tokens(m, n, expected):
