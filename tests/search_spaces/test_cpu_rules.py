@@ -114,7 +114,7 @@ def _conv():
 def _pointwise():
     """Pointwise (1x1) convolutions: 16 to 32 channels over 28 x 28 with bias, a residual and ReLU
     (ResNet's expansion), 24 to 32 over 14 x 14 with a residual and ReLU (196 positions, no multiple
-    of a vector), 16 to 32 at stride 2, 24 to 32 over 6 x 6 (36 positions)."""
+    of a vector), 16 to 32 at stride 2, 24 to 32 over 6 x 6 (36 positions), 24 to 16 over 14 x 14."""
     nodes = [helper.make_node("Conv", ["plane", "wpw", "bpw"], ["pc"]),
              helper.make_node("Add", ["pc", "res"], ["pr"]),
              helper.make_node("Relu", ["pr"], ["pw"]),
@@ -122,12 +122,14 @@ def _pointwise():
              helper.make_node("Add", ["pc14", "res14"], ["pr14"]),
              helper.make_node("Relu", ["pr14"], ["pw14"]),
              helper.make_node("Conv", ["plane", "wpw"], ["pws"], strides=[2, 2]),
-             helper.make_node("Conv", ["tiny", "wpw14"], ["pw6"])]
+             helper.make_node("Conv", ["tiny", "wpw14"], ["pw6"]),
+             helper.make_node("Conv", ["small", "wpw16"], ["pw16"])]
     return _model(nodes, [("plane", [1, 16, 28, 28]), ("res", [1, 32, 28, 28]), ("small", [1, 24, 14, 14]),
                           ("res14", [1, 32, 14, 14]), ("tiny", [1, 24, 6, 6])],
                   [("pw", [1, 32, 28, 28]), ("pw14", [1, 32, 14, 14]), ("pws", [1, 32, 14, 14]),
-                   ("pw6", [1, 32, 6, 6])],
-                  [_const("wpw", 32, 16, 1, 1), _const("bpw", 32), _const("wpw14", 32, 24, 1, 1)])
+                   ("pw6", [1, 32, 6, 6]), ("pw16", [1, 16, 14, 14])],
+                  [_const("wpw", 32, 16, 1, 1), _const("bpw", 32), _const("wpw14", 32, 24, 1, 1),
+                   _const("wpw16", 16, 24, 1, 1)])
 
 
 @pytest.fixture(scope="module")
@@ -412,7 +414,8 @@ def test_pointwise_convs_run_as_gemms_over_the_flattened_plane(graph_kernels, ta
     GEMM it is: positions flattened (one loop of 784, vectors along it, not along rows of 28), a
     tile of 8 channels x vectors, the bias, residual and ReLU stored from the tile. At 14 x 14 the
     196 positions are padded to 13 vectors (its input copied once into a zero-padded plane); one at
-    stride 2 and one of 36 positions keep the channel tile. Each matches the unscheduled kernel."""
+    stride 2, one of 36 positions and one of 16 channels over 196 keep the channel tile. Each
+    matches the unscheduled kernel."""
     lanes = cpu_rules.lanes_for(target, "float32")
     for needles, padded in ((("pointwise:", "conv2d_add_add1_relu"), False), (("pointwise:", "conv2d1_add2"), True)):
         source, sch, kernel = _rule_of(graph_kernels, *needles, target=target)
@@ -429,7 +432,7 @@ def test_pointwise_convs_run_as_gemms_over_the_flattened_plane(graph_kernels, ta
             assert ([1, 24, 13 * lanes], "global") in _allocs(sch).values(), _allocs(sch)  # the padded plane
         ok, message = checker(kernel, TARGET, DEV)(sch)
         assert ok, message
-    for other in ("conv2d2", "conv2d3"):
+    for other in ("conv2d2", "conv2d3", "conv2d4"):
         source, sch, kernel = _rule_of(graph_kernels, "pointwise:", other, target=target)
         assert source == "cpu_conv" and "TransformBlockLayout" not in [i.kind.name for i in sch.trace.insts]
         ok, message = checker(kernel, TARGET, DEV)(sch)
