@@ -437,9 +437,9 @@ FLAT_MIN_VECTORS = 3
 
 def _flat_pointwise(sch, block, lanes: int) -> bool:
     """Whether ``block`` is a pointwise convolution (a 1 x 1 window, unit stride, no padding: its
-    input rows are its output rows) whose output plane holds ``FLAT_MIN_VECTORS`` vectors or more,
-    whole vectors or more output channels than a vector: a GEMM of W (f, c) by the input's (c, y *
-    W + x) plane."""
+    input rows are its output rows) whose output plane holds ``FLAT_MIN_VECTORS`` vectors or more
+    and either fills whole vectors or has more output channels than one vector: a GEMM of W (f, c)
+    by the input's (c, y * W + x) plane."""
     stmt = sch.get(block)
     ivs = stmt.iter_vars
     height, width = _extent(ivs[2]), _extent(ivs[3])
@@ -467,7 +467,8 @@ def _flat_pointwise(sch, block, lanes: int) -> bool:
 def flat_pointwise_conv(sch, block, upstream, epilogue, knobs, target) -> None:
     """A pointwise convolution (``_flat_pointwise``) as the GEMM it is: output positions flattened
     (y * W + x), so that vectors run along whole planes rather than rows (a row of 28, 14 or 7 is
-    no multiple of a vector; 28 x 28 is); a register tile of 8 output channels x vectors of
+    no multiple of a vector; 28 x 28 is, and 14 x 14 is padded to one, ``_pad_plane``); a register
+    tile of 8 output channels x vectors of
     positions, a weight broadcast per FMA, the (single) epilogue block on the tile; copies in
     front inlined where they will go. Channel blocks in parallel. The accumulator is flattened as
     a buffer, so that compute-at sees the tile's positions as one range."""
@@ -513,7 +514,7 @@ def flat_pointwise_conv(sch, block, upstream, epilogue, knobs, target) -> None:
 def _pad_plane(sch, block, epilogue, width: int, lanes: int) -> None:
     """``flat_pointwise_conv``'s plane when it is no multiple of a vector (14 x 14 = 196): the
     block over (n, f, y * width + x, c) padded to whole vectors (``pad_einsum``), its input copied
-    once into a zero-padded flat plane (in parallel), the epilogue storing the real positions only.
+    once into a zero-padded flat plane (``parallel_copy``), the epilogue storing the real positions.
     Leaves the block and its accumulator (its consumer, the epilogue inlined) as the unpadded path
     does."""
     stmt = sch.get(block)
@@ -539,8 +540,11 @@ def _pad_plane(sch, block, epilogue, width: int, lanes: int) -> None:
     for producer in sch.get_producers(accumulate):  # the padded accumulator's copy back
         sch.compute_inline(producer)
     (padded,) = [p for p in sch.get_producers(block) if _guarded(sch, p)]
-    while sch.get_producers(padded):
-        sch.compute_inline(sch.get_producers(padded)[0])
+    for producer in sch.get_producers(padded):  # the input's copy (pad_temp), read once here
+        try:
+            sch.compute_inline(producer)
+        except Exception:  # read elsewhere too: it stays a copy of its own
+            parallel_copy(sch, producer)
     parallel_copy(sch, padded)
 
 
