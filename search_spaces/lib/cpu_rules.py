@@ -468,30 +468,33 @@ def flat_pointwise_conv(sch, block, upstream, epilogue, knobs, target) -> None:
     """A pointwise convolution (``_flat_pointwise``) as the GEMM it is: output positions flattened
     (y * W + x), so that vectors run along whole planes rather than rows (a row of 28, 14 or 7 is
     no multiple of a vector; 28 x 28 is, and 14 x 14 is padded to one, ``_pad_plane``); a register
-    tile of 8 output channels x vectors of
-    positions, a weight broadcast per FMA, the (single) epilogue block on the tile; copies in
-    front inlined where they will go. Channel blocks in parallel. The accumulator is flattened as
-    a buffer, so that compute-at sees the tile's positions as one range."""
+    tile of 8 output channels x vectors of positions, a weight broadcast per FMA, the (single)
+    epilogue block on the tile; copies in front inlined where they will go. Channel blocks in
+    parallel. The accumulator is flattened as a buffer, so that compute-at sees the tile's
+    positions as one range."""
     stmt = sch.get(block)
     height, width = _extent(stmt.iter_vars[2]), _extent(stmt.iter_vars[3])
     lanes = lanes_for(target, _write_dtype(sch, block))
-    if (height * width) % lanes:
-        _pad_plane(sch, block, epilogue, width, lanes)
-        block = sch.get_sblock(stmt.name_hint)
-        accumulate = sch.get_consumers(block)[0]
+    padded = (height * width) % lanes != 0
+    if padded:
+        plane = _flat_input(sch, block)
     else:
         for producer in upstream:
             try:
                 sch.compute_inline(producer)
             except Exception:  # a padding copy under a condition, say: kept, in parallel
                 parallel_vectorize(sch, knobs, target, producer)
-        accumulate = sch.cache_write(block, 0, "local")
-        if epilogue:
-            sch.reverse_compute_inline(epilogue[0])
-        sch.transform_layout(block, ("write", 0), index_map=lambda n, f, y, x: (n, f, y * width + x))
-        sch.transform_block_layout(block, tirx.IndexMap.from_func(
-            lambda n, f, y, x, *reduce: (n, f, y * width + x, *reduce), ndim=len(sch.get(block).iter_vars)))
-        sch.transform_block_layout(accumulate, lambda n, f, y, x: (n, f, y * width + x))
+    accumulate = sch.cache_write(block, 0, "local")
+    if epilogue:
+        sch.reverse_compute_inline(epilogue[0])
+    flat = lambda n, f, y, x: (n, f, y * width + x)  # noqa: E731
+    # the 1 x 1 window's unit axes dropped: an einsum, as pad_einsum wants it
+    sch.transform_block_layout(block, tirx.IndexMap.from_func(
+        lambda n, f, y, x, c, *unit: (n, f, y * width + x, c), ndim=len(stmt.iter_vars)))
+    sch.transform_layout(block, ("write", 0), index_map=flat)
+    sch.transform_block_layout(accumulate, flat)
+    if padded:
+        _pad_plane(sch, block, accumulate, plane, flat, lanes)
     n, f, p, *reduce = sch.get_loops(block)
     f0, f1 = sch.split(f, knobs.tile(f, 2, [8], max_innermost_factor=8))
     pp, p1 = sch.split(p, [None, lanes])
@@ -506,36 +509,31 @@ def flat_pointwise_conv(sch, block, upstream, epilogue, knobs, target) -> None:
     sch.vectorize(p1)
     init = sch.decompose_reduction(block, reduce[0])
     sch.vectorize(sch.get_loops(init)[-1])
-    if (height * width) % lanes == 0:
+    if not padded:  # padded, the last tile's positions are guarded: LLVM's vectorizer masks them
         sch.vectorize(sch.split(sch.get_loops(accumulate)[-1], [None, lanes])[1])
-    # else the last tile's positions are guarded: LLVM's vectorizer masks them, TVM's would not
 
 
-def _pad_plane(sch, block, epilogue, width: int, lanes: int) -> None:
-    """``flat_pointwise_conv``'s plane when it is no multiple of a vector (14 x 14 = 196): the
-    block over (n, f, y * width + x, c) padded to whole vectors (``pad_einsum``), its input copied
-    once into a zero-padded flat plane (``parallel_copy``), the epilogue storing the real positions.
-    Leaves the block and its accumulator (its consumer, the epilogue inlined) as the unpadded path
-    does."""
+def _flat_input(sch, block) -> str:
+    """The name of the buffer whose plane ``block`` (a pointwise convolution) reads, made an
+    intermediate (a copy of a parameter, whose layout is fixed) so that it can be flattened."""
     stmt = sch.get(block)
     x = stmt.iter_vars[3].var
     (source,) = [i for i, r in enumerate(stmt.reads)
                  if any(v.same_as(x) for reg in r.region for v in undefined_vars(reg.min))]
     if not any(w.source.same_as(stmt.reads[source].source)
                for producer in sch.get_producers(block) for w in sch.get(producer).writes):
-        sch.cache_read(block, source, "global")  # a parameter's layout is fixed: flatten a copy
-    plane = sch.get(block).reads[source].source.name
-    accumulate = sch.cache_write(block, 0, "local")
-    if epilogue:
-        sch.reverse_compute_inline(epilogue[0])
-    flat = lambda n, f, y, x: (n, f, y * width + x)  # noqa: E731
-    # 1 x 1 window: its unit axes dropped, so the block is the einsum pad_einsum wants
-    sch.transform_block_layout(block, tirx.IndexMap.from_func(
-        lambda n, f, y, x, c, *unit: (n, f, y * width + x, c), ndim=len(stmt.iter_vars)))
-    sch.transform_layout(block, ("write", 0), index_map=flat)
+        sch.cache_read(block, source, "global")
+    return sch.get(block).reads[source].source.name
+
+
+def _pad_plane(sch, block, accumulate, plane: str, flat, lanes: int) -> None:
+    """``flat_pointwise_conv``'s plane when it is no multiple of a vector (14 x 14 = 196), after
+    the block and its accumulator are flattened: the input ``plane`` flattened too, the block
+    padded to whole vectors of positions (``pad_einsum``), its input copied once into a
+    zero-padded plane (``parallel_copy``), the accumulator (the epilogue) storing the real
+    positions."""
     (source,) = [i for i, r in enumerate(sch.get(block).reads) if r.source.name == plane]
     sch.transform_layout(block, ("read", source), index_map=flat)
-    sch.transform_block_layout(accumulate, flat)
     sch.pad_einsum(block, [1, 1, lanes, 1])
     for producer in sch.get_producers(accumulate):  # the padded accumulator's copy back
         sch.compute_inline(producer)
