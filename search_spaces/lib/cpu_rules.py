@@ -520,8 +520,7 @@ def _flat_input(sch, block) -> str:
     x = stmt.iter_vars[3].var
     (source,) = [i for i, r in enumerate(stmt.reads)
                  if any(v.same_as(x) for reg in r.region for v in undefined_vars(reg.min))]
-    if not any(w.source.same_as(stmt.reads[source].source)
-               for producer in sch.get_producers(block) for w in sch.get(producer).writes):
+    if not any(stmt.reads[source].source.same_as(b) for b in _allocated(sch)):
         sch.cache_read(block, source, "global")
     return sch.get(block).reads[source].source.name
 
