@@ -108,6 +108,29 @@ def test_woq_dequantised_first_passes_its_check(shape, dtype):
     assert result.ok, result.message
 
 
+MOE_CASES = [
+    # 64 routed rows an expert on average: 64-row tiles, one role
+    ({"tokens": 256, "hidden": 512, "inter": 1024, "experts": 8, "k": 2}, "float16", None),
+    # 40 experts (two a lane when routing), 130 tokens (a last route block part empty), k 4
+    ({"tokens": 130, "hidden": 256, "inter": 256, "experts": 40, "k": 4}, "bfloat16", None),
+    # the GEMMs' own defaults: 128 x 256 tiles, warp-specialised, 128-row expert segments
+    ({"tokens": 1024, "hidden": 512, "inter": 1024, "experts": 4, "k": 2}, "float16", "wgmma defaults"),
+]
+
+
+@pytest.mark.parametrize("shape, dtype, knobs", MOE_CASES, ids=["e8-f16", "e40-k4-bf16", "e4-gemm-defaults"])
+def test_moe_experts_on_tensor_cores_pass_their_check(shape, dtype, knobs):
+    """moe_gate_topk's grouped wgmma GEMMs over the routed rows, with routing, placement and combine
+    around them (seven kernels in one PrimFunc), checked as a search's trial is."""
+    from search_spaces.moe.moe_gate_topk import WGMMA_DEFAULT_KNOBS
+
+    pattern = get_pattern("moe_gate_topk")
+    (template,) = K.kernel_templates_for(pattern, shape, dtype, H200)
+    func = template.build(shape, dtype, WGMMA_DEFAULT_KNOBS if knobs else template.default_for(shape, dtype))
+    result = verify.check_module(pattern, B.build_tirx(func, H200), pattern.build(shape, dtype), shape, dtype, DEV)
+    assert result.ok, result.message
+
+
 @pytest.mark.parametrize("dtype,rows", [("bfloat16", 256), ("float16", 1)])
 def test_the_masked_kernel_on_rows_without_a_visible_key(dtype, rows):
     """cuda_wgmma_masked where make_inputs' masks never go: a row (or, with one mask row, a batch)

@@ -443,16 +443,17 @@ def _b_descriptor(slot, weight, kk, row=0):
 def _load_slice(slot, kslice):
     # TMA copies of K slice `kslice` of the CTA's A rows and B (and Wu) tiles into ring slot `slot`;
     # the slot's barrier completes when all STAGE_BYTES have arrived
+    # (a grouped GEMM's B is its group's block of rows: B_ROW0 = group * K or group * N, else 0)
     T.ptx[TMA](As.ptr_to([slot, 0, 0]), T.address_of(A_map), kslice * BK, by * BM, T.address_of(bars[slot]))
     if B_KN:
         for box in T.unroll(BN // 64):
-            T.ptx[TMA](Bs.ptr_to([slot, box, 0, 0]), T.address_of(B_map), bx * BN + box * 64, kslice * BK, T.address_of(bars[slot]))
+            T.ptx[TMA](Bs.ptr_to([slot, box, 0, 0]), T.address_of(B_map), bx * BN + box * 64, B_ROW0 + kslice * BK, T.address_of(bars[slot]))
             if TWO_WEIGHTS:
-                T.ptx[TMA](Bs.ptr_to([slot, BN // 64 + box, 0, 0]), T.address_of(U_map), bx * BN + box * 64, kslice * BK, T.address_of(bars[slot]))
+                T.ptx[TMA](Bs.ptr_to([slot, BN // 64 + box, 0, 0]), T.address_of(U_map), bx * BN + box * 64, B_ROW0 + kslice * BK, T.address_of(bars[slot]))
     else:
-        T.ptx[TMA](Bs.ptr_to([slot, 0, 0]), T.address_of(B_map), kslice * BK, bx * BN, T.address_of(bars[slot]))
+        T.ptx[TMA](Bs.ptr_to([slot, 0, 0]), T.address_of(B_map), kslice * BK, B_ROW0 + bx * BN, T.address_of(bars[slot]))
         if TWO_WEIGHTS:
-            T.ptx[TMA](Bs.ptr_to([slot, BN, 0]), T.address_of(U_map), kslice * BK, bx * BN, T.address_of(bars[slot]))
+            T.ptx[TMA](Bs.ptr_to([slot, BN, 0]), T.address_of(U_map), kslice * BK, B_ROW0 + bx * BN, T.address_of(bars[slot]))
     T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[slot]), T.uint32(STAGE_BYTES))
 
 
@@ -487,11 +488,11 @@ def _mark(func, name: str):
 
 
 def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout: str, out_dtype: str | None = None,
-            space: dict | None = None, default: dict | None = None, dtypes: dict = DTYPES) -> dict:
+            space: dict | None = None, default: dict | None = None, dtypes: dict = DTYPES, groups: int = 0) -> dict:
     """The constants a kernel binds before expanding ``_main_loop``, checked (``check``): operands
     A and B in ``dtype``, one of ``dtypes`` (float16/bfloat16 of ``DTYPES`` with a float32
     accumulator; int8 of ``INT8_DTYPES`` with an int32 one), C in ``out_dtype`` (``dtype`` when
-    None)."""
+    None); with ``groups`` G, B is G weights stacked (``grouped_gemm_act``)."""
     if space is None:
         space, default = (KNOBS, DEFAULT_KNOBS) if weights == 1 else (SWIGLU_KNOBS, SWIGLU_DEFAULT_KNOBS)
     m, n, k, knobs = check(shape, dtype, knobs, space=space, default=default, weights=weights, dtypes=dtypes)
@@ -500,7 +501,15 @@ def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout:
         raise ValueError(f"int8 wgmma reads B K-major only (b_layout 'nk'), not {b_layout!r}")
     bm, bn, bk = tile_shape(knobs)
     itemsize = _ITEMSIZE[dtype]
-    b_smem, b_box, b_leading, trans_b = _b_operand(n, k, knobs, weights, b_layout, itemsize)
+    stacked = max(groups, 1)
+    if groups:
+        if weights != 1:
+            raise ValueError("a grouped GEMM has one weight per group")
+        if stacked * n * k >= 1 << 31:
+            raise ValueError(f"{groups} groups of n={n} x k={k}: B over 2^31 elements (int32 indices)")
+    # the tensor map spans every group's weight: (G N, K) stored "nk", (G K, N) "kn"
+    b_rows, b_cols = (n * stacked, k) if b_layout == "nk" else (n, k * stacked)
+    b_smem, b_box, b_leading, trans_b = _b_operand(b_rows, b_cols, knobs, weights, b_layout, itemsize)
     # one wgmma covers BN columns, but an int8 BN 256 takes two (``_INT8_MMA_N_MAX``)
     parts = 2 if integer and bn > _INT8_MMA_N_MAX else 1
     mma_n = bn // parts
@@ -519,7 +528,8 @@ def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout:
             "mma": mma, "mma_flags": flags, "mma_n": mma_n, "parts": parts, "k_step": 32 // itemsize,
             "a_box": _tensor_map_args(m, k, bm, bk, itemsize), "b_box": b_box, "b_smem": b_smem,
             "b_leading": b_leading, "trans_b": trans_b, "b_kn": b_layout == "kn",
-            "b_shape": (n, k) if b_layout == "nk" else (k, n), "stage_bytes": slot_bytes(knobs, dtype, weights)}
+            "b_shape": (n * stacked, k) if b_layout == "nk" else (k * stacked, n), "groups": groups,
+            "stage_bytes": slot_bytes(knobs, dtype, weights)}
 
 
 def _accumulator(acc_dtype: str):
@@ -548,6 +558,7 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
     pair_dtype = "uint64" if out_dtype == "float32" else "uint32"
     tiles_m, tiles_n = m // bm, n // bn
     raster, specialised = cfg["raster"], bool(cfg["specialised"])
+    grouped, b_row_step = bool(cfg["groups"]), (k if cfg["b_kn"] else n)
     registers = SPECIALISED_REGISTERS.get(cfg["consumers"]) if specialised else None
     share_registers = registers is not None
 
@@ -615,22 +626,28 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
         MMA_NACC, ACC_ZERO, ACC_DTYPE = T.meta_var((cfg["mma_n"] // 2, tvm.tirx.const(0, acc_dtype), acc_dtype))
         B_KN, B_LEADING, TRANS_B = T.meta_var((cfg["b_kn"], cfg["b_leading"], cfg["trans_b"]))
         TWO_WEIGHTS = T.meta_var(two_weights)
-        if specialised:
-            _init_specialised_barriers()
-            if tx < 128:
-                # the producer warpgroup: its registers to the consumers, one thread issues the copies
-                if share_registers:
-                    T.ptx["setmaxnreg.dec.sync.aligned.u32"](registers[0])
-                if tx == 0:
-                    _producer_loop()
+        if grouped:
+            # the row tile's group (whose weight B is), -1 past the last group's rows: no work there
+            grp: T.let[T.int32] = XS[0][by * (bm // GROUP_ROWS)]
+        B_ROW0 = T.meta_var(grp * b_row_step if grouped else 0)
+        LIVE = T.meta_var(grp >= 0 if grouped else True)
+        if LIVE:
+            if specialised:
+                _init_specialised_barriers()
+                if tx < 128:
+                    # the producer warpgroup: its registers to the consumers, one thread issues the copies
+                    if share_registers:
+                        T.ptx["setmaxnreg.dec.sync.aligned.u32"](registers[0])
+                    if tx == 0:
+                        _producer_loop()
+                else:
+                    if share_registers:
+                        T.ptx["setmaxnreg.inc.sync.aligned.u32"](registers[1])
+                    _consumer_loop()
+                    store_tile(C_pairs, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by, wg, tx)
             else:
-                if share_registers:
-                    T.ptx["setmaxnreg.inc.sync.aligned.u32"](registers[1])
-                _consumer_loop()
+                _main_loop()
                 store_tile(C_pairs, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by, wg, tx)
-        else:
-            _main_loop()
-            store_tile(C_pairs, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by, wg, tx)
 
     names = [op_name for op_name, _, _ in operands]
     # The parameter list varies with the operands, which the script's signatures cannot: the
@@ -676,6 +693,31 @@ def gemm_act(shape: dict, dtype: str = "float16", knobs: dict | None = None, act
     activation = ACTIVATIONS[act]
     cfg = _config(shape, dtype, knobs, 1, b_layout)
     return _gemm(cfg, f"gemm_{act}", [], lambda acc, _up, _operands, _row, _col: activation(acc), False)
+
+
+# A grouped GEMM's rows come in groups of whole row tiles; its table names the group of every
+# GROUP_ROWS rows, so one table serves tiles of 64 and 128 rows.
+GROUP_ROWS = 64
+
+
+def grouped_gemm_act(shape: dict, groups: int, dtype: str = "float16", knobs: dict | None = None,
+                     act: str = "none", b_layout: str = "kn", out_dtype: str | None = None):
+    """The tirx PrimFunc ``(A, B, G, C)`` of a grouped GEMM (a mixture of experts' expert GEMMs over
+    its routed rows): C[r] = act(A[r] @ B[g]^T), g = G[r // GROUP_ROWS] the group of row r, for
+    ``shape`` {"m", "n", "k"}: A (m, k) the groups' rows one after another, each group's in whole
+    row tiles; B ``groups`` weights stacked, (groups * k, n) stored "kn" (B[g] is rows g k .. (g +
+    1) k) or (groups * n, k) "nk"; G (m / GROUP_ROWS,) int32, -1 for rows no group has (their
+    tiles do nothing, C's rows there are not written); C (m, n) in ``out_dtype`` (``dtype`` when
+    None). Global symbol ``grouped_gemm_<act>``. ValueError when the shape, dtype or knobs do not
+    fit."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation {act!r} is not one of {', '.join(ACTIVATIONS)}")
+    if groups < 1:
+        raise ValueError(f"groups={groups}: at least one")
+    activation = ACTIVATIONS[act]
+    cfg = _config(shape, dtype, knobs, 1, b_layout, out_dtype, groups=groups)
+    return _gemm(cfg, f"grouped_gemm_{act}", [("G", (cfg["m"] // GROUP_ROWS,), "int32")],
+                 lambda acc, _up, _operands, _row, _col: activation(acc), False)
 
 
 def swiglu(shape: dict, dtype: str = "float16", knobs: dict | None = None, b_layout: str = "nk"):

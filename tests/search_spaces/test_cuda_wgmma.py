@@ -582,3 +582,28 @@ def test_woq_dequant_first_is_two_kernels_and_one_configuration():
             W.gemm_woq(shape, "float16", knobs)
     with pytest.raises(ValueError, match="not a positive multiple"):  # the GEMM's 64-row tile
         W.gemm_woq({**shape, "m": 16}, "float16", {"dequant_first": 1})
+
+
+# --- grouped GEMM (a mixture of experts' expert GEMMs) -------------------------------------------
+
+@pytest.mark.parametrize("b_layout, offset", [("kn", "grp * 128"), ("nk", "grp * 256")])
+def test_the_grouped_gemm_reads_its_groups_weight_and_skips_empty_tiles(b_layout, offset):
+    func = W.grouped_gemm_act({"m": 512, "n": 256, "k": 128}, 4, "float16", {"warpgroups": 1, "block_n": 64},
+                              act="relu", b_layout=b_layout, out_dtype="float32")
+    # A (m, k), the 4 weights stacked, the group of every 64 rows, C in float32
+    stacked = (4 * 128, 256) if b_layout == "kn" else (4 * 256, 128)
+    assert [(tuple(int(d) for d in b.shape), str(b.dtype)) for b in param_buffers(func)] == [
+        ((512, 128), "float16"), (stacked, "float16"), ((512 // W.GROUP_ROWS,), "int32"), ((512, 256), "float32")]
+    body = _kernel_body(_source(func))
+    # a 64-row tile reads its own entry; a tile of no group does nothing
+    assert re.search(r"int grp = G_ptr\[.*\];\n\s*if \(0 <= grp\) \{", body), body[:2000]
+    # every TMA copy of B starts at the group's weight
+    copies = [line for line in body.splitlines() if "B_map" in line and "cp_async_bulk_tensor" in line]
+    assert copies and all(offset in line for line in copies), copies
+
+
+def test_a_grouped_gemm_needs_groups_and_one_weight():
+    with pytest.raises(ValueError, match="groups=0"):
+        W.grouped_gemm_act({"m": 512, "n": 256, "k": 128}, 0)
+    with pytest.raises(ValueError, match="2\\^31"):
+        W.grouped_gemm_act({"m": 512, "n": 16384, "k": 16384}, 16)

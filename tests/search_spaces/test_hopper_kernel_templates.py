@@ -41,6 +41,9 @@ CASES = {
     "int8_matmul_dequant": ({"m": 2048, "n": 2048, "k": 1024, "relu": 1}, 1, S8_MMA + "m64n128k32_s32_s8_s8"),
     # W dequantised is wgmma's A (features), the 64 tokens its N
     "woq_matmul": ({"m": 64, "n": 512, "k": 512, "group": 64, "bits": 4}, 1, F16_MMA + "m64n64k16"),
+    # zero, route, place, the two grouped GEMMs, combine
+    "moe_gate_topk": ({"tokens": 256, "hidden": 512, "inter": 1024, "experts": 8, "k": 2}, 6,
+                      F16_MMA + "m64n128k16"),
 }
 # The dtypes each kernel template computes: half types, but int8_matmul_dequant's is its output's
 DTYPES = {"int8_matmul_dequant": ("float32",)}
@@ -61,6 +64,8 @@ REFUSED = {
                             ({}, "float16")],
     # decode's few tokens stay on the GEMV (cuda_warp_per_row); a scale per 4 values; float32
     "woq_matmul": [({"m": 8}, "float16"), ({"group": 4}, "float16"), ({"n": 500}, "float16"), ({}, "float32")],
+    "moe_gate_topk": [({"experts": 65}, "float16"), ({"hidden": 400}, "float16"), ({"inter": 1000}, "bfloat16"),
+                      ({}, "float32")],
 }
 # The shapes of compare's GPU session (benchmarks/gpu_session.sh kernels), compiled with nvcc
 # (linear_bias_relu's and int8_matmul_dequant's defaults at 4096^3 are tests/search_spaces/test_cuda_wgmma.py's).
@@ -75,6 +80,8 @@ LARGE = {
                          "mask_rows": 2048},
     # not in the session: a batch of 16 tokens through a 4096^2 int4 layer
     "woq_matmul": {"m": 16, "n": 4096, "k": 4096, "group": 128, "bits": 4},
+    # not in the session: Mixtral's expert FFNs (ReLU for SwiGLU) over 4096 tokens
+    "moe_gate_topk": {"tokens": 4096, "hidden": 4096, "inter": 14336, "experts": 8, "k": 2},
 }
 
 
