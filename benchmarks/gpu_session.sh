@@ -53,6 +53,12 @@
 #             torch.compile of its ONNX graph (which dequantises all of W, then a cuBLAS GEMM);
 #             with WOQ_TRIALS=N, the first N configurations of each shape searched into $DB first
 #             and compared with those records. Lands in $OUT/woq.tar.gz, one report per shape
+#   moe       issue 22: moe_gate_topk (float16, 8 experts, top-2) at MOE_SHAPES (default tokens 2048,
+#             hidden 2048, inter 4096 and the pattern's default shape): its GPU tests, compare against
+#             torch eager and torch.compile of its ONNX graph (which gathers a copy of an expert's
+#             weights per row tile: more work, labelled), the SIMT template cuda_routed alone
+#             (gpu_check_templates.py), and the first MOE_TRIALS (default 8) configurations of the
+#             wgmma kernel template searched (gpu_tune_kernels.py). Lands in $OUT/moe.tar.gz
 #   hopper-tune  the wgmma GEMM kernel template of linear_bias_relu (float16, 4096^3) searched
 #             (benchmarks/gpu_tune_kernels.py, every config of its space within TUNE_SECS, default
 #             330, resumable through $DB),
@@ -232,6 +238,24 @@ hopper-tune)
   timeout 120 "${COMPARE[@]}" "${commit[@]}" --db "$DB" "${GEMM[@]}" --baselines torch-eager,torch-compile \
     --repeat 20 --report "$work/compare-tuned-linear-4096-float16"
   ;;
+moe)
+  work=$(mktemp -d)
+  trap 'tar -C "$work" -czf "$OUT/moe.tar.gz" .' EXIT
+  exec > >(tee "$work/moe.log") 2>&1
+  commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  timeout 150 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_kernel_templates_gpu.py -k moe \
+    --junitxml="$work/moe-gpu-tests.xml"
+  for shape in ${MOE_SHAPES:-tokens=2048,hidden=2048,inter=4096,experts=8,k=2 tokens=64,hidden=256,inter=512,experts=8,k=2}; do
+    tag=$(echo "$shape" | tr -d 'a-z=' | tr ',' '-')
+    timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern moe_gate_topk --shape "$shape" \
+      --baselines "${MOE_BASELINES:-torch-eager,torch-compile}" --repeat 20 --no-plots --report "$work/compare-moe-$tag"
+    timeout 90 python3 benchmarks/gpu_check_templates.py --patterns moe_gate_topk --dtype float16 --templates cuda_routed \
+      --shape "moe_gate_topk:$shape" --repeat 20 --out "$work/routed-moe-$tag.json"
+    timeout 150 python3 benchmarks/gpu_tune_kernels.py --pattern moe_gate_topk --dtype float16 --shape "$shape" \
+      "${commit[@]}" --db "$DB" --trials "${MOE_TRIALS:-8}" --budget-secs 100 --out "$work/tune-moe-$tag.json"
+    tar -C "$work" -czf "$OUT/moe.tar.gz" .  # kept if the call is cut
+  done
+  ;;
 woq)
   work=$(mktemp -d)
   exec > >(tee "$work/woq.log") 2>&1
@@ -251,7 +275,7 @@ woq)
   done
   ;;
 *)
-  echo "usage: $0 measure|tune|check|kernels|parity|decode-grid|prefill-grid|gemm-sweep|hopper-tune|woq" >&2
+  echo "usage: $0 measure|tune|check|kernels|parity|decode-grid|prefill-grid|gemm-sweep|real-models|hopper-tune|woq|moe" >&2
   exit 2
   ;;
 esac
