@@ -469,6 +469,7 @@ UP, DOWN = "up_", "down_"
 WGMMA_KNOBS = {**prefixed(cuda_wgmma.KNOBS, UP), **prefixed(cuda_wgmma.KNOBS, DOWN)}
 WGMMA_DEFAULT_KNOBS = {**prefixed(cuda_wgmma.DEFAULT_KNOBS, UP), **prefixed(cuda_wgmma.DEFAULT_KNOBS, DOWN)}
 MAX_WGMMA_EXPERTS = 64  # route ranks an expert per lane, two per lane at most
+_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}  # float32: the routing kernels alone (tests)
 
 
 def _routed_rows(shape, knobs):
@@ -577,8 +578,8 @@ def _route(NT, H, E, K, dtype):
 
 def _place(NT, H, E, K, rows, tile, dtype):
     choices, tables = NT * K, rows // cuda_wgmma.GROUP_ROWS
-    threads = min(256, H // 8)
-    chunks = H // 8  # 16 bytes of x each
+    chunks = H * _ITEMSIZE[dtype] // 16  # x's rows in 16-byte chunks
+    threads = min(256, chunks)
 
     @T.macro
     def kernel(x, sel, slot, counts, row, xg, groups):
@@ -628,6 +629,7 @@ def _place(NT, H, E, K, rows, tile, dtype):
 def _combine(NT, H, K, dtype):
     threads = min(256, H // 4)
     quads = H // 4
+    quad_dtype = {2: "uint32x2", 4: "uint32x4"}[_ITEMSIZE[dtype]]  # 4 values of y
 
     @T.macro
     def kernel(out, row, gate, y):
@@ -637,10 +639,10 @@ def _combine(NT, H, K, dtype):
         acc = T.alloc_buffer((4,), "float32", scope="local")
         part = T.alloc_buffer((1,), "float32x4", scope="local")
         part_f = T.decl_buffer((4,), "float32", data=part.data, scope="local")
-        res = T.alloc_buffer((1,), "uint32x2", scope="local")
+        res = T.alloc_buffer((1,), quad_dtype, scope="local")
         res_h = T.decl_buffer((4,), dtype, data=res.data, scope="local")
         OUT4 = T.decl_buffer((out.shape[0] * quads,), "float32x4", data=out.data)
-        Y4 = T.decl_buffer((NT * quads,), "uint32x2", data=y.data)
+        Y4 = T.decl_buffer((NT * quads,), quad_dtype, data=y.data)
         for q in T.serial(-(-quads // threads)):
             if q * threads + tx < quads:
                 for v in T.unroll(4):
@@ -657,13 +659,22 @@ def _combine(NT, H, K, dtype):
 
 
 def _wgmma_experts(shape, dtype, knobs):
-    """The routed layer on Hopper tensor cores: seven kernels in one PrimFunc (above)."""
+    """The routed layer on Hopper tensor cores: six kernels in one PrimFunc (above)."""
     NT, H, I, E, K = _dims(shape)
     knobs = _wgmma_check(shape, dtype, knobs)
     rows, tile = _routed_rows(shape, knobs)
     up = cuda_wgmma.grouped_gemm_act({"m": rows, "n": I, "k": H}, E, dtype, unprefixed(knobs, UP), act="relu")
     down = cuda_wgmma.grouped_gemm_act({"m": rows, "n": H, "k": I}, E, dtype, unprefixed(knobs, DOWN),
                                        out_dtype="float32")
+    return routed_layer(shape, dtype, rows, tile, up, down)
+
+
+def routed_layer(shape, dtype, rows, tile, up, down):
+    """The PrimFunc ``moe_gate_topk(x, wg, w1, w2, y)`` running zero, route and place, then the expert
+    kernels ``up`` (xg, w1 as (experts * hidden, inter), groups, hidden rows) and ``down`` (hidden
+    rows, w2 as (experts * inter, hidden), groups, float32 out), then combine; the routed rows
+    padded to whole ``tile`` rows per expert, ``rows`` in all (``_routed_rows``)."""
+    NT, H, I, E, K = _dims(shape)
     combine_kernel = _combine(NT, H, K, dtype)
 
     @T.prim_func

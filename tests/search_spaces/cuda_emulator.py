@@ -100,7 +100,11 @@ def lower(mod: tvm.IRModule, target=H200, warp_lockstep: bool = True) -> Program
     params = [(b.name, tuple(int(d) for d in b.shape), str(b.dtype)) for b in param_buffers(func)]
     target = Target(target).with_host("llvm" if tvm.runtime.enabled("llvm") else "c")
     lowered = tvm.tirx.transform.BindTarget(target)(mod)
-    pipeline, _, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
+    if func.attrs is not None and bool(func.attrs.get("autofuse.tirx", False)):
+        # kernels written in the tirx script go through its own pipeline, as tvm.compile sends them
+        pipeline, _, finalize_device = tvm.tirx.get_tir_pipeline("tirx")
+    else:
+        pipeline, _, finalize_device = tvm.tirx.get_default_tir_pipeline(target)
     host, devices = split_host_device_mods(pipeline(lowered))
     source = "\n".join(codegen_build(finalize_device()(dev), t).inspect_source("")
                        for t, dev in devices.items() if len(dev.functions))

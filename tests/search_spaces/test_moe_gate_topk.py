@@ -182,3 +182,52 @@ def test_flops_count_the_routed_work():
 def test_k_above_experts_is_refused():
     with pytest.raises(ValueError, match="cannot exceed"):
         moe.build(_shape(experts=2, k=3), "float32")
+
+
+# --- the Hopper template's routing kernels, emulated on the CPU -------------------------------
+
+def _scale_by_group(rows, hidden, experts):
+    """A stand-in for a grouped GEMM (wgmma is not emulated) with its parameters (A, B, groups, C):
+    C's rows = A's rows times (their group + 1), rows of no group left unwritten."""
+    from tvm.script import tirx as T
+
+    @T.macro
+    def kernel(a, g, c):
+        T.device_entry()
+        bx = T.cta_id([rows])
+        tx = T.thread_id([hidden])
+        if g[bx // 64] >= 0:
+            c[bx, tx] = a[bx, tx] * T.Cast("float32", g[bx // 64] + 1)
+
+    @T.prim_func
+    def scale(a_h: T.handle, b_h: T.handle, g_h: T.handle, c_h: T.handle):
+        a = T.match_buffer(a_h, (rows, hidden), "float32", align=16)
+        T.match_buffer(b_h, (experts * hidden, hidden), "float32", align=16)
+        g = T.match_buffer(g_h, (rows // 64,), "int32", align=16)
+        c = T.match_buffer(c_h, (rows, hidden), "float32", align=16)
+        kernel(a, g, c)
+
+    return scale
+
+
+@pytest.mark.parametrize("shape", [_shape(tokens=64, hidden=64, inter=64, experts=8, k=2),
+                                   # two experts a lane; a route block with two of its four tokens
+                                   _shape(tokens=130, hidden=64, inter=64, experts=40, k=4)],
+                         ids=["e8-k2", "e40-k4"])
+def test_the_routed_rows_and_their_combine_emulated(shape, tmp_path):
+    """zero, route, place and combine of ``cuda_wgmma`` (float32, its expert GEMMs replaced by a
+    scaling of each row by its expert + 1, twice): every token gets its k experts' rows back,
+    weighted by the renormalised gate, in either thread order (the slots the atomic counters hand
+    out may differ, the result may not)."""
+    emulator = pytest.importorskip("cuda_emulator")
+    if emulator.unavailable_reason():
+        pytest.skip(emulator.unavailable_reason())
+    NT, H, _, E, K = moe._dims(shape)
+    rows, tile = moe._routed_rows(shape, {moe.UP + "warpgroups": 1, moe.DOWN + "warpgroups": 1})
+    up, down = (_scale_by_group(rows, H, E) for _ in range(2))  # each kernel of a sequence its own
+    func = moe.routed_layer(shape, "float32", rows, tile, up, down).with_attr("autofuse.tirx", True)
+    x, wg, w1, w2 = moe.make_inputs(shape, "float32", 3)
+    (y,) = emulator.emulate(tvm.IRModule({"main": func}), [x, wg, w1, w2], tmp_path)
+    experts, weights = moe.route(x, wg, K)
+    expected = x * (weights * (experts + 1.0) ** 2).sum(axis=-1, keepdims=True)
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
