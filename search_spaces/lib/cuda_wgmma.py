@@ -1,6 +1,6 @@
-"""Hopper (sm_90a) tensor-core GEMM kernels: C = act(A @ B^T [+ bias]), the SwiGLU pair, a GEMM
-with an elementwise epilogue on a residual, an int8 GEMM with a dequantising epilogue, and a GEMM
-on int4/int8 weights dequantised in shared memory.
+"""Hopper (sm_90a) tensor-core GEMM kernels: C = act(A @ B^T [+ bias]), the SwiGLU pair, a grouped
+GEMM, a GEMM with an elementwise epilogue on a residual, an int8 GEMM with a dequantising epilogue,
+and a GEMM on int4/int8 weights dequantised in shared memory.
 
 TVM 0.27's schedule primitives reach the H200's tensor cores only through WMMA / mma.sync, far from
 cuBLAS; the H200 needs TMA bulk copies into swizzled shared memory, mbarrier rings and asynchronous
@@ -57,6 +57,10 @@ raises ValueError (callers fall back).
 ``swiglu`` computes out = silu(A @ Wg^T) * (A @ Wu^T): both weight tiles of a slice share the A tile
 and its barrier, and each warpgroup issues two wgmmas per k step into two accumulators; BN at most
 128 so that both (64 float32 registers each) fit where one BN 256 accumulator does.
+
+``grouped_gemm_act`` is a grouped GEMM (a mixture of experts' expert GEMMs): B is several weights
+stacked, A's rows come in groups of whole row tiles, and a table names each tile's group, whose
+weight its TMA copies of B start at; a tile of no group (-1) does nothing.
 
 ``gemm_residual`` computes C = epilogue(A @ B^T, R) elementwise with R (M, N): a residual add by
 default, or any float32 expression of the accumulator, R's element and its (row, column) (a down

@@ -10,7 +10,9 @@ predicate: a predicate reading ``counts`` is no affine binding, and split/reorde
 Unfused, every expert runs on every token and the hidden activations round-trip through memory.
 CUDA (``cuda_routed``): five kernels, one per stage that needs all of the one before. Half precision
 sums the combine in float32 and ``combine_store`` rounds once; float32 sums straight into y, the
-function its tuning records were made for.
+function its tuning records were made for. On an sm_90 GPU in float16/bfloat16 the kernel template
+``cuda_wgmma`` comes first: the expert FFNs as two grouped wgmma GEMMs over the routed rows sorted
+by expert (see "Hopper" below).
 """
 
 import numpy as np
@@ -453,7 +455,7 @@ def cuda_routed(sch, target, knobs):
 # grouped GEMMs (``cuda_wgmma.grouped_gemm_act``) over the routed rows, sorted by expert, each
 # expert's rows padded to whole row tiles; five small kernels around them, one PrimFunc
 # (``lib.tirx_sequence``):
-#   zero      the experts' row counters
+#   zero      the experts' row counters (the workspaces of a call start undefined)
 #   route     a warp per token: the router logits (lanes over hidden, shuffle sums), each expert's
 #             rank among the token's (lane e ranks expert e), the chosen k's renormalised gate, and
 #             the choice's slot in its expert's rows (an atomic add on the expert's counter; the
