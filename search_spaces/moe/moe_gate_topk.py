@@ -15,19 +15,20 @@ function its tuning records were made for. On an sm_90 GPU in float16/bfloat16 t
 by expert (see "Hopper" below).
 """
 
+import functools
+
 import numpy as np
 from tvm.script import tirx as T
 
 from autofuse.kernel_templates import KernelTemplate
 from autofuse.pattern import Pattern, ShapeParam, fit_tiles, onnx_model, template
-from search_spaces.lib import cuda_wgmma
+from search_spaces.lib import cuda_moe, cuda_wgmma
 from search_spaces.lib.cpu_gemm import schedule_gemm
 from search_spaces.lib.cuda_gemm import cuda_vector_lanes
 from search_spaces.lib.gemm import ffn_shape
 from search_spaces.lib.stages import matmul_stage, row_sum_stage
 from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tir_math import exp_f32
-from search_spaces.lib.tirx_sequence import buffer, prefixed, sequence, unprefixed, workspace
 
 # Rows of an expert's token list per skip test (and the register tile of the expert GEMMs).
 ROW_TILE = 8
@@ -452,272 +453,85 @@ def cuda_routed(sch, target, knobs):
 # ---- Hopper ----------------------------------------------------------------------------------
 #
 # On an sm_90 GPU in float16/bfloat16 (``cuda_wgmma``) the expert FFNs run on tensor cores as two
-# grouped GEMMs (``cuda_wgmma.grouped_gemm_act``) over the routed rows, sorted by expert, each
-# expert's rows padded to whole row tiles; five small kernels around them, one PrimFunc
-# (``lib.tirx_sequence``):
-#   zero      the experts' row counters (the workspaces of a call start undefined)
-#   route     a warp per token: the router logits (lanes over hidden, shuffle sums), each expert's
-#             rank among the token's (lane e ranks expert e), the chosen k's renormalised gate, and
-#             the choice's slot in its expert's rows (an atomic add on the expert's counter; the
-#             order of rows within an expert changes no value)
-#   place     a block per choice: its row (its expert's first row, a sum of the padded counts before
-#             it, plus its slot), x's row copied there; the group table of the row tiles
-#   up, down  the grouped GEMMs, ReLU on the first's accumulators; hidden in the dtype (wgmma's
-#             operand type, as torch computes it), the expert outputs in float32
-#   combine   a block per token: the k expert rows weighted, summed in float32, rounded once
-# Rows of a tile past its expert's count are never read back (they hold whatever x rows or
-# memory were there); tiles past the last expert's rows do nothing.
+# grouped GEMMs (``cuda_wgmma.grouped_gemm_act``) over the routed rows sorted by expert, inside
+# ``lib.cuda_moe``'s routing kernels: six kernels in one PrimFunc. Each GEMM has its own tile
+# (``up_``/``down_`` block_n and warpgroups); the ring and its roles are one set of knobs for both.
+_TILE = ("block_n", "warpgroups")
 UP, DOWN = "up_", "down_"
-WGMMA_KNOBS = {**prefixed(cuda_wgmma.KNOBS, UP), **prefixed(cuda_wgmma.KNOBS, DOWN)}
-WGMMA_DEFAULT_KNOBS = {**prefixed(cuda_wgmma.DEFAULT_KNOBS, UP), **prefixed(cuda_wgmma.DEFAULT_KNOBS, DOWN)}
-MAX_WGMMA_EXPERTS = 64  # route ranks an expert per lane, two per lane at most
-_ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}  # float32: the routing kernels alone (tests)
+SHARED_KNOBS = {name: values for name, values in cuda_wgmma.KNOBS.items() if name not in _TILE}
+WGMMA_KNOBS = {**{UP + n: cuda_wgmma.KNOBS[n] for n in _TILE}, **{DOWN + n: cuda_wgmma.KNOBS[n] for n in _TILE},
+               **SHARED_KNOBS}
+WGMMA_DEFAULT_KNOBS = {name: (cuda_wgmma.DEFAULT_KNOBS[name[len(UP):]] if name.startswith(UP) else
+                              cuda_wgmma.DEFAULT_KNOBS[name[len(DOWN):]] if name.startswith(DOWN) else
+                              cuda_wgmma.DEFAULT_KNOBS[name]) for name in WGMMA_KNOBS}
+
+
+def _gemm_knobs(knobs, prefix):
+    """One GEMM's knobs: its tile, and the shared ring and roles."""
+    return {**{n: knobs[n] for n in SHARED_KNOBS}, **{n: knobs[prefix + n] for n in _TILE}}
 
 
 def _routed_rows(shape, knobs):
-    """(rows, row tile): the routed rows' static bound, each expert's rows padded to whole tiles of
-    the larger of the two GEMMs' row tiles (both tables then agree)."""
+    """(rows, row tile): each expert's rows padded to the larger of the two GEMMs' row tiles (one
+    group table then serves both)."""
     NT, _, _, E, K = _dims(shape)
     tile = 64 * max(knobs[UP + "warpgroups"], knobs[DOWN + "warpgroups"])
-    return min((NT * K + E * (tile - 1)) // tile, E * -(-NT // tile)) * tile, tile
+    return cuda_moe.routed_rows(NT, E, K, tile), tile
 
 
 def _wgmma_check(shape, dtype, knobs):
     NT, H, I, E, K = _dims(shape)
-    knobs = cuda_wgmma.resolve_knobs(knobs, WGMMA_KNOBS, WGMMA_DEFAULT_KNOBS)
-    if E > MAX_WGMMA_EXPERTS:
-        raise ValueError(f"experts={E}: at most {MAX_WGMMA_EXPERTS} (two a lane when routing)")
+    if E > cuda_moe.MAX_EXPERTS:
+        raise ValueError(f"experts={E}: at most {cuda_moe.MAX_EXPERTS} (two a lane when routing)")
     if H % 32:
         raise ValueError(f"hidden={H} is not a multiple of 32 (a warp's lanes over hidden)")
+    knobs = cuda_wgmma.resolve_knobs(knobs, WGMMA_KNOBS, WGMMA_DEFAULT_KNOBS)
     rows, _ = _routed_rows(shape, knobs)
-    cuda_wgmma._config({"m": rows, "n": I, "k": H}, dtype, unprefixed(knobs, UP), 1, "kn", groups=E)
-    cuda_wgmma._config({"m": rows, "n": H, "k": I}, dtype, unprefixed(knobs, DOWN), 1, "kn", "float32", groups=E)
+    for prefix, n, k, out_dtype in ((UP, I, H, None), (DOWN, H, I, "float32")):
+        refusal = _grouped_gemm_refusal(rows, n, k, E, dtype, out_dtype, tuple(_gemm_knobs(knobs, prefix).items()))
+        if refusal:
+            raise ValueError(refusal)
     return knobs
 
 
-def _zero_counts(experts):
-    @T.macro
-    def kernel(counts):
-        T.device_entry()
-        bx = T.cta_id([1])  # noqa: F841 (the launch's grid)
-        tx = T.thread_id([32])
-        for e in T.serial(-(-experts // 32)):
-            if e * 32 + tx < experts:
-                counts[e * 32 + tx] = 0
-
-    @T.prim_func
-    def zero(counts_h: T.handle):
-        counts = T.match_buffer(counts_h, (experts,), "int32", align=16)
-        kernel(counts)
-
-    return zero
-
-
-def _route(NT, H, E, K, dtype):
-    tokens_per_block = 4
-    per_lane = -(-E // 32)
-    NEG = T.float32(-3.0e38)
-
-    @T.macro
-    def kernel(x, wg, sel, gate, slot, counts):
-        T.device_entry()
-        bx = T.cta_id([-(-NT // tokens_per_block)])
-        tx = T.thread_id([32 * tokens_per_block])
-        logit = T.alloc_buffer((E,), "float32", scope="local")
-        xv = T.alloc_buffer((1,), "float32", scope="local")
-        mine = T.alloc_buffer((per_lane,), "float32", scope="local")
-        rank = T.alloc_buffer((per_lane,), "int32", scope="local")
-        ex = T.alloc_buffer((per_lane,), "float32", scope="local")
-        top = T.alloc_buffer((2,), "float32", scope="local")  # the largest logit, the chosen exponentials' sum
-        t = T.meta_var(bx * tokens_per_block + tx // 32)
-        lane = T.meta_var(tx % 32)
-        if t < NT:
-            for e in T.unroll(E):
-                logit[e] = T.float32(0)
-            for c in T.serial(H // 32):
-                xv[0] = T.Cast("float32", x[t, c * 32 + lane])
-                for e in T.unroll(E):
-                    logit[e] = logit[e] + xv[0] * T.Cast("float32", wg[c * 32 + lane, e])
-            # every lane gets every sum (butterfly shuffles)
-            for e in T.unroll(E):
-                logit[e] = T.cuda.warp_sum(logit[e])
-            top[0] = NEG
-            for e in T.unroll(E):
-                top[0] = T.max(top[0], logit[e])
-            # lane l ranks experts l and l + 32: how many beat it (a tie goes to the lower index)
-            top[1] = T.float32(0)
-            for i in T.unroll(per_lane):
-                mine[i] = NEG
-                for e in T.unroll(E):
-                    if e == i * 32 + lane:
-                        mine[i] = logit[e]
-                rank[i] = 0
-                for e in T.unroll(E):
-                    rank[i] = rank[i] + T.Select(T.Or(logit[e] > mine[i], T.And(logit[e] == mine[i], e < i * 32 + lane)), 1, 0)
-                ex[i] = T.Select(T.And(i * 32 + lane < E, rank[i] < K), T.exp(mine[i] - top[0]), T.float32(0))
-                top[1] = top[1] + ex[i]
-            top[1] = T.cuda.warp_sum(top[1])
-            for i in T.unroll(per_lane):
-                if i * 32 + lane < E:
-                    if rank[i] < K:
-                        sel[t * K + rank[i]] = i * 32 + lane
-                        gate[t * K + rank[i]] = ex[i] / top[1]
-                        slot[t * K + rank[i]] = T.cuda.atomic_add(T.address_of(counts[i * 32 + lane]), 1)
-
-    @T.prim_func
-    def route(x_h: T.handle, wg_h: T.handle, sel_h: T.handle, gate_h: T.handle, slot_h: T.handle,
-              counts_h: T.handle):
-        x = T.match_buffer(x_h, (NT, H), dtype, align=16)
-        wg = T.match_buffer(wg_h, (H, E), dtype, align=16)
-        sel = T.match_buffer(sel_h, (NT * K,), "int32", align=16)
-        gate = T.match_buffer(gate_h, (NT * K,), "float32", align=16)
-        slot = T.match_buffer(slot_h, (NT * K,), "int32", align=16)
-        counts = T.match_buffer(counts_h, (E,), "int32", align=16)
-        kernel(x, wg, sel, gate, slot, counts)
-
-    return route
-
-
-def _place(NT, H, E, K, rows, tile, dtype):
-    choices, tables = NT * K, rows // cuda_wgmma.GROUP_ROWS
-    chunks = H * _ITEMSIZE[dtype] // 16  # x's rows in 16-byte chunks
-    threads = min(256, chunks)
-
-    @T.macro
-    def kernel(x, sel, slot, counts, row, xg, groups):
-        T.device_entry()
-        bx = T.cta_id([max(choices, tables)])
-        tx = T.thread_id([threads])
-        first = T.alloc_buffer((1,), "int32", scope="local")
-        X16 = T.decl_buffer((NT * chunks,), "uint32x4", data=x.data)
-        XG16 = T.decl_buffer((rows * chunks,), "uint32x4", data=xg.data)
-        if bx < choices:
-            # this choice's row: the padded counts of the experts before its own, then its slot
-            first[0] = slot[bx]
-            for e in T.serial(E):
-                if e < sel[bx]:
-                    first[0] = first[0] + (counts[e] + (tile - 1)) // tile * tile
-            for c in T.serial(-(-chunks // threads)):
-                if c * threads + tx < chunks:
-                    XG16[first[0] * chunks + c * threads + tx] = X16[bx // K * chunks + c * threads + tx]
-            if tx == 0:
-                row[bx] = first[0]
-        if bx < tables:
-            if tx == 0:
-                # the expert whose padded rows hold rows bx * GROUP_ROWS.., or -1 past the last
-                groups[bx] = -1
-                first[0] = 0
-                for e in T.serial(E):
-                    if first[0] <= bx * cuda_wgmma.GROUP_ROWS:
-                        if bx * cuda_wgmma.GROUP_ROWS < first[0] + (counts[e] + (tile - 1)) // tile * tile:
-                            groups[bx] = e
-                    first[0] = first[0] + (counts[e] + (tile - 1)) // tile * tile
-
-    @T.prim_func
-    def place(x_h: T.handle, sel_h: T.handle, slot_h: T.handle, counts_h: T.handle, row_h: T.handle,
-              xg_h: T.handle, groups_h: T.handle):
-        x = T.match_buffer(x_h, (NT, H), dtype, align=16)
-        sel = T.match_buffer(sel_h, (choices,), "int32", align=16)
-        slot = T.match_buffer(slot_h, (choices,), "int32", align=16)
-        counts = T.match_buffer(counts_h, (E,), "int32", align=16)
-        row = T.match_buffer(row_h, (choices,), "int32", align=16)
-        xg = T.match_buffer(xg_h, (rows, H), dtype, align=16)
-        groups = T.match_buffer(groups_h, (tables,), "int32", align=16)
-        kernel(x, sel, slot, counts, row, xg, groups)
-
-    return place
-
-
-def _combine(NT, H, K, dtype):
-    threads = min(256, H // 4)
-    quads = H // 4
-    quad_dtype = {2: "uint32x2", 4: "uint32x4"}[_ITEMSIZE[dtype]]  # 4 values of y
-
-    @T.macro
-    def kernel(out, row, gate, y):
-        T.device_entry()
-        bx = T.cta_id([NT])
-        tx = T.thread_id([threads])
-        acc = T.alloc_buffer((4,), "float32", scope="local")
-        part = T.alloc_buffer((1,), "float32x4", scope="local")
-        part_f = T.decl_buffer((4,), "float32", data=part.data, scope="local")
-        res = T.alloc_buffer((1,), quad_dtype, scope="local")
-        res_h = T.decl_buffer((4,), dtype, data=res.data, scope="local")
-        OUT4 = T.decl_buffer((out.shape[0] * quads,), "float32x4", data=out.data)
-        Y4 = T.decl_buffer((NT * quads,), quad_dtype, data=y.data)
-        for q in T.serial(-(-quads // threads)):
-            if q * threads + tx < quads:
-                for v in T.unroll(4):
-                    acc[v] = T.float32(0)
-                for j in T.unroll(K):
-                    part[0] = OUT4[row[bx * K + j] * quads + q * threads + tx]
-                    for v in T.unroll(4):
-                        acc[v] = acc[v] + gate[bx * K + j] * part_f[v]
-                for v in T.unroll(4):
-                    res_h[v] = T.Cast(dtype, acc[v])
-                Y4[bx * quads + q * threads + tx] = res[0]
-
-    return kernel
+@functools.lru_cache(maxsize=4096)
+def _grouped_gemm_refusal(m, n, k, groups, dtype, out_dtype, knob_items):
+    """Why the grouped GEMM cannot take this shape and these knobs, or None (cached: the template's
+    configurations repeat each GEMM's)."""
+    try:
+        cuda_wgmma._config({"m": m, "n": n, "k": k}, dtype, dict(knob_items), 1, "kn", out_dtype, groups=groups)
+    except ValueError as err:
+        return str(err)
+    return None
 
 
 def _wgmma_experts(shape, dtype, knobs):
-    """The routed layer on Hopper tensor cores: six kernels in one PrimFunc (above)."""
+    """The routed layer on Hopper tensor cores: ReLU in the up GEMM's epilogue, the expert outputs in
+    float32 for the combine."""
     NT, H, I, E, K = _dims(shape)
     knobs = _wgmma_check(shape, dtype, knobs)
     rows, tile = _routed_rows(shape, knobs)
-    up = cuda_wgmma.grouped_gemm_act({"m": rows, "n": I, "k": H}, E, dtype, unprefixed(knobs, UP), act="relu")
-    down = cuda_wgmma.grouped_gemm_act({"m": rows, "n": H, "k": I}, E, dtype, unprefixed(knobs, DOWN),
+    up = cuda_wgmma.grouped_gemm_act({"m": rows, "n": I, "k": H}, E, dtype, _gemm_knobs(knobs, UP), act="relu")
+    down = cuda_wgmma.grouped_gemm_act({"m": rows, "n": H, "k": I}, E, dtype, _gemm_knobs(knobs, DOWN),
                                        out_dtype="float32")
-    return routed_layer(shape, dtype, rows, tile, up, down)
-
-
-def routed_layer(shape, dtype, rows, tile, up, down):
-    """The PrimFunc ``moe_gate_topk(x, wg, w1, w2, y)`` running zero, route and place, then the expert
-    kernels ``up`` (xg, w1 as (experts * hidden, inter), groups, hidden rows) and ``down`` (hidden
-    rows, w2 as (experts * inter, hidden), groups, float32 out), then combine; the routed rows
-    padded to whole ``tile`` rows per expert, ``rows`` in all (``_routed_rows``)."""
-    NT, H, I, E, K = _dims(shape)
-    combine_kernel = _combine(NT, H, K, dtype)
-
-    @T.prim_func
-    def combine(out_h: T.handle, row_h: T.handle, gate_h: T.handle, y_h: T.handle):
-        out = T.match_buffer(out_h, (rows, H), "float32", align=16)
-        row = T.match_buffer(row_h, (NT * K,), "int32", align=16)
-        gate = T.match_buffer(gate_h, (NT * K,), "float32", align=16)
-        y = T.match_buffer(y_h, (NT, H), dtype, align=16)
-        combine_kernel(out, row, gate, y)
-
-    x, y = buffer("x", (NT, H), dtype), buffer("y", (NT, H), dtype)
-    wg = buffer("wg", (H, E), dtype)
-    w1, w2 = buffer("w1", (E, H, I), dtype), buffer("w2", (E, I, H), dtype)
-    counts = workspace("counts", (E,), "int32")
-    sel, slot, row = (workspace(name, (NT * K,), "int32") for name in ("sel", "slot", "row"))
-    gate = workspace("gate", (NT * K,), "float32")
-    groups = workspace("groups", (rows // cuda_wgmma.GROUP_ROWS,), "int32")
-    xg, hid = workspace("xg", (rows, H), dtype), workspace("hid", (rows, I), dtype)
-    out = workspace("out", (rows, H), "float32")
-    return sequence("moe_gate_topk", [x, wg, w1, w2, y], [
-        (_zero_counts(E), [counts]),
-        (_route(NT, H, E, K, dtype), [x, wg, sel, gate, slot, counts]),
-        (_place(NT, H, E, K, rows, tile, dtype), [x, sel, slot, counts, row, xg, groups]),
-        (up, [xg, w1, groups, hid]),
-        (down, [hid, w2, groups, out]),
-        (combine, [out, row, gate, y]),
-    ], [counts, sel, slot, row, gate, groups, xg, hid, out])
+    return cuda_moe.routed_layer(NT, H, I, E, K, dtype, rows, tile, up, down)
 
 
 def _wgmma_fill_tiles(shape, dtype):
-    """One consumer warpgroup (64-row tiles) where an expert averages under 128 rows (less
-    padding), and each GEMM's tile shrunk where its default would leave SMs idle."""
+    """One consumer warpgroup (64-row tiles, the one-role kernel) where an expert averages under
+    128 rows (less padding); each GEMM's tile shrunk where its default would leave SMs idle
+    (``cuda_wgmma.fill_tile``), the shallower of their rings for both."""
     NT, H, I, E, K = _dims(shape)
     knobs = dict(WGMMA_DEFAULT_KNOBS)
     if NT * K < 128 * E:
-        # the one-role kernel, as fill_tile gives one consumer warpgroup
-        knobs.update({UP + "warpgroups": 1, DOWN + "warpgroups": 1, UP + "specialised": 0, DOWN + "specialised": 0})
+        knobs.update({UP + "warpgroups": 1, DOWN + "warpgroups": 1, "specialised": 0})
     rows, _ = _routed_rows(shape, knobs)
+    stages = []
     for prefix, n, k in ((UP, I, H), (DOWN, H, I)):
-        own = unprefixed(knobs, prefix)
-        knobs.update(prefixed(cuda_wgmma.fill_tile({"m": rows, "n": n, "k": k}, dtype, default=own), prefix))
+        fitted = cuda_wgmma.fill_tile({"m": rows, "n": n, "k": k}, dtype, default=_gemm_knobs(knobs, prefix))
+        knobs.update({prefix + name: fitted[name] for name in _TILE})
+        stages.append(fitted["stages"])
+    knobs["stages"] = min(stages)
     try:
         return _wgmma_check(shape, dtype, knobs)
     except ValueError:
