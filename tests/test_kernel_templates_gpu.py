@@ -121,7 +121,7 @@ MOE_CASES = [
 @pytest.mark.parametrize("shape, dtype, knobs", MOE_CASES, ids=["e8-f16", "e40-k4-bf16", "e4-gemm-defaults"])
 def test_moe_experts_on_tensor_cores_pass_their_check(shape, dtype, knobs):
     """moe_gate_topk's grouped wgmma GEMMs over the routed rows, with routing, placement and combine
-    around them (seven kernels in one PrimFunc), checked as a search's trial is."""
+    around them (six kernels in one PrimFunc), checked as a search's trial is."""
     from search_spaces.moe.moe_gate_topk import WGMMA_DEFAULT_KNOBS
 
     pattern = get_pattern("moe_gate_topk")
