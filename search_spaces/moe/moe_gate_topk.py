@@ -553,13 +553,19 @@ def onnx_graph(shape, dtype):
     MatMul, Relu, MatMul; each token Gathers back its k rows and sums them weighted. The tile count
     is the static bound on sum(ceil(count / ROW_TILE)); tiles past the last used one compute rows
     nobody reads. ONNX has no grouped GEMM, so the per-tile weights are copies (see ``more_work``).
-    TopK ranks float32 probabilities where the kernel ranks logits: the same order but for near
-    ties that rounding merges, which make_inputs' random floats do not produce."""
+    The router and the gate run in float32 whatever the dtype, as the kernels compute them (and as
+    Mixtral's reference code softmaxes its router logits): rounded to half precision, the
+    probabilities of two experts tie often enough to route other experts (seen at 2048 tokens in
+    float16). TopK ranks float32 probabilities where the kernel ranks logits: the same order but for
+    near ties that rounding merges, which make_inputs' random floats do not produce. The k expert
+    rows are summed in float32 and rounded once, as the kernels do."""
     from onnx import helper
     NT, H, I, E, K = _dims(shape)
     R, A = ROW_TILE, NT * K
     tiles = min((A + min(E, A) * (R - 1)) // R, E * -(-NT // R))
-    nodes = [helper.make_node("MatMul", ["x", "wg"], ["logits"]),
+    nodes = [helper.make_node("Cast", ["x"], ["x32"], to=1),
+             helper.make_node("Cast", ["wg"], ["wg32"], to=1),
+             helper.make_node("MatMul", ["x32", "wg32"], ["logits"]),
              helper.make_node("Softmax", ["logits"], ["probs"], axis=-1),
              helper.make_node("TopK", ["probs", "k"], ["top_p", "top_e"], axis=-1, largest=1, sorted=1),
              helper.make_node("ReduceSum", ["top_p", "last_axis"], ["top_sum"], keepdims=1),
@@ -597,8 +603,10 @@ def onnx_graph(shape, dtype):
              helper.make_node("Reshape", ["row", "choices_shape"], ["token_rows"]),              # (NT,K)
              helper.make_node("Gather", ["y_rows", "token_rows"], ["y_chosen"], axis=0),         # (NT,K,H)
              helper.make_node("Unsqueeze", ["top_w", "last_axis"], ["top_w3"]),
-             helper.make_node("Mul", ["y_chosen", "top_w3"], ["y_weighted"]),
-             helper.make_node("ReduceSum", ["y_weighted", "one_axis"], ["y"], keepdims=0)]
+             helper.make_node("Cast", ["y_chosen"], ["y_chosen32"], to=1),
+             helper.make_node("Mul", ["y_chosen32", "top_w3"], ["y_weighted"]),
+             helper.make_node("ReduceSum", ["y_weighted", "one_axis"], ["y32"], keepdims=0),
+             helper.make_node("Cast", ["y32"], ["y"], to=helper.np_dtype_to_tensor_dtype(np.dtype(dtype)))]
     i64 = np.int64
     return onnx_model("moe_gate_topk", nodes,
                       [("x", (NT, H)), ("wg", (H, E)), ("w1", (E, H, I)), ("w2", (E, I, H))],
