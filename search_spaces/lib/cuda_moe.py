@@ -34,6 +34,8 @@ def routed_rows(tokens: int, experts: int, k: int, tile: int) -> int:
 
 
 def zero_counts(experts):
+    """``zero(counts)``: the experts' row counters, (experts,) int32, set to 0."""
+
     @T.macro
     def kernel(counts):
         T.device_entry()
@@ -52,6 +54,9 @@ def zero_counts(experts):
 
 
 def route(NT, H, E, K, dtype):
+    """``route(x, wg, sel, gate, slot, counts)``: for choice j of token t (index t K + j), sel its
+    expert, gate its renormalised weight (float32) and slot its place among the expert's rows, taken
+    from counts (which it advances); x (NT, H) and wg (H, E) in ``dtype``."""
     tokens_per_block = 4
     per_lane = -(-E // 32)
     NEG = T.float32(-3.0e38)
@@ -117,6 +122,9 @@ def route(NT, H, E, K, dtype):
 
 
 def place(NT, H, E, K, rows, tile, dtype):
+    """``place(x, sel, slot, counts, row, xg, groups)``: row of each choice in the expert-sorted
+    rows (each expert's padded to whole ``tile`` rows), x's row copied there in xg (rows, H); groups
+    (rows / GROUP_ROWS,) the expert of each GROUP_ROWS rows, -1 past the last expert's."""
     choices, tables = NT * K, rows // GROUP_ROWS
     chunks = H * _ITEMSIZE[dtype] // 16  # x's rows in 16-byte chunks
     threads = min(256, chunks)
@@ -166,7 +174,9 @@ def place(NT, H, E, K, rows, tile, dtype):
     return place
 
 
-def combine_rows(NT, H, K, dtype):
+def combine_rows(NT, H, K, rows, dtype):
+    """``combine(out, row, gate, y)``: y[t] = sum over j of gate[t K + j] * out[row[t K + j]], in
+    float32, rounded once to ``dtype``; out (rows, H) float32."""
     threads = min(256, H // 4)
     quads = H // 4
     quad_dtype = {2: "uint32x2", 4: "uint32x4"}[_ITEMSIZE[dtype]]  # 4 values of y
@@ -195,7 +205,15 @@ def combine_rows(NT, H, K, dtype):
                     res_h[v] = T.Cast(dtype, acc[v])
                 Y4[bx * quads + q * threads + tx] = res[0]
 
-    return kernel
+    @T.prim_func
+    def combine(out_h: T.handle, row_h: T.handle, gate_h: T.handle, y_h: T.handle):
+        out = T.match_buffer(out_h, (rows, H), "float32", align=16)
+        row = T.match_buffer(row_h, (NT * K,), "int32", align=16)
+        gate = T.match_buffer(gate_h, (NT * K,), "float32", align=16)
+        y = T.match_buffer(y_h, (NT, H), dtype, align=16)
+        kernel(out, row, gate, y)
+
+    return combine
 
 
 def routed_layer(tokens, hidden, inter, experts, k, dtype, rows, tile, up, down):
@@ -206,16 +224,6 @@ def routed_layer(tokens, hidden, inter, experts, k, dtype, rows, tile, up, down)
     table, float32 rows), then combine; the routed rows padded to whole ``tile`` rows per expert,
     ``rows`` in all (``routed_rows``)."""
     NT, H, I, E, K = tokens, hidden, inter, experts, k
-    combine_kernel = combine_rows(NT, H, K, dtype)
-
-    @T.prim_func
-    def combine(out_h: T.handle, row_h: T.handle, gate_h: T.handle, y_h: T.handle):
-        out = T.match_buffer(out_h, (rows, H), "float32", align=16)
-        row = T.match_buffer(row_h, (NT * K,), "int32", align=16)
-        gate = T.match_buffer(gate_h, (NT * K,), "float32", align=16)
-        y = T.match_buffer(y_h, (NT, H), dtype, align=16)
-        combine_kernel(out, row, gate, y)
-
     x, y = buffer("x", (NT, H), dtype), buffer("y", (NT, H), dtype)
     wg = buffer("wg", (H, E), dtype)
     w1, w2 = buffer("w1", (E, H, I), dtype), buffer("w2", (E, I, H), dtype)
@@ -231,5 +239,5 @@ def routed_layer(tokens, hidden, inter, experts, k, dtype, rows, tile, up, down)
         (place(NT, H, E, K, rows, tile, dtype), [x, sel, slot, counts, row, xg, groups]),
         (up, [xg, w1, groups, hid]),
         (down, [hid, w2, groups, out]),
-        (combine, [out, row, gate, y]),
+        (combine_rows(NT, H, K, rows, dtype), [out, row, gate, y]),
     ], [counts, sel, slot, row, gate, groups, xg, hid, out])
