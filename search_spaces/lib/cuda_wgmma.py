@@ -178,6 +178,13 @@ ACTIVATIONS = {
     "silu": _silu,
 }
 
+def _activation(act: str):
+    """The epilogue activation ``act`` (a key of ``ACTIVATIONS``); ValueError for any other."""
+    if act not in ACTIVATIONS:
+        raise ValueError(f"activation {act!r} is not one of {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[act]
+
+
 # setmaxnreg of the specialised kernel, (producer, consumers) per thread, by consumer warpgroups:
 # with two, 128 x 40 + 256 x 232 = 384 x 168, the registers a thread of 384 starts with (CUTLASS's
 # warp-specialised GEMM). A consumer warpgroup alone has 256 threads' share, more than it needs,
@@ -677,9 +684,7 @@ def gemm_bias_act(shape: dict, dtype: str = "float16", knobs: dict | None = None
     {"m", "n", "k"}, B stored as ``b_layout`` (``B_LAYOUTS``); its global symbol is
     ``gemm_bias_<act>``. ValueError when the shape, dtype, knobs or ``act`` (one of
     ``ACTIVATIONS``) do not fit."""
-    if act not in ACTIVATIONS:
-        raise ValueError(f"activation {act!r} is not one of {', '.join(ACTIVATIONS)}")
-    activation = ACTIVATIONS[act]
+    activation = _activation(act)
     cfg = _config(shape, dtype, knobs, 1, b_layout)
 
     def bias_act(acc, _up, operands, _row, col):
@@ -692,9 +697,7 @@ def gemm_act(shape: dict, dtype: str = "float16", knobs: dict | None = None, act
              b_layout: str = "nk"):
     """``gemm_bias_act`` without the bias: the tirx PrimFunc ``(A, B, C)`` computing C = act(A @ B^T);
     global symbol ``gemm_<act>``."""
-    if act not in ACTIVATIONS:
-        raise ValueError(f"activation {act!r} is not one of {', '.join(ACTIVATIONS)}")
-    activation = ACTIVATIONS[act]
+    activation = _activation(act)
     cfg = _config(shape, dtype, knobs, 1, b_layout)
     return _gemm(cfg, f"gemm_{act}", [], lambda acc, _up, _operands, _row, _col: activation(acc), False)
 
@@ -702,6 +705,15 @@ def gemm_act(shape: dict, dtype: str = "float16", knobs: dict | None = None, act
 # A grouped GEMM's rows come in groups of whole row tiles; its table names the group of every
 # GROUP_ROWS rows, so one table serves tiles of 64 and 128 rows.
 GROUP_ROWS = 64
+
+
+def grouped_check(shape: dict, groups: int, dtype: str, knobs: dict | None = None, b_layout: str = "kn",
+                  out_dtype: str | None = None) -> dict:
+    """The constants of ``grouped_gemm_act``'s kernel for ``shape`` with ``groups`` weights in
+    ``dtype`` with ``knobs``; ValueError saying why it cannot compute that."""
+    if groups < 1:
+        raise ValueError(f"groups={groups}: at least one")
+    return _config(shape, dtype, knobs, 1, b_layout, out_dtype, groups=groups)
 
 
 def grouped_gemm_act(shape: dict, groups: int, dtype: str = "float16", knobs: dict | None = None,
@@ -714,12 +726,8 @@ def grouped_gemm_act(shape: dict, groups: int, dtype: str = "float16", knobs: di
     tiles do nothing, C's rows there are not written); C (m, n) in ``out_dtype`` (``dtype`` when
     None). Global symbol ``grouped_gemm_<act>``. ValueError when the shape, dtype or knobs do not
     fit."""
-    if act not in ACTIVATIONS:
-        raise ValueError(f"activation {act!r} is not one of {', '.join(ACTIVATIONS)}")
-    if groups < 1:
-        raise ValueError(f"groups={groups}: at least one")
-    activation = ACTIVATIONS[act]
-    cfg = _config(shape, dtype, knobs, 1, b_layout, out_dtype, groups=groups)
+    activation = _activation(act)
+    cfg = grouped_check(shape, groups, dtype, knobs, b_layout, out_dtype)
     return _gemm(cfg, f"grouped_gemm_{act}", [("G", (cfg["m"] // GROUP_ROWS,), "int32")],
                  lambda acc, _up, _operands, _row, _col: activation(acc), False)
 

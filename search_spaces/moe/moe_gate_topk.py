@@ -487,19 +487,19 @@ def _wgmma_check(shape, dtype, knobs):
         raise ValueError(f"hidden={H} is not a multiple of 32 (a warp's lanes over hidden)")
     knobs = cuda_wgmma.resolve_knobs(knobs, WGMMA_KNOBS, WGMMA_DEFAULT_KNOBS)
     rows, _ = _routed_rows(shape, knobs)
-    for prefix, n, k, out_dtype in ((UP, I, H, None), (DOWN, H, I, "float32")):
-        refusal = _grouped_gemm_refusal(rows, n, k, E, dtype, out_dtype, tuple(_gemm_knobs(knobs, prefix).items()))
+    for prefix, n, k in ((UP, I, H), (DOWN, H, I)):
+        refusal = _grouped_gemm_refusal(rows, n, k, E, dtype, tuple(_gemm_knobs(knobs, prefix).items()))
         if refusal:
             raise ValueError(refusal)
     return knobs
 
 
 @functools.lru_cache(maxsize=4096)
-def _grouped_gemm_refusal(m, n, k, groups, dtype, out_dtype, knob_items):
+def _grouped_gemm_refusal(m, n, k, groups, dtype, knob_items):
     """Why the grouped GEMM cannot take this shape and these knobs, or None (cached: the template's
     configurations repeat each GEMM's)."""
     try:
-        cuda_wgmma._config({"m": m, "n": n, "k": k}, dtype, dict(knob_items), 1, "kn", out_dtype, groups=groups)
+        cuda_wgmma.grouped_check({"m": m, "n": n, "k": k}, groups, dtype, dict(knob_items))
     except ValueError as err:
         return str(err)
     return None
