@@ -164,14 +164,6 @@ def route(x, wg, k):
     return experts, chosen / chosen.sum(axis=-1, keepdims=True)
 
 
-def dense_weights(x, wg, k):
-    """The (tokens, experts) gate matrix: each token's renormalised weight at its chosen experts."""
-    experts, weights = route(x, wg, k)
-    dense = np.zeros((x.shape[0], wg.shape[1]))
-    np.put_along_axis(dense, experts, weights, axis=-1)
-    return dense
-
-
 def reference(x, wg, w1, w2, shape=None):
     """Each expert's FFN on the tokens routed to it (float64 GEMMs), their outputs summed weighted
     by the gate; the same as every expert on every token combined with the sparse gate matrix, at
@@ -458,17 +450,21 @@ def cuda_routed(sch, target, knobs):
 # (``up_``/``down_`` block_n and warpgroups); the ring and its roles are one set of knobs for both.
 _TILE = ("block_n", "warpgroups")
 UP, DOWN = "up_", "down_"
-SHARED_KNOBS = {name: values for name, values in cuda_wgmma.KNOBS.items() if name not in _TILE}
-WGMMA_KNOBS = {**{UP + n: cuda_wgmma.KNOBS[n] for n in _TILE}, **{DOWN + n: cuda_wgmma.KNOBS[n] for n in _TILE},
-               **SHARED_KNOBS}
-WGMMA_DEFAULT_KNOBS = {name: (cuda_wgmma.DEFAULT_KNOBS[name[len(UP):]] if name.startswith(UP) else
-                              cuda_wgmma.DEFAULT_KNOBS[name[len(DOWN):]] if name.startswith(DOWN) else
-                              cuda_wgmma.DEFAULT_KNOBS[name]) for name in WGMMA_KNOBS}
+
+
+def _two_tiles(gemm_knobs):
+    """A GEMM's knobs (space or values) as the template's: the tile once per GEMM, the rest shared."""
+    return {**{UP + n: gemm_knobs[n] for n in _TILE}, **{DOWN + n: gemm_knobs[n] for n in _TILE},
+            **{n: v for n, v in gemm_knobs.items() if n not in _TILE}}
+
+
+WGMMA_KNOBS = _two_tiles(cuda_wgmma.KNOBS)
+WGMMA_DEFAULT_KNOBS = _two_tiles(cuda_wgmma.DEFAULT_KNOBS)
 
 
 def _gemm_knobs(knobs, prefix):
     """One GEMM's knobs: its tile, and the shared ring and roles."""
-    return {**{n: knobs[n] for n in SHARED_KNOBS}, **{n: knobs[prefix + n] for n in _TILE}}
+    return {n: knobs[prefix + n] if n in _TILE else knobs[n] for n in cuda_wgmma.KNOBS}
 
 
 def _routed_rows(shape, knobs):
