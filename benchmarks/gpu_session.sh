@@ -24,7 +24,9 @@
 #             torch.compile; their GPU tests (tests/test_kernel_templates_gpu.py); the float16
 #             decoder_block against torch.compile. Everything lands in $OUT/kernels.tar.gz (the
 #             device returns at most 8 files) and the log in $OUT/kernels.log. KERNEL_STEPS
-#             (default compare,tests,model) picks the parts: compare alone takes at most 330 s
+#             (default compare,tests,model) picks the parts: compare alone takes at most 330 s.
+#             KERNEL_BASELINES adds contenders to every compare (e.g. xla,tvm-auto; each compare's
+#             timeout grows by KERNEL_EXTRA_SECS, default 0)
 #   parity    issue 20: three patterns of gpu-large2-float32.json timed by the old benchmarks/gpu.py
 #             (the code that measured it, e3eb7cd, from OLD_TREE, default .gpuold/tree.tar.gz:
 #             `git archive e3eb7cd autofuse search_spaces benchmarks/gpu.py | gzip`) and by `autofuse
@@ -124,16 +126,17 @@ kernels)
   commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
   steps=",${KERNEL_STEPS:-compare,tests,model},"
   if [[ $steps == *,compare,* ]]; then
-  timeout 130 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern linear_bias_relu,swiglu_ffn \
+  extra=${KERNEL_BASELINES:+,$KERNEL_BASELINES} more=${KERNEL_EXTRA_SECS:-0}
+  timeout $((130 + more)) "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern linear_bias_relu,swiglu_ffn \
     --shape linear_bias_relu:m=4096,n=4096,k=4096 --shape swiglu_ffn:tokens=4096,hidden=4096,inter=11008 \
-    --baselines torch-eager,torch-compile,torch-sdpa --repeat 10 --report "$work/compare-kernels-gemm-float16"
-  timeout 70 "${COMPARE[@]}" "${commit[@]}" --db none --pattern int8_matmul_dequant \
+    --baselines torch-eager,torch-compile,torch-sdpa$extra --repeat 10 --report "$work/compare-kernels-gemm-float16"
+  timeout $((70 + more)) "${COMPARE[@]}" "${commit[@]}" --db none --pattern int8_matmul_dequant \
     --shape int8_matmul_dequant:m=4096,n=4096,k=4096 \
-    --baselines torch-eager,torch-compile --repeat 10 --report "$work/compare-kernels-gemm-int8-float32"
-  timeout 130 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern flash_attention,gqa_decode_attention \
+    --baselines torch-eager,torch-compile$extra --repeat 10 --report "$work/compare-kernels-gemm-int8-float32"
+  timeout $((130 + more)) "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern flash_attention,gqa_decode_attention \
     --shape flash_attention:batch=8,heads=16,kv_heads=16,seq_q=2048,seq_kv=2048,head_dim=128,causal=0 \
     --shape gqa_decode_attention:batch=16,num_heads=32,num_kv_heads=8,head_dim=128,max_seq=4096,cache_len=4000 \
-    --baselines torch-eager,torch-compile,torch-sdpa --repeat 10 --report "$work/compare-kernels-attention-float16"
+    --baselines torch-eager,torch-compile,torch-sdpa$extra --repeat 10 --report "$work/compare-kernels-attention-float16"
   fi
   if [[ $steps == *,tests,* ]]; then
   timeout 240 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_kernel_templates_gpu.py --durations=20 \
