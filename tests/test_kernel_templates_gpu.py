@@ -39,6 +39,12 @@ CASES = [
     # 256 work items: the persistent CTAs take two each (the ring and query barriers' second phase)
     ("flash_attention", {"batch": 2, "heads": 16, "kv_heads": 4, "seq_q": 1024, "seq_kv": 1024, "head_dim": 128,
                          "causal": 1}, "float16"),
+    # padded last tiles: query rows past seq_q not stored, keys past seq_kv masked (and causal)
+    ("flash_attention", {"batch": 2, "heads": 8, "kv_heads": 2, "seq_q": 200, "seq_kv": 333, "head_dim": 128,
+                         "causal": 0}, "float16"),
+    ("flash_attention", {"batch": 3, "heads": 4, "kv_heads": 4, "seq_q": 1000, "seq_kv": 1000, "head_dim": 64,
+                         "causal": 1}, "bfloat16"),
+    ("cross_attention", {"batch": 2, "heads": 4, "seq_q": 77, "seq_kv": 257, "head_dim": 128}, "float16"),
     ("gqa_decode_attention", {"batch": 4, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "max_seq": 2048,
                               "cache_len": 1500}, "float16"),
     ("gqa_decode_attention", {"batch": 2, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "max_seq": 512,

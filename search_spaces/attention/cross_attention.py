@@ -223,8 +223,8 @@ def _prefill_shape(shape):
 def _wgmma_prefill(shape, dtype, knobs):
     """FlashAttention on Hopper tensor cores (``lib.cuda_attention.prefill_attention``, as
     flash_attention's ``cuda_wgmma_flash``), a K/V head per query head, no mask; float16/bfloat16,
-    head_dim 64 or 128, seq_q a multiple of 128 and seq_kv of the key tile (other shapes fall back
-    to ``cuda_query_rows``)."""
+    head_dim 64 or 128, any seq_q and seq_kv (padded last tiles; other shapes fall back to
+    ``cuda_query_rows``)."""
     return cuda_attention.prefill_attention(_prefill_shape(shape), dtype, knobs)
 
 

@@ -64,8 +64,8 @@ def nbytes(shape, dtype):
 def _wgmma_prefill(shape, dtype, knobs):
     """FlashAttention on Hopper tensor cores (``lib.cuda_attention.prefill_attention``): TMA
     producer warpgroup, two wgmma consumer warpgroups of 64 query rows, online softmax in
-    registers; float16/bfloat16, head_dim 64 or 128, seq_q a multiple of 128 and seq_kv of the key
-    tile (other shapes fall back to ``cuda_flash``)."""
+    registers; float16/bfloat16, head_dim 64 or 128, any seq_q and seq_kv (padded last tiles; other
+    shapes fall back to ``cuda_flash``)."""
     return cuda_attention.prefill_attention(shape, dtype, knobs)
 
 

@@ -58,7 +58,10 @@ Prefill: ``prefill_attention`` -> ``(q, k, v, out)``, or ``(q, k, v, mask, out)`
     shape): BN 128, 3 stages, overlap, persistent (causal: paired). Overlap needs the third stage:
     the consumers hold tile j - 1's V and tile j's K at once, so with two stages the producer cannot
     load ahead (in an H100 sweep overlap was the slowest with two stages and the fastest with
-    three). seq_q must be a multiple of 128 and seq_kv of BN (padded tiles are not done yet).
+    three). Any seq_q and seq_kv: a last tile past the end copies the next head's rows (or TMA's
+    zeros past the tensor), its keys masked (non-causal; causal masks them already), its query
+    rows not stored. With a mask (mask_rows > 0) seq_q must still be a multiple of 128 and seq_kv
+    of BN.
 
 Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new token per sequence
     split (q, k_cache, v_cache, part_o, part_ml, length) attends q (batch, heads, head_dim) over
@@ -208,16 +211,16 @@ def check_prefill(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[d
     if causal not in (0, 1):
         raise AttentionShapeError(f"causal={causal} must be 0 or 1")
     bn = knobs["block_n"]
-    if sq % BLOCK_M:
-        raise AttentionShapeError(f"seq_q={sq} is not a multiple of the query tile {BLOCK_M} "
-                                  "(padded tiles are not supported yet)")
-    if skv % bn:
-        raise AttentionShapeError(f"seq_kv={skv} is not a multiple of the key tile block_n={bn} "
-                                  "(padded tiles are not supported yet)")
+    mask_rows = shape.get("mask_rows", 0) or 0
+    if mask_rows and sq % BLOCK_M:
+        raise AttentionShapeError(f"seq_q={sq} is not a multiple of the query tile {BLOCK_M}: with a mask "
+                                  "(mask_rows > 0) padded tiles are not supported yet")
+    if mask_rows and skv % bn:
+        raise AttentionShapeError(f"seq_kv={skv} is not a multiple of the key tile block_n={bn}: with a mask "
+                                  "(mask_rows > 0) padded tiles are not supported yet")
     if causal and sq > skv:
         raise AttentionShapeError(f"causal attention needs seq_q={sq} <= seq_kv={skv} "
                                   "(the mask is aligned at the end: otherwise early queries see no key)")
-    mask_rows = shape.get("mask_rows", 0) or 0
     if mask_rows not in (0, 1, sq):
         raise AttentionShapeError(f"mask_rows={mask_rows} must be 0 (no mask), 1 or seq_q={sq}")
     if mask_rows and causal:
@@ -307,12 +310,18 @@ def _tensor_map_args(rows: int, cols: int, box_rows: int) -> list[int]:
     return [cols, rows, cols * 2, 64, box_rows, 1, 1, 0, _SWIZZLE_128B, 0, 0]
 
 
-def causal_key_tiles(q_first, offset: int, block_n: int):
+def causal_key_tiles(q_first, offset: int, block_n: int, padded: bool = False, kv_tiles=None):
     """(key tiles to visit, of which unmasked) for the causal query tile starting at row q_first
     (a Python int or the kernel's index expression): tiles wholly above the diagonal are never
     visited; tile j is unmasked when its last key, (j + 1) BN - 1, is visible to the tile's first
-    query, i.e. <= q_first + offset."""
-    return (q_first + BLOCK_M + offset) // block_n, (q_first + offset) // block_n
+    query, i.e. <= q_first + offset. ``padded`` (seq_q or seq_kv no multiple of its tile): every
+    tile holding a key visible to the tile's last row, q_first + BM - 1, up to ``kv_tiles``; equal
+    to the unpadded count when the tiles divide both lengths."""
+    unmasked = (q_first + offset) // block_n
+    if not padded:
+        return (q_first + BLOCK_M + offset) // block_n, unmasked
+    visit = (q_first + BLOCK_M - 1 + offset) // block_n + 1
+    return (min(visit, kv_tiles) if isinstance(visit, int) else T.min(visit, kv_tiles)), unmasked
 
 
 # The steps of one key tile in a consumer warpgroup. Register layout of an m64nN float32
@@ -336,6 +345,15 @@ def _issue_scores(s, n_s, q_smem, k_smem, slot, wg, head_dim, mma, desc_a, desc_
                                               1, 64, _SWIZZLE_128B)
         T.ptx[mma](*[s[i] for i in range(n_s)], desc_a, desc_b, True, 1, 1, 0, 0)
     T.ptx.wgmma.commit_group.sync.aligned()
+
+
+@T.macro
+def _mask_keys_from(s, n_s, first_key, seq_kv, lane):
+    """Padded last key tile: keys seq_kv and on (the next head's rows, or TMA's zero fill past the
+    tensor) are hidden from every query."""
+    for i in T.unroll(n_s):
+        key = T.meta_var(first_key + i // 4 * 8 + lane % 4 * 2 + i % 2)
+        s[i] = T.if_then_else(key < seq_kv, s[i], T.min_value("float32"))
 
 
 @T.macro
@@ -453,7 +471,12 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
     offset = skv - sq                  # causal: query i sees keys <= i + offset
     boxes = hd // 64                   # 64-column TMA boxes per row
     n_s, n_o = bn // 2, hd // 2        # accumulator registers per thread: S, O
-    q_tiles = sq // bm
+    # Padded tiles (seq_q or seq_kv no multiple of its tile): a tile's TMA copy runs on into the
+    # next head's rows (or zeros past the tensor's end); those keys are masked, those query rows
+    # computed and not stored. Python bools, so the divisible shapes' kernels are unchanged.
+    pad_q, pad_kv = sq % bm != 0, skv % bn != 0
+    padded = pad_q or pad_kv
+    q_tiles, kv_tiles = -(-sq // bm), -(-skv // bn)
     c = dims["scale"] * LOG2E
     op = DTYPES[dtype]
     mma_s = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{op}.{op}"
@@ -482,6 +505,9 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         if causal:
             if j >= n_unmasked:
                 _mask_above_diagonal(s, n_s, j * bn, first_row, offset, lane)
+        elif pad_kv:
+            if j == n_tiles - 1:
+                _mask_keys_from(s, n_s, j * bn, skv, lane)
         if masked:
             _add_mask(s, n_s, M_words, mask_pair, mask_word,
                       mask_word_index(head // hq, first_row, j * bn, lane, mask_rows, skv),
@@ -555,7 +581,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                     head = T.meta_var(work_item(cta, it)[1])
                     q_first = T.meta_var(q_tile * bm)
                     kv_row0 = T.meta_var(head // group * skv)  # (b * heads + h) // group = b * kv_heads + h // group
-                    n_tiles = T.meta_var(causal_key_tiles(q_first, offset, bn)[0] if causal else skv // bn)
+                    n_tiles = T.meta_var(causal_key_tiles(q_first, offset, bn, padded, kv_tiles)[0] if causal else kv_tiles)
                     if it > 0:  # both consumers issued their last Q K^T of the previous item
                         T.cuda.mbarrier_wait(T.address_of(q_empty[0]), (it - 1) % 2)
                     for h in T.unroll(boxes):
@@ -583,7 +609,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                 q_first = T.meta_var(q_tile * bm)
                 q_row0 = T.meta_var(head * sq + q_first)
                 # Key tiles this item visits; the last BM / BN of them (causal) cross the diagonal.
-                n_tiles = T.meta_var(causal_key_tiles(q_first, offset, bn)[0] if causal else skv // bn)
+                n_tiles = T.meta_var(causal_key_tiles(q_first, offset, bn, padded, kv_tiles)[0] if causal else kv_tiles)
                 n_unmasked = T.meta_var(causal_key_tiles(q_first, offset, bn)[1])
                 for i in T.unroll(n_o):
                     o[i] = T.float32(0)
@@ -656,7 +682,11 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                     row = T.meta_var(q_row0 + wg * 64 + lane // 32 * 16 + lane % 32 // 4 + i % 2 * 8)
                     out_pair[0] = T.Cast(dtype, o[i * 2] * l[i % 2])
                     out_pair[1] = T.Cast(dtype, o[i * 2 + 1] * l[i % 2])
-                    O_words[row, i // 2 * 4 + lane % 4] = out_word[0]
+                    if pad_q:  # rows past seq_q belong to the next head
+                        if q_first + wg * 64 + lane // 32 * 16 + lane % 32 // 4 + i % 2 * 8 < sq:
+                            O_words[row, i // 2 * 4 + lane % 4] = out_word[0]
+                    else:
+                        O_words[row, i // 2 * 4 + lane % 4] = out_word[0]
 
     # a prim_func is parsed where it is defined: only the variant asked for
     if masked:

@@ -207,8 +207,8 @@ def test_decode_long_caches_build_without_shared_memory_growth():
 # ---- shape rules ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change,fragment", [
-    (dict(seq_q=200), "multiple of the query tile"),
-    (dict(seq_kv=320), "multiple of the key tile"),
+    (dict(seq_q=200, causal=0, mask_rows=1), "multiple of the query tile"),
+    (dict(seq_kv=320, causal=0, mask_rows=1), "multiple of the key tile"),
     (dict(head_dim=96), "head_dim=96"),
     (dict(kv_heads=3), "multiple of kv_heads"),
     (dict(seq_q=512, seq_kv=384), "seq_q=512 <= seq_kv=384"),
@@ -234,8 +234,32 @@ def test_prefill_other_errors():
         ca.prefill_attention(PREFILL, "float16", dict(tile=1))
     with pytest.raises(ca.AttentionShapeError, match="needs integers"):
         ca.prefill_attention({"batch": 1}, "float16")
-    # seq_kv 320 is fine with 64-key tiles only
-    assert ca.check_prefill(dict(PREFILL, seq_kv=320), "float16", dict(block_n=64))
+    # with a mask, seq_kv 320 is fine with 64-key tiles only
+    masked = dict(PREFILL, causal=0, mask_rows=1, seq_kv=320)
+    assert ca.check_prefill(masked, "float16", dict(block_n=64))
+    with pytest.raises(ca.AttentionShapeError, match="block_n=128"):
+        ca.check_prefill(masked, "float16", dict(block_n=128))
+
+
+# Lengths no multiple of the tiles: the last query tile half past seq_q, the last key tile too
+PADDED = [dict(PREFILL, seq_q=200, seq_kv=333, causal=0), dict(PREFILL, seq_q=200, seq_kv=333, causal=1),
+          dict(PREFILL, seq_q=77, seq_kv=77, causal=1, head_dim=64), dict(PREFILL, seq_q=256, seq_kv=300, causal=1)]
+
+
+@pytest.mark.parametrize("shape", PADDED, ids=lambda s: f"q{s['seq_q']}-kv{s['seq_kv']}-c{s['causal']}")
+def test_padded_prefill_masks_the_last_key_tile_and_stores_only_real_rows(shape):
+    # (the simplifier rewrites the guards' bounds, so their presence is checked, not their text)
+    lines = [line.strip() for line in _source(ca.prefill_attention(shape, "float16")).splitlines()]
+    stores = [i for i, line in enumerate(lines) if line.startswith("((uint*)O_ptr)[")]
+    assert stores and all(lines[i - 1].startswith("if (") for i in stores) == bool(shape["seq_q"] % ca.BLOCK_M)
+    unpadded = dict(shape, seq_q=256, seq_kv=384)
+    plain = [line.strip() for line in _source(ca.prefill_attention(unpadded, "float16")).splitlines()]
+    assert not any(plain[i - 1].startswith("if (") for i, line in enumerate(plain) if line.startswith("((uint*)O_ptr)["))
+    if not shape["causal"]:  # keys past seq_kv get the float32 minimum; the unpadded kernel masks none
+        assert any(_FLOAT32_MIN in line for line in lines) and not any(_FLOAT32_MIN in line for line in plain)
+
+
+_FLOAT32_MIN = "-0x1.fffffep+127f"
 
 
 @pytest.mark.parametrize("change,knobs,fragment", [
@@ -271,7 +295,8 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not f
 
 
 @needs_nvcc
-@pytest.mark.parametrize("shape", [PREFILL, dict(PREFILL, causal=0, head_dim=64), dict(MASKED, mask_rows=256)])
+@pytest.mark.parametrize("shape", [PREFILL, dict(PREFILL, causal=0, head_dim=64), dict(MASKED, mask_rows=256),
+                                   PADDED[0], PADDED[1]])
 def test_nvcc_compiles_prefill_defaults(tmp_path, shape):
     # 384 threads: at most 168 registers each, or the CTA does not fit the register file
     [(regs, spills)] = _ptxas(_source(ca.prefill_attention(shape, "float16")), tmp_path)
@@ -312,20 +337,24 @@ def test_nvcc_compiles_decode(tmp_path, append):
 # ---- the arithmetic, in numpy --------------------------------------------------------------------
 
 @pytest.mark.parametrize("block_n", [64, 128])
-@pytest.mark.parametrize("seq_q,seq_kv", [(256, 256), (256, 512), (384, 640)])
+@pytest.mark.parametrize("seq_q,seq_kv", [(256, 256), (256, 512), (384, 640), (200, 333), (77, 77), (256, 300),
+                                          (1, 1000)])
 def test_causal_key_tiles_visit_every_visible_key_and_mask_only_where_needed(block_n, seq_q, seq_kv):
-    if seq_kv % block_n:
-        pytest.skip("not a multiple of the key tile")
+    padded = bool(seq_q % ca.BLOCK_M or seq_kv % block_n)
+    kv_tiles = -(-seq_kv // block_n)
     offset = seq_kv - seq_q
     visible = np.arange(seq_kv)[None, :] <= np.arange(seq_q)[:, None] + offset
     for q_first in range(0, seq_q, ca.BLOCK_M):
         rows = visible[q_first:q_first + ca.BLOCK_M]
-        n_tiles, n_unmasked = ca.causal_key_tiles(q_first, offset, block_n)
-        assert n_tiles * block_n <= seq_kv
+        n_tiles, n_unmasked = ca.causal_key_tiles(q_first, offset, block_n, padded, kv_tiles)
+        if not padded:
+            assert (n_tiles, n_unmasked) == ca.causal_key_tiles(q_first, offset, block_n, True, kv_tiles)
+        assert n_tiles <= kv_tiles
         assert not rows[:, n_tiles * block_n:].any()           # skipped tiles: nothing visible
-        assert rows[:, n_tiles * block_n - 1].any()             # the last visited tile is needed
-        assert rows[:, :n_unmasked * block_n].all()             # unmasked tiles: all visible
-        assert not rows[:, n_unmasked * block_n:(n_unmasked + 1) * block_n].all()  # the next one is not
+        assert rows[:, (n_tiles - 1) * block_n:n_tiles * block_n].any()  # the last visited tile is needed
+        assert n_unmasked * block_n <= seq_kv and rows[:, :n_unmasked * block_n].all()  # unmasked: all visible
+        if (n_unmasked + 1) * block_n <= seq_kv:                 # the next whole tile is not
+            assert not rows[:, n_unmasked * block_n:(n_unmasked + 1) * block_n].all()
 
 
 def _masked_prefill_model(q, k, v, mask, block_n, scale):

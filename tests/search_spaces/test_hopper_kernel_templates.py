@@ -51,9 +51,8 @@ DTYPES = {"int8_matmul_dequant": ("float32",)}
 REFUSED = {
     "linear_bias_relu": [({"m": 100}, "float16"), ({}, "float32")],
     "swiglu_ffn": [({"inter": 200}, "float16"), ({"tokens": 100}, "bfloat16"), ({}, "float32")],
-    "cross_attention": [({"seq_q": 100}, "float16"), ({"seq_kv": 200}, "float16"), ({"head_dim": 96}, "float16"),
-                        ({}, "float32")],
-    "flash_attention": [({"seq_q": 100}, "float16"), ({"head_dim": 96}, "float16"), ({}, "float32")],
+    "cross_attention": [({"head_dim": 96}, "float16"), ({}, "float32")],
+    "flash_attention": [({"head_dim": 96}, "float16"), ({}, "float32"), ({"seq_q": 300, "causal": 1}, "float16")],
     "gqa_decode_attention": [({"num_heads": 32, "num_kv_heads": 2}, "float16"), ({"head_dim": 80}, "float16"),
                              ({}, "float32")],
     "paged_attention": [({"q_len": 4}, "float16"), ({"head_dim": 80}, "float16"),
