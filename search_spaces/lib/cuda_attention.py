@@ -121,7 +121,7 @@ SPLIT_MAX_CTAS = 4096    # split CTAs in all
 # A decode kernel template's knobs: the split count left to its heuristic (a function of the shape)
 SPLIT_KV_KNOBS = {name: values for name, values in DECODE_KNOBS.items() if values is not None}
 SPLIT_KV_DEFAULT_KNOBS = {name: DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_KNOBS}
-COMBINE_UNROLL = 8               # splits whose partials the combine kernel loads at once
+COMBINE_UNROLL = SPLIT_MAX       # splits whose partials the combine kernel loads at once
 DECODE_MAX_GROUP = 8              # query heads per K/V head: q and O of the group live in registers
 
 _SWIZZLE_128B = 3  # CUtensorMapSwizzle and the wgmma descriptor's layout code for 128-byte swizzle
@@ -1048,21 +1048,32 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         d = T.thread_id([hd])
         T.ptx.griddepcontrol.wait()  # the split kernel's partials, complete and visible
         total = T.alloc_buffer((3,), "float32", scope="local")  # max, sum, output element
-        w = T.alloc_buffer((1,), "float32", scope="local")
-        # splits in unrolled chunks of COMBINE_UNROLL: their loads are in flight together
+        part = T.alloc_buffer((3, COMBINE_UNROLL), "float32", scope="local")  # a chunk's (max, sum, output)
+        w = T.alloc_buffer((2,), "float32", scope="local")  # the chunk's max, a weight
+        # One pass over the splits in chunks of COMBINE_UNROLL: a chunk's loads are all issued
+        # before its math (one memory round trip per chunk), the running total rescaled per chunk.
         total[0] = T.float32(_INIT_MAX)
-        for s0 in T.serial(chunks):
-            for s1 in T.unroll(COMBINE_UNROLL):
-                if s0 * COMBINE_UNROLL + s1 < splits:
-                    total[0] = T.max(total[0], PML[b, h, s0 * COMBINE_UNROLL + s1, 0])
         total[1] = T.float32(0)
         total[2] = T.float32(0)
         for s0 in T.serial(chunks):
             for s1 in T.unroll(COMBINE_UNROLL):
                 if s0 * COMBINE_UNROLL + s1 < splits:
-                    w[0] = T.exp2(PML[b, h, s0 * COMBINE_UNROLL + s1, 0] - total[0])
-                    total[1] = total[1] + w[0] * PML[b, h, s0 * COMBINE_UNROLL + s1, 1]
-                    total[2] = total[2] + w[0] * PO[b, h, s0 * COMBINE_UNROLL + s1, d]
+                    part[0, s1] = PML[b, h, s0 * COMBINE_UNROLL + s1, 0]
+                    part[1, s1] = PML[b, h, s0 * COMBINE_UNROLL + s1, 1]
+                    part[2, s1] = PO[b, h, s0 * COMBINE_UNROLL + s1, d]
+            w[0] = total[0]
+            for s1 in T.unroll(COMBINE_UNROLL):
+                if s0 * COMBINE_UNROLL + s1 < splits:
+                    w[0] = T.max(w[0], part[0, s1])
+            w[1] = T.exp2(total[0] - w[0])
+            total[0] = w[0]
+            total[1] = total[1] * w[1]
+            total[2] = total[2] * w[1]
+            for s1 in T.unroll(COMBINE_UNROLL):
+                if s0 * COMBINE_UNROLL + s1 < splits:
+                    w[1] = T.exp2(part[0, s1] - total[0])
+                    total[1] = total[1] + w[1] * part[1, s1]
+                    total[2] = total[2] + w[1] * part[2, s1]
         O[b, h, d] = T.Cast(dtype, total[2] / total[1])
 
     name = "attention_decode_append_split" if append else "attention_decode_paged_split" if paged \
