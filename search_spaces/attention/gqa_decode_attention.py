@@ -86,9 +86,11 @@ def reference(q, k_new, v_new, k_cache, v_cache, shape=None):
     nb, hq, hkv, grp, hd, _, length = _dims(shape)
     kc, vc = appended(k_new, v_new, k_cache, v_cache, length)
     qg = q.astype(np.float64).reshape(nb, hkv, grp, hd)
-    s = qg @ kc[:, :, :length + 1].astype(np.float64).swapaxes(-1, -2) / math.sqrt(hd)
-    e = np.exp(s - s.max(axis=-1, keepdims=True))
-    o = (e / e.sum(axis=-1, keepdims=True)) @ vc[:, :, :length + 1].astype(np.float64)
+    o = np.empty(qg.shape, np.float64)
+    for b in range(nb):  # a sequence at a time: float64 copies of all caches would be 34 GB at b64 c32768
+        s = qg[b] @ kc[b, :, :length + 1].astype(np.float64).swapaxes(-1, -2) / math.sqrt(hd)
+        e = np.exp(s - s.max(axis=-1, keepdims=True))
+        o[b] = (e / e.sum(axis=-1, keepdims=True)) @ vc[b, :, :length + 1].astype(np.float64)
     return o.reshape(nb, hq, hd).astype(q.dtype), kc, vc
 
 
