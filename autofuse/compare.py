@@ -253,7 +253,7 @@ def _tuning_figures(space: str, trials: int, stats, start: float) -> dict:
 
 def _new_row(name: str, contender, subject: Subject) -> dict:
     reason = subject.more_work.get(name)
-    if reason is None and contender.runs_onnx_graph:
+    if reason is None and subject.runs_onnx_graph(contender):
         reason = subject.more_work.get("onnx_graph")
     return {"name": name, "description": contender.description, "status": "ok", "reason": None,
             "median_ms": None, "p10_ms": None, "p90_ms": None, "batched_ms": None, "samples_ms": [],

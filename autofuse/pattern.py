@@ -233,7 +233,8 @@ FLOAT_DTYPES = ("float32", "float16", "bfloat16")
 # Pattern fields a pattern module fills by defining functions of these names (``from_module``);
 # ``bytes`` is ``nbytes`` there, not to shadow the builtin.
 MODULE_FUNCTIONS = {"build": "build", "reference": "reference", "make_inputs": "make_inputs",
-                    "flops": "flops", "bytes": "nbytes", "onnx_graph": "onnx_graph", "sdpa": "sdpa"}
+                    "flops": "flops", "bytes": "nbytes", "onnx_graph": "onnx_graph", "sdpa": "sdpa",
+                    "torch_function": "torch_function"}
 
 
 @dataclasses.dataclass
@@ -271,6 +272,10 @@ class Pattern:
     # ``sdpa(torch, shape, *inputs)`` gets make_inputs' arrays as torch tensors and returns the
     # outputs in the reference's order; torch is passed in, a pattern file never imports it.
     sdpa: Callable[..., Sequence[Any]] | None = None
+    # The same work in plain torch, as its users write it, for a pattern whose ONNX graph must do
+    # more (no grouped GEMM in ONNX): ``torch_function(torch, shape, *inputs)``, called like sdpa.
+    # torch-eager runs it and torch-compile compiles it instead of the ONNX graph.
+    torch_function: Callable[..., Sequence[Any]] | None = None
     # Baselines doing more work than this pattern's kernel: contender name (or "onnx_graph": every
     # contender running onnx_graph) -> why. compare shows them labelled, outside ours / best.
     more_work: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -279,9 +284,9 @@ class Pattern:
     def from_module(cls, namespace: dict[str, Any], **fields) -> Pattern:
         """The pattern a module ``search_spaces/<family>/<name>.py`` declares with
         ``PATTERN = Pattern.from_module(globals(), ...)``: ``name`` and ``family`` from the module's
-        name, the functions of ``MODULE_FUNCTIONS``' names it defines or imports (``onnx_graph``
-        and ``sdpa`` where it has them), ``dtypes`` ``FLOAT_DTYPES``. ``fields`` override any of
-        these and give the rest (description, shape_params, templates, ...)."""
+        name, the functions of ``MODULE_FUNCTIONS``' names it defines or imports (``onnx_graph``,
+        ``sdpa`` and ``torch_function`` where it has them), ``dtypes`` ``FLOAT_DTYPES``. ``fields``
+        override any of these and give the rest (description, shape_params, templates, ...)."""
         parts = namespace.get("__name__", "").split(".")
         found = {"name": parts[-1], "family": parts[-2] if len(parts) > 1 else "", "dtypes": FLOAT_DTYPES}
         found.update({field: namespace[var] for field, var in MODULE_FUNCTIONS.items() if var in namespace})

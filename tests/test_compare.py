@@ -240,6 +240,25 @@ def test_onnx_graph_marks_every_contender_running_the_graph(tmp_path):
     assert marked == {"tvm-untuned", "tvm-auto", "onnxruntime", "xla", "torch-eager", "torch-compile"}
 
 
+def test_a_patterns_torch_function_makes_the_torch_contenders_same_work(tmp_path):
+    # moe_gate_topk's graph copies expert weights (more work); its torch_function is the routed loop
+    import dataclasses
+
+    from autofuse.baselines import contenders
+    from autofuse.baselines.torch_eager import source_info
+    from autofuse.compare import _new_row, pattern_subject
+    from autofuse.registry import get_pattern
+    pattern = get_pattern("moe_gate_topk")
+    assert pattern.torch_function is not None and "onnx_graph" in pattern.more_work
+    subject = pattern_subject(pattern, pattern.default_shape(), "float32", str(tmp_path))
+    marked = {name for name, c in contenders().items() if not _new_row(name, c, subject)["same_work"]}
+    assert marked == {"tvm-untuned", "tvm-auto", "onnxruntime", "xla"}
+    assert "torch_function" in source_info(subject)["runs"]
+    subject.pattern = dataclasses.replace(pattern, torch_function=None)
+    marked = {name for name, c in contenders().items() if not _new_row(name, c, subject)["same_work"]}
+    assert {"torch-eager", "torch-compile"} <= marked and source_info(subject)["runs"] == "ONNX graph"
+
+
 # --- provenance --------------------------------------------------------------------------------
 
 def test_the_commit_comes_from_the_flag_the_environment_or_this_checkout_never_a_guess(tmp_path, monkeypatch):

@@ -137,6 +137,23 @@ def test_moe_experts_on_tensor_cores_pass_their_check(shape, dtype, knobs):
     assert result.ok, result.message
 
 
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_moe_torch_function_computes_the_reference(dtype):
+    """moe_gate_topk's torch_function (what torch-eager and torch-compile run: the per-expert loop
+    over the routed rows) gives the reference's result to half-precision rounding."""
+    import numpy as np
+
+    torch = pytest.importorskip("torch")
+    pattern = get_pattern("moe_gate_topk")
+    shape = {"tokens": 300, "hidden": 256, "inter": 512, "experts": 8, "k": 2}
+    args = [torch.from_numpy(a).cuda().to(getattr(torch, dtype)) for a in pattern.make_inputs(shape, "float32", 5)]
+    (got,) = pattern.torch_function(torch, shape, *args)
+    # the reference on the very inputs torch got (rounded to the dtype), in float32 and up
+    want = pattern.run_reference([a.float().cpu().numpy() for a in args], shape)[0].astype(np.float64)
+    err = np.abs(got.float().cpu().numpy() - want).max() / np.abs(want).max()
+    assert err < (4e-3 if dtype == "float16" else 3e-2), err
+
+
 @pytest.mark.parametrize("dtype,rows", [("bfloat16", 256), ("float16", 1)])
 def test_the_masked_kernel_on_rows_without_a_visible_key(dtype, rows):
     """cuda_wgmma_masked where make_inputs' masks never go: a row (or, with one mask row, a batch)

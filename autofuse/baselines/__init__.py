@@ -22,6 +22,8 @@ RIVALS = ("tvm-auto", "onnxruntime", "xla", "torch-eager", "torch-compile", "tor
 # Whose result in the subject's dtype sets how accurate a contender must be (compare's validity rule):
 # what a user of that device runs today.
 FRAMEWORK = {"cpu": "onnxruntime", "cuda": "torch-eager"}
+# Those that run a pattern's ``torch_function`` (the same work in plain torch) instead of its ONNX graph.
+TORCH_FUNCTION_CONTENDERS = ("torch-eager", "torch-compile")
 
 
 class Unavailable(Exception):
@@ -49,6 +51,14 @@ class Subject:
     more_work: dict = dataclasses.field(default_factory=dict)
     # A model's module as a torch.export program (.pt2): what the torch baselines run, if given.
     torch_program: str | None = None
+
+    def runs_onnx_graph(self, contender) -> bool:
+        """Whether ``contender`` runs this subject's ONNX graph (what ``more_work["onnx_graph"]``
+        is about): the torch contenders run a pattern's ``torch_function`` instead where it has one."""
+        if contender.name in TORCH_FUNCTION_CONTENDERS and self.pattern is not None \
+                and self.pattern.torch_function is not None:
+            return False
+        return contender.runs_onnx_graph
 
     @property
     def feeds(self) -> dict[str, np.ndarray]:

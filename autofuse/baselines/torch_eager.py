@@ -1,5 +1,6 @@
 """torch-eager: the same ONNX graph as torch ops (``onnx_to_torch``), or the model's own module
-where the subject has its torch.export program, run eagerly on the compare device. On a GPU its
+where the subject has its torch.export program (a pattern's ``torch_function`` where it has one),
+run eagerly on the compare device. On a GPU its
 matmuls are cuBLAS calls (float32 without TF32, like every contender) and it is the framework's
 own result that sets the accuracy a contender must reach; on a CPU it runs
 torch's CPU kernels on the compare run's threads.
@@ -37,9 +38,13 @@ def torch_device(torch, ctx: Context) -> str:
 
 def graph_function(subject: Subject, device: str) -> Callable:
     """The subject as a function of torch tensors returning a list: its module (a torch.export
-    program) where it has one, else the ONNX graph translated."""
+    program) or the pattern's ``torch_function`` where it has one, else the ONNX graph translated."""
     if subject.torch_program is not None:
         return program_function(subject.torch_program, device)
+    if not subject.runs_onnx_graph(TorchEager):
+        import torch
+        function, shape = subject.pattern.torch_function, dict(subject.shape)
+        return lambda *args: list(function(torch, shape, *args))
     if subject.onnx_path is None:
         raise Unavailable(f"{subject.name} has no ONNX graph")
     from .onnx_to_torch import torch_function
@@ -65,7 +70,11 @@ def program_function(path: str, device: str) -> Callable:
 
 
 def source_info(subject: Subject) -> dict:
-    return {"runs": "torch.export program " + subject.torch_program if subject.torch_program else "ONNX graph"}
+    if subject.torch_program:
+        return {"runs": "torch.export program " + subject.torch_program}
+    if not subject.runs_onnx_graph(TorchEager):
+        return {"runs": f"{subject.name}'s torch_function (the same work in plain torch)"}
+    return {"runs": "ONNX graph"}
 
 
 def torch_prepared(torch, call: Callable[[], list], device: str, info: dict) -> Prepared:

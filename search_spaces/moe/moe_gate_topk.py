@@ -181,6 +181,22 @@ def reference(x, wg, w1, w2, shape=None):
     return y.astype(x.dtype)
 
 
+def torch_function(torch, shape, x, wg, w1, w2):
+    """The routed layer as torch users write it (Hugging Face's Mixtral sparse MoE block): router
+    and gate in float32, then per expert only the rows routed to it, indexed, through its two GEMMs
+    with the weights read in place, scaled by their gate and added into a float32 output
+    (index_add_), rounded once: the kernels' work, where the ONNX graph must copy weights."""
+    logits = x.float() @ wg.float()
+    gate, experts = torch.topk(torch.softmax(logits, dim=-1), shape.get("k", 2), dim=-1)
+    gate = gate / gate.sum(dim=-1, keepdim=True)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for e in range(wg.shape[1]):
+        tokens, choice = torch.where(experts == e)
+        hidden = torch.relu(x[tokens] @ w1[e])
+        out.index_add_(0, tokens, (hidden @ w2[e]).float() * gate[tokens, choice, None])
+    return [out.to(x.dtype)]
+
+
 def make_inputs(shape, dtype, seed):
     """Random normal x and weights scaled by 1/sqrt(fan-in): logits ~ N(0, 1), so ties (or near ties
     that float32 rounding could flip) between the k-th and (k+1)-th expert are practically impossible."""
