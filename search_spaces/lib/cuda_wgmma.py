@@ -178,6 +178,7 @@ ACTIVATIONS = {
     "silu": _silu,
 }
 
+
 def _activation(act: str):
     """The epilogue activation ``act`` (a key of ``ACTIVATIONS``); ValueError for any other."""
     if act not in ACTIVATIONS:
