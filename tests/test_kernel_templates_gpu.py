@@ -49,6 +49,11 @@ CASES = [
                               "cache_len": 1500}, "float16"),
     ("gqa_decode_attention", {"batch": 2, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "max_seq": 512,
                               "cache_len": 0}, "bfloat16"),
+    # 8 drafts of 4 heads per K/V head in sets of 8 rows over 1500 cached keys; 5 drafts, an empty cache
+    ("spec_verify_attention", {"batch": 3, "heads": 32, "kv_heads": 8, "head_dim": 128, "max_seq": 2048,
+                               "cache_len": 1500, "k_draft": 8}, "float16"),
+    ("spec_verify_attention", {"batch": 2, "heads": 8, "kv_heads": 2, "head_dim": 64, "max_seq": 512,
+                               "cache_len": 0, "k_draft": 5}, "bfloat16"),
     ("linear", {"m": 512, "n": 768, "k": 1024}, "float16"),
     ("linear_bias", {"m": 256, "n": 384, "k": 512}, "bfloat16"),
     ("linear_bias_gelu", {"m": 512, "n": 768, "k": 1024}, "float16"),

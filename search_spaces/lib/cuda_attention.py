@@ -747,25 +747,44 @@ def default_splits(batch: int, kv_heads: int, max_seq: int, head_dim: int, knobs
     return -(-max_seq // chunk)
 
 
-def check_decode(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[dict, dict]:
+def decode_rows(group: int, drafts: int = 0) -> int:
+    """Query rows a split CTA keeps in registers: the K/V head's whole query group when decoding
+    (``drafts`` 0); when verifying, the largest divisor of its group x drafts rows up to
+    DECODE_MAX_GROUP (the rest go to further CTAs over the same keys)."""
+    if not drafts:
+        return group
+    return max(r for r in range(1, DECODE_MAX_GROUP + 1) if group * drafts % r == 0)
+
+
+def check_decode(shape: dict, dtype: str, knobs: dict | None = None, drafts: int = 0) -> tuple[dict, dict]:
     """(dims, resolved knobs with ``splits`` set) when ``decode_attention`` takes ``shape`` (keys
-    DECODE_SHAPE_KEYS, optional ``scale``), ``dtype`` and ``knobs``; AttentionShapeError otherwise."""
+    DECODE_SHAPE_KEYS, optional ``scale``; with ``drafts``, also ``cache_len``), ``dtype`` and
+    ``knobs``; AttentionShapeError otherwise. With ``drafts`` the splits share cache_len keys."""
     knobs = _resolve(knobs, DECODE_KNOBS, DECODE_DEFAULT_KNOBS)
     nb, hq, hkv, hd, smax = _ints(shape, DECODE_SHAPE_KEYS)
     _check_dtype_heads(dtype, hq, hkv, hd)
     group = hq // hkv
-    if group > DECODE_MAX_GROUP:
+    if not drafts and group > DECODE_MAX_GROUP:
         raise AttentionShapeError(f"num_heads / num_kv_heads = {group} query heads per K/V head: at most "
                                   f"{DECODE_MAX_GROUP} (q and the outputs of the group are kept in registers)")
     if nb * hkv * smax * hd // _LOAD_ELEMS >= 1 << 31:
         raise AttentionShapeError("the K/V cache has 2^31 16-byte vectors or more (int32 indices)")
+    rows = decode_rows(group, drafts)
+    row_ctas = group * max(drafts, 1) // rows
+    keys, keys_name = smax, "max_seq"
+    if drafts:
+        length = int(shape["cache_len"])
+        if not 0 <= length <= smax:
+            raise AttentionShapeError(f"cache_len={length} must be in [0, max_seq={smax}]")
+        keys, keys_name = max(length, 1), "max(cache_len, 1)"
     splits = knobs["splits"]
     if splits is None:
-        splits = default_splits(nb, hkv, smax, hd, knobs)
-    if not isinstance(splits, int) or isinstance(splits, bool) or not 1 <= splits <= smax:
-        raise AttentionShapeError(f"knob splits={splits!r} must be an integer in [1, max_seq={smax}]")
+        splits = default_splits(nb * row_ctas, hkv, keys, hd, knobs)
+    if not isinstance(splits, int) or isinstance(splits, bool) or not 1 <= splits <= keys:
+        raise AttentionShapeError(f"knob splits={splits!r} must be an integer in [1, {keys_name}={keys}]")
     knobs = dict(knobs, splits=splits)
-    dims = dict(zip(DECODE_SHAPE_KEYS, (nb, hq, hkv, hd, smax)), group=group, scale=_scale(shape, hd))
+    dims = dict(zip(DECODE_SHAPE_KEYS, (nb, hq, hkv, hd, smax)), group=group, scale=_scale(shape, hd),
+                rows=rows, row_ctas=row_ctas, drafts=drafts)
     return dims, knobs
 
 
@@ -806,8 +825,18 @@ def _seq_length(lengths, b, length):
     return lengths[b] if lengths is not None else length
 
 
+def decode_partials(knobs: dict, drafts: int = 0) -> int:
+    """Partials per query row that the combine merges: one per key split, and the drafts' own."""
+    return knobs["splits"] + (1 if drafts else 0)
+
+
+def _kv_head(cta_row, row_ctas: int):
+    """The K/V head of a split CTA's row index (its query rows' CTA over the K/V heads)."""
+    return cta_row if row_ctas == 1 else cta_row // row_ctas
+
+
 def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = None, append: bool = False,
-                     paged: tuple[int, int, int] | None = None, dependent: bool = True):
+                     paged: tuple[int, int, int] | None = None, dependent: bool = True, drafts: int = 0):
     """(split, combine) tirx PrimFuncs of split-KV decoding (module docstring) for ``shape``
     {batch, num_heads, num_kv_heads, head_dim, max_seq, scale (1/sqrt(head_dim))}; global symbols
     ``attention_decode_split`` (``attention_decode_append_split`` with ``append``) and
@@ -824,20 +853,32 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     sequence b attends its first seq_lens[b] keys, key j in page block_table[b, j // page_size] at
     row j % page_size (max_seq = max_pages * page_size). No append.
 
+    With ``drafts`` > 0 (speculative verification, ``check_decode(shape, dtype, knobs, drafts)``)
+    each query head brings ``drafts`` rows: the split kernel is ``(q, k_cache, v_cache, k_new, v_new,
+    tree, part_o, part_ml, length)``, q (batch, heads, drafts, head_dim), k_new/v_new (batch,
+    kv_heads, drafts, head_dim) the drafts' own K/V, tree (drafts, drafts) int32; every row sees
+    the cache's first ``length`` keys and draft j when tree[its draft, j] != 0. The group x drafts
+    rows of a K/V head are shared out ``decode_rows`` at a time among CTAs over the same keys, and
+    one more split CTA per row set attends the drafts; the partials and out are per (head, draft).
+
     With ``dependent`` (the default) both kernels are launched with programmatic dependent launch
     (``dependent_launch``): the combine is resident and waiting when the split kernel's last CTA
     ends, instead of being launched then, a few microseconds of a short step."""
     if paged and append:
         raise ValueError("a paged decode kernel does not append")
-    dims, knobs = check_decode(shape, dtype, knobs)
+    if drafts and (paged or append):
+        raise ValueError("a verifying decode kernel neither appends nor reads pages")
+    dims, knobs = check_decode(shape, dtype, knobs, drafts)
     nb, hq, hkv, hd, smax = (dims[key] for key in DECODE_SHAPE_KEYS)
     group, splits, keys, warps = dims["group"], knobs["splits"], knobs["keys"], knobs["warps"]
+    rows, row_ctas, queries = dims["rows"], dims["row_ctas"], max(drafts, 1)
+    partials = decode_partials(knobs, drafts)
     geo = decode_geometry(hd, knobs)
     lanes, rows_per_load, groups, step, threads = (geo[k] for k in ("lanes", "rows_per_load", "groups", "step", "threads"))
     c = dims["scale"] * LOG2E
     vec = _LOAD_ELEMS
-    outputs_per_thread = -(-group * hd // threads)
-    chunks = -(-splits // COMBINE_UNROLL)
+    outputs_per_thread = -(-rows * hd // threads)
+    chunks = -(-partials // COMBINE_UNROLL)
     copy_rows = threads // lanes  # cache rows a CTA copies per pass
     page_size, max_pages, num_pages = paged or (0, 0, 0)
     if paged and max_pages * page_size != smax:
@@ -845,22 +886,26 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     kv_shape = (num_pages, hkv, page_size, hd // _LOAD_ELEMS) if paged else (nb, hkv, smax, hd // _LOAD_ELEMS)
 
     @T.macro(hygienic=False)
-    def _step(first, checked):
+    def _step(first, checked, key_end, draft):
         # One step of this lane group: rows first + u * rows_per_load (u < keys), all loads issued
-        # before any math; `checked` (the last, partial step only) masks rows from key_end on.
-        # Expanded in `_split_body`, whose names it uses.
+        # before any math; `checked` (the last, partial step only) masks rows from key_end on;
+        # `draft`: the rows are the drafts', masked by the tree. Expanded in `_split_body`, whose
+        # names it uses.
         for u in T.unroll(keys):
             row = T.meta_var(first + u * rows_per_load)
-            if append:  # row length - 1 is the new token's
-                k_vec = T.meta_var(T.if_then_else(row == length - 1, KN16[b, hk, sub], K16[b, hk, row, sub]))
-                v_vec = T.meta_var(T.if_then_else(row == length - 1, VN16[b, hk, sub], V16[b, hk, row, sub]))
+            if draft:
+                k_vec = T.meta_var(KD16[b, kvh, row, sub])
+                v_vec = T.meta_var(VD16[b, kvh, row, sub])
+            elif append:  # row length - 1 is the new token's
+                k_vec = T.meta_var(T.if_then_else(row == length - 1, KN16[b, kvh, sub], K16[b, kvh, row, sub]))
+                v_vec = T.meta_var(T.if_then_else(row == length - 1, VN16[b, kvh, sub], V16[b, kvh, row, sub]))
             elif PAGED:  # through the block table
                 page = T.meta_var(BT[b, _paged_row(row, PAGE_SIZE, length)[0]])
-                k_vec = T.meta_var(K16[page, hk, _paged_row(row, PAGE_SIZE, length)[1], sub])
-                v_vec = T.meta_var(V16[page, hk, _paged_row(row, PAGE_SIZE, length)[1], sub])
+                k_vec = T.meta_var(K16[page, kvh, _paged_row(row, PAGE_SIZE, length)[1], sub])
+                v_vec = T.meta_var(V16[page, kvh, _paged_row(row, PAGE_SIZE, length)[1], sub])
             else:
-                k_vec = T.meta_var(K16[b, hk, row, sub])
-                v_vec = T.meta_var(V16[b, hk, row, sub])
+                k_vec = T.meta_var(K16[b, kvh, row, sub])
+                v_vec = T.meta_var(V16[b, kvh, row, sub])
             if checked:  # no load past key_end
                 kv16[u] = T.if_then_else(row < key_end, k_vec, T.Broadcast(T.uint32(0), 4))
                 kv16[keys + u] = T.if_then_else(row < key_end, v_vec, T.Broadcast(T.uint32(0), 4))
@@ -871,54 +916,74 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             for u in T.unroll(keys):
                 if checked:
                     if first + u * rows_per_load < key_end:
-                        KO16[b, hk, first + u * rows_per_load, sub] = kv16[u]
-                        VO16[b, hk, first + u * rows_per_load, sub] = kv16[keys + u]
+                        KO16[b, kvh, first + u * rows_per_load, sub] = kv16[u]
+                        VO16[b, kvh, first + u * rows_per_load, sub] = kv16[keys + u]
                 else:
-                    KO16[b, hk, first + u * rows_per_load, sub] = kv16[u]
-                    VO16[b, hk, first + u * rows_per_load, sub] = kv16[keys + u]
+                    KO16[b, kvh, first + u * rows_per_load, sub] = kv16[u]
+                    VO16[b, kvh, first + u * rows_per_load, sub] = kv16[keys + u]
         for u in T.unroll(keys):
-            for g in T.unroll(group):
-                sc[u * group + g] = T.float32(0)
+            for g in T.unroll(rows):
+                sc[u * rows + g] = T.float32(0)
                 for e in T.unroll(vec):
-                    sc[u * group + g] = sc[u * group + g] + qf[g * vec + e] * T.Cast("float32", kv[u * vec + e])
-                sc[u * group + g] = T.cuda.warp_reduce(sc[u * group + g], "sum", lanes)  # the row's lanes
+                    sc[u * rows + g] = sc[u * rows + g] + qf[g * vec + e] * T.Cast("float32", kv[u * vec + e])
+                sc[u * rows + g] = T.cuda.warp_reduce(sc[u * rows + g], "sum", lanes)  # the row's lanes
                 if checked:
                     if first + u * rows_per_load >= key_end:
-                        sc[u * group + g] = T.min_value("float32")
-        # online softmax per query head: running max m, sum l, output acc (this lane's 8 columns)
-        for g in T.unroll(group):
+                        sc[u * rows + g] = T.min_value("float32")
+                if draft:  # draft j = the row, seen by query row (hk * rows + g) when its tree says so
+                    if first + u * rows_per_load < key_end:
+                        if TR[(hk * rows + g) % drafts, first + u * rows_per_load] == 0:
+                            sc[u * rows + g] = T.min_value("float32")
+        # online softmax per query row: running max m, sum l, output acc (this lane's 8 columns)
+        for g in T.unroll(rows):
             m_new[0] = m[g]
             for u in T.unroll(keys):
-                m_new[0] = T.max(m_new[0], sc[u * group + g])
+                m_new[0] = T.max(m_new[0], sc[u * rows + g])
             alpha[0] = T.exp2(m[g] - m_new[0])
             m[g] = m_new[0]
             l[g] = l[g] * alpha[0]
             for e in T.unroll(vec):
                 acc[g * vec + e] = acc[g * vec + e] * alpha[0]
             for u in T.unroll(keys):
-                sc[u * group + g] = T.exp2(sc[u * group + g] - m_new[0])
-                l[g] = l[g] + sc[u * group + g]
+                sc[u * rows + g] = T.exp2(sc[u * rows + g] - m_new[0])
+                l[g] = l[g] + sc[u * rows + g]
                 for e in T.unroll(vec):
-                    acc[g * vec + e] = acc[g * vec + e] + sc[u * group + g] * T.Cast("float32", kv[(keys + u) * vec + e])
+                    acc[g * vec + e] = acc[g * vec + e] + sc[u * rows + g] * T.Cast("float32", kv[(keys + u) * vec + e])
+
+    @T.macro(hygienic=False)
+    def _cache_keys():
+        # This CTA's split of the cache: full steps unchecked, then the partial one. Expanded in
+        # `_split_body`, whose names it uses.
+        key_begin = T.meta_var(decode_key_range(sp, length, splits, step)[0])
+        key_end = T.meta_var(T.min(decode_key_range(sp, length, splits, step)[1], length))
+        n_keys = T.meta_var(T.max(key_end - key_begin, 0))
+        # this warp's rows of a step: keys * rows_per_load consecutive rows
+        warp_first = T.meta_var(key_begin + warp * rows_per_load * keys + tx % 32 // lanes)
+        for t in T.serial(n_keys // step):
+            _step(warp_first + t * step, False, key_end, False)
+        if n_keys % step > 0:
+            _step(warp_first + n_keys // step * step, True, key_end, False)
 
     @T.macro
-    def _split_body(Q, Kc, Vc, PO, PML, KN, VN, KO, VO, cache_length, BT, SL):
+    def _split_body(Q, Kc, Vc, PO, PML, KN, VN, KO, VO, cache_length, BT, SL, KD, VD, TR):
         # The split kernels' body (KN .. VO: the append buffers, or None; BT, SL: the block table
-        # and sequence lengths of a paged cache, or None).
+        # and sequence lengths of a paged cache, or None; KD, VD, TR: the drafts' K/V and tree, or
+        # None). hk: this CTA's set of query rows, kvh: their K/V head.
         T.device_entry()
-        sp, hk, b = T.cta_id([splits, hkv, nb])
+        sp, hk, b = T.cta_id([partials, hkv * row_ctas, nb])
         tx = T.thread_id([threads])
+        kvh = T.meta_var(_kv_head(hk, row_ctas))
         # Programmatic dependent launch: wait for the kernel before (it may still be running),
         # then let the combine be scheduled at once, so its launch hides behind this kernel.
         T.ptx.griddepcontrol.wait()
         T.ptx.griddepcontrol.launch_dependents()
         pool = T.SMEMPool()
-        merge_o = pool.alloc((groups, group, hd), "float32", align=16)
-        merge_m = pool.alloc((groups, group), "float32", align=16)
-        merge_l = pool.alloc((groups, group), "float32", align=16)
+        merge_o = pool.alloc((groups, rows, hd), "float32", align=16)
+        merge_m = pool.alloc((groups, rows), "float32", align=16)
+        merge_l = pool.alloc((groups, rows), "float32", align=16)
         pool.commit()
         # 16-byte views: one element = 8 consecutive values of a row
-        Q16 = T.decl_buffer((nb, hq, hd // vec), "uint32x4", data=Q.data)
+        Q16 = T.decl_buffer((nb, hq * queries, hd // vec), "uint32x4", data=Q.data)
         K16 = T.decl_buffer(kv_shape, "uint32x4", data=Kc.data)
         V16 = T.decl_buffer(kv_shape, "uint32x4", data=Vc.data)
         if append:
@@ -926,17 +991,20 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             VN16 = T.decl_buffer((nb, hkv, hd // vec), "uint32x4", data=VN.data)
             KO16 = T.decl_buffer((nb, hkv, smax, hd // vec), "uint32x4", data=KO.data)
             VO16 = T.decl_buffer((nb, hkv, smax, hd // vec), "uint32x4", data=VO.data)
-        O4 = T.decl_buffer((groups, group, hd // 4), "float32x4", data=merge_o.data, scope="shared.dyn")
+        if drafts > 0:
+            KD16 = T.decl_buffer((nb, hkv, drafts, hd // vec), "uint32x4", data=KD.data)
+            VD16 = T.decl_buffer((nb, hkv, drafts, hd // vec), "uint32x4", data=VD.data)
+        O4 = T.decl_buffer((groups, rows, hd // 4), "float32x4", data=merge_o.data, scope="shared.dyn")
         kv16 = T.alloc_buffer((2 * keys,), "uint32x4", scope="local")     # K rows, then V rows
         kv = T.decl_buffer((2 * keys * vec,), dtype, data=kv16.data, scope="local")
         q16 = T.alloc_buffer((1,), "uint32x4", scope="local")
         q_h = T.decl_buffer((vec,), dtype, data=q16.data, scope="local")
-        qf = T.alloc_buffer((group * vec,), "float32", scope="local")     # q * scale * log2(e)
-        acc = T.alloc_buffer((group * vec,), "float32", scope="local")
-        acc4 = T.decl_buffer((group * vec // 4,), "float32x4", data=acc.data, scope="local")
-        sc = T.alloc_buffer((keys * group,), "float32", scope="local")
-        m = T.alloc_buffer((group,), "float32", scope="local")
-        l = T.alloc_buffer((group,), "float32", scope="local")
+        qf = T.alloc_buffer((rows * vec,), "float32", scope="local")     # q * scale * log2(e)
+        acc = T.alloc_buffer((rows * vec,), "float32", scope="local")
+        acc4 = T.decl_buffer((rows * vec // 4,), "float32x4", data=acc.data, scope="local")
+        sc = T.alloc_buffer((keys * rows,), "float32", scope="local")
+        m = T.alloc_buffer((rows,), "float32", scope="local")
+        l = T.alloc_buffer((rows,), "float32", scope="local")
         m_new = T.alloc_buffer((1,), "float32", scope="local")
         alpha = T.alloc_buffer((1,), "float32", scope="local")
         merged = T.alloc_buffer((4,), "float32", scope="local")  # max, sum, output element, weight
@@ -945,15 +1013,13 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         warp = T.meta_var(tx // 32)
         sub = T.meta_var(tx % lanes)                  # which 8 values of a row this lane loads
         lane_group = T.meta_var(warp * rows_per_load + tx % 32 // lanes)
-        key_begin = T.meta_var(decode_key_range(sp, length, splits, step)[0])
-        key_end = T.meta_var(T.min(decode_key_range(sp, length, splits, step)[1], length))
-        for g in T.unroll(group):
-            q16[0] = Q16[b, hk * group + g, sub]
+        for g in T.unroll(rows):
+            q16[0] = Q16[b, hk * rows + g, sub]
             for e in T.unroll(vec):
                 qf[g * vec + e] = T.Cast("float32", q_h[e]) * T.float32(c)
             m[g] = T.float32(_INIT_MAX)
             l[g] = T.float32(0)
-        for i in T.unroll(group * vec):
+        for i in T.unroll(rows * vec):
             acc[i] = T.float32(0)
         if append:
             # rows from length on are copied as they are, a share of them per split
@@ -961,19 +1027,24 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             tail_end = T.meta_var(T.min(decode_tail_range(sp, length, splits, smax)[1], smax))
             for t in T.serial((tail_end - tail_begin + copy_rows - 1) // copy_rows):
                 if tail_begin + t * copy_rows + tx // lanes < tail_end:
-                    KO16[b, hk, tail_begin + t * copy_rows + tx // lanes, sub] = K16[
-                        b, hk, tail_begin + t * copy_rows + tx // lanes, sub]
-                    VO16[b, hk, tail_begin + t * copy_rows + tx // lanes, sub] = V16[
-                        b, hk, tail_begin + t * copy_rows + tx // lanes, sub]
-        n_keys = T.meta_var(T.max(key_end - key_begin, 0))
-        # this warp's rows of a step: keys * rows_per_load consecutive rows
-        warp_first = T.meta_var(key_begin + warp * rows_per_load * keys + tx % 32 // lanes)
-        for t in T.serial(n_keys // step):
-            _step(warp_first + t * step, False)
-        if n_keys % step > 0:
-            _step(warp_first + n_keys // step * step, True)
-        # merge the CTA's lane groups, one partial per query head
-        for g in T.unroll(group):
+                    KO16[b, kvh, tail_begin + t * copy_rows + tx // lanes, sub] = K16[
+                        b, kvh, tail_begin + t * copy_rows + tx // lanes, sub]
+                    VO16[b, kvh, tail_begin + t * copy_rows + tx // lanes, sub] = V16[
+                        b, kvh, tail_begin + t * copy_rows + tx // lanes, sub]
+        if drafts > 0:
+            if sp == splits:  # the drafts' split
+                draft_first = T.meta_var(warp * rows_per_load * keys + tx % 32 // lanes)
+                if drafts >= step:
+                    for t in T.serial(drafts // step):
+                        _step(draft_first + t * step, False, drafts, True)
+                if drafts % step > 0:
+                    _step(draft_first + drafts // step * step, True, drafts, True)
+            else:
+                _cache_keys()
+        else:
+            _cache_keys()
+        # merge the CTA's lane groups, one partial per query row
+        for g in T.unroll(rows):
             for h in T.unroll(vec // 4):
                 O4[lane_group, g, sub * (vec // 4) + h] = acc4[g * (vec // 4) + h]
             if sub == 0:
@@ -982,7 +1053,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         T.cuda.cta_sync()
         for i in T.unroll(outputs_per_thread):
             idx = T.meta_var(i * threads + tx)
-            if idx < group * hd:
+            if idx < rows * hd:
                 g = T.meta_var(idx // hd)
                 d = T.meta_var(idx % hd)
                 merged[0] = T.float32(_INIT_MAX)
@@ -994,10 +1065,10 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                     merged[3] = T.exp2(merge_m[r, g] - merged[0])
                     merged[1] = merged[1] + merged[3] * merge_l[r, g]
                     merged[2] = merged[2] + merged[3] * merge_o[r, g, d]
-                PO[b, hk * group + g, sp, d] = merged[2]
+                PO[b, hk * rows + g, sp, d] = merged[2]
                 if d == 0:
-                    PML[b, hk * group + g, sp, 0] = merged[0]
-                    PML[b, hk * group + g, sp, 1] = merged[1]
+                    PML[b, hk * rows + g, sp, 0] = merged[0]
+                    PML[b, hk * rows + g, sp, 1] = merged[1]
 
 
     # a prim_func is parsed where it is defined: only the variant asked for
@@ -1014,7 +1085,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             VO = T.match_buffer(v_out, (nb, hkv, smax, hd), dtype, align=16)
             PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
             PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
-            _split_body(Q, Kc, Vc, PO, PML, KN, VN, KO, VO, length, None, None)
+            _split_body(Q, Kc, Vc, PO, PML, KN, VN, KO, VO, length, None, None, None, None, None)
     elif paged:
         @T.prim_func
         def split(q: T.handle, k_pages: T.handle, v_pages: T.handle, block_table: T.handle, seq_lens: T.handle,
@@ -1026,7 +1097,20 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             SL = T.match_buffer(seq_lens, (nb,), "int32", align=16)
             PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
             PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
-            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, 0, BT, SL)
+            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, 0, BT, SL, None, None, None)
+    elif drafts:
+        @T.prim_func
+        def split(q: T.handle, k_cache: T.handle, v_cache: T.handle, k_new: T.handle, v_new: T.handle,
+                  tree: T.handle, part_o: T.handle, part_ml: T.handle, length: T.int32):
+            Q = T.match_buffer(q, (nb, hq, drafts, hd), dtype, align=16)
+            Kc = T.match_buffer(k_cache, (nb, hkv, smax, hd), dtype, align=16)
+            Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
+            KD = T.match_buffer(k_new, (nb, hkv, drafts, hd), dtype, align=16)
+            VD = T.match_buffer(v_new, (nb, hkv, drafts, hd), dtype, align=16)
+            TR = T.match_buffer(tree, (drafts, drafts), "int32", align=16)
+            PO = T.match_buffer(part_o, (nb, hq * drafts, partials, hd), "float32", align=16)
+            PML = T.match_buffer(part_ml, (nb, hq * drafts, partials, 2), "float32", align=16)
+            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, length, None, None, KD, VD, TR)
     else:
         @T.prim_func
         def split(q: T.handle, k_cache: T.handle, v_cache: T.handle, part_o: T.handle, part_ml: T.handle,
@@ -1036,15 +1120,15 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
             PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
             PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
-            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, length, None, None)
+            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, length, None, None, None, None, None)
 
     @T.prim_func
     def combine(part_o: T.handle, part_ml: T.handle, out: T.handle):
-        PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
-        PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
-        O = T.match_buffer(out, (nb, hq, hd), dtype, align=16)
+        PO = T.match_buffer(part_o, (nb, hq * queries, partials, hd), "float32", align=16)
+        PML = T.match_buffer(part_ml, (nb, hq * queries, partials, 2), "float32", align=16)
+        O = T.match_buffer(out, (nb, hq * queries, hd), dtype, align=16)
         T.device_entry()
-        h, b = T.cta_id([hq, nb])
+        h, b = T.cta_id([hq * queries, nb])
         d = T.thread_id([hd])
         T.ptx.griddepcontrol.wait()  # the split kernel's partials, complete and visible
         total = T.alloc_buffer((3,), "float32", scope="local")  # max, sum, output element
@@ -1057,27 +1141,27 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         total[2] = T.float32(0)
         for s0 in T.serial(chunks):
             for s1 in T.unroll(COMBINE_UNROLL):
-                if s0 * COMBINE_UNROLL + s1 < splits:
+                if s0 * COMBINE_UNROLL + s1 < partials:
                     part[0, s1] = PML[b, h, s0 * COMBINE_UNROLL + s1, 0]
                     part[1, s1] = PML[b, h, s0 * COMBINE_UNROLL + s1, 1]
                     part[2, s1] = PO[b, h, s0 * COMBINE_UNROLL + s1, d]
             w[0] = total[0]
             for s1 in T.unroll(COMBINE_UNROLL):
-                if s0 * COMBINE_UNROLL + s1 < splits:
+                if s0 * COMBINE_UNROLL + s1 < partials:
                     w[0] = T.max(w[0], part[0, s1])
             w[1] = T.exp2(total[0] - w[0])
             total[0] = w[0]
             total[1] = total[1] * w[1]
             total[2] = total[2] * w[1]
             for s1 in T.unroll(COMBINE_UNROLL):
-                if s0 * COMBINE_UNROLL + s1 < splits:
+                if s0 * COMBINE_UNROLL + s1 < partials:
                     w[1] = T.exp2(part[0, s1] - total[0])
                     total[1] = total[1] + w[1] * part[1, s1]
                     total[2] = total[2] + w[1] * part[2, s1]
         O[b, h, d] = T.Cast(dtype, total[2] / total[1])
 
     name = "attention_decode_append_split" if append else "attention_decode_paged_split" if paged \
-        else "attention_decode_split"
+        else "attention_verify_split" if drafts else "attention_decode_split"
     split, combine = _mark(split, name), _mark(combine, "attention_decode_combine")
     if dependent:
         split, combine = dependent_launch(split), dependent_launch(combine)

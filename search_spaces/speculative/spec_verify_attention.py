@@ -14,7 +14,10 @@ cache goes by in tiles of ``KV_TILE`` with flash_attention's online softmax, and
 tile the draft block (masked by the tree) is folded into the same state. Each (batch, K/V head) owns
 group * k_draft query rows, the vector axis of ``kv_head_tiles`` (CPU), so a K/V tile is loaded
 once for the whole group; ``cuda_verify_rows`` follows ``cuda_flash`` (a block per (batch, K/V
-head, row tile), K/V tiles in shared memory, the running state in registers).
+head, row tile), K/V tiles in shared memory, the running state in registers). On an sm_90 GPU in
+float16/bfloat16 the kernel template ``cuda_split_kv`` comes first: flash-decoding's split kernel
+over the cache (``lib.cuda_attention``, its query rows the group's drafts), one more split for the
+draft block under the tree, and the combine, at any cache length.
 """
 
 import math
@@ -22,14 +25,20 @@ import math
 import numpy as np
 from tvm.script import tirx as T
 
+from autofuse.kernel_templates import KernelTemplate
 from autofuse.pattern import Pattern, ShapeParam, param_buffers, template
+from search_spaces.lib import cuda_attention
 from search_spaces.lib.attention import (HEAD_DIM, MAX_SEQ, annotate_read, gqa_heads, load_lanes, row_lanes,
                                          vector_split)
+from search_spaces.lib.cuda_wgmma import HOPPER
 from search_spaces.lib.onnx_graphs import attention_nodes, kv_repeat_constants, repeat_kv_heads, typed_model
 from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import dtype_bytes, exp_f32
+from search_spaces.lib.tirx_sequence import buffer, sequence, workspace
 
 KV_TILE = 64
+# What a hidden draft's score gets in the ONNX graph: -1e9, or the dtype's lowest where that overflows
+HIDDEN = {"float32": -1e9, "float16": float(np.finfo(np.float16).min), "bfloat16": -3.3895313892515355e38}
 
 
 def _dims(shape):
@@ -552,6 +561,40 @@ def cuda_verify_rows(sch, target, knobs):
     unroll(sch, knobs, pc, explicit=0)
 
 
+def _decode_shape(shape):
+    nb, hq, hkv, _, hd, smax, length, _ = _dims(shape)
+    return {"batch": nb, "num_heads": hq, "num_kv_heads": hkv, "head_dim": hd, "max_seq": smax, "cache_len": length}
+
+
+def _split_kv_check(shape, dtype, knobs):
+    cuda_attention.check_decode(_decode_shape(shape), dtype, knobs, drafts=_dims(shape)[7])
+
+
+def _split_kv(shape, dtype, knobs):
+    """Flash-decoding on Hopper (``lib.cuda_attention``), two kernels in one PrimFunc
+    (``lib.tirx_sequence``): the split kernel, a CTA per (key split, set of up to 8 of a K/V head's
+    group x drafts query rows, sequence) over its share of the cache_len cached keys, each K/V row
+    read once per row set, and one more split per row set for the drafts' own keys under the tree;
+    then the combine; float16/bfloat16, head_dim 64 or 128, no cache length limit."""
+    nb, hq, hkv, _, hd, smax, length, kd = _dims(shape)
+    decode = _decode_shape(shape)
+    split, combine = cuda_attention.decode_attention(decode, dtype, knobs, drafts=kd)
+    partials = cuda_attention.decode_partials(cuda_attention.check_decode(decode, dtype, knobs, kd)[1], kd)
+    q, o = buffer("q", (nb, hq, kd, hd), dtype), buffer("o", (nb, hq, kd, hd), dtype)
+    k_cache, v_cache = (buffer(name, (nb, hkv, smax, hd), dtype) for name in ("k_cache", "v_cache"))
+    k_new, v_new = (buffer(name, (nb, hkv, kd, hd), dtype) for name in ("k_new", "v_new"))
+    tree = buffer("tree", (kd, kd), "int32")
+    part_o = workspace("part_o", (nb, hq * kd, partials, hd), "float32")
+    part_ml = workspace("part_ml", (nb, hq * kd, partials, 2), "float32")
+    return sequence("spec_verify_attention", [q, k_cache, v_cache, k_new, v_new, tree, o],
+                    [(split, [q, k_cache, v_cache, k_new, v_new, tree, part_o, part_ml, length]),
+                     (combine, [part_o, part_ml, o])], [part_o, part_ml])
+
+
+cuda_split_kv = KernelTemplate("cuda_split_kv", _split_kv, cuda_attention.SPLIT_KV_KNOBS,
+                               cuda_attention.SPLIT_KV_DEFAULT_KNOBS, _split_kv_check, **HOPPER)
+
+
 def onnx_graph(shape, dtype):
     """As exporters write tree verification: Slice the cache to cache_len and Concat the drafts'
     K/V, repeat K/V heads over their group (Unsqueeze, Expand, Reshape), MatMul, Mul by the scale,
@@ -569,7 +612,7 @@ def onnx_graph(shape, dtype):
         "one_i32": np.array(1, np.int32),
         "visible": np.array(0.0, dtype),
         # -1e9 rather than -inf: exp underflows to exactly 0 either way, as exporters write it.
-        "hidden": np.array(-1e9, dtype),
+        "hidden": np.array(HIDDEN[str(dtype)], dtype),
         "cache_bias": np.zeros((kd, length), dtype),
     }
     nodes = []
@@ -591,6 +634,16 @@ def onnx_graph(shape, dtype):
                        [("o", (nb, hq, kd, hd), dtype)], consts)
 
 
+def sdpa(torch, shape, q, k_cache, v_cache, k_new, v_new, tree):
+    """The torch-sdpa baseline: the cache prefix and the drafts' K/V concatenated (SDPA takes one
+    K and V), torch's scaled_dot_product_attention with the visibility as a boolean mask, GQA."""
+    length = shape["cache_len"]
+    k, v = (torch.cat([cache[:, :, :length], new], dim=2) for cache, new in ((k_cache, k_new), (v_cache, v_new)))
+    visible = torch.cat([torch.ones(tree.shape[0], length, dtype=torch.bool, device=tree.device), tree != 0], dim=1)
+    return [torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible,
+                                                             enable_gqa=shape["heads"] != shape["kv_heads"])]
+
+
 PATTERN = Pattern.from_module(
     globals(),
     description="speculative-decoding verification: k draft queries over the KV cache and the drafts "
@@ -600,6 +653,9 @@ PATTERN = Pattern.from_module(
                   ShapeParam("cache_len", 200, 13, "valid cache positions, the same for every sequence",
                              minimum=0),
                   ShapeParam("k_draft", 8, 5, "draft tokens (tree nodes) verified in this pass")],
-    dtypes=("float32",),
-    templates=[kv_head_tiles, cuda_verify_rows],
+    templates=[kv_head_tiles, cuda_split_kv, cuda_verify_rows],
+    more_work={"onnx_graph": "the graph concatenates the cache prefix with the drafts' K/V (a copy of the "
+                             "cache) and repeats K/V over each query group; the kernel reads the cache in place",
+               "torch-sdpa": "concatenates the cache prefix with the drafts' K/V (a copy of the cache) for "
+                             "SDPA's one K and V; the kernel reads the cache in place"},
 )

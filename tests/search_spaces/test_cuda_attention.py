@@ -20,6 +20,7 @@ from search_spaces.lib.cuda_wgmma import SM_COUNT
 PREFILL = dict(batch=1, heads=4, kv_heads=2, seq_q=256, seq_kv=384, head_dim=128, causal=1)
 MASKED = dict(PREFILL, causal=0, mask_rows=1, batch=2)
 DECODE = dict(batch=2, num_heads=8, num_kv_heads=2, head_dim=128, max_seq=1000)
+VERIFY = dict(DECODE, cache_len=700)  # with drafts: spec_verify_attention's split-KV kernels
 
 
 def _source(func) -> str:
@@ -193,6 +194,21 @@ def test_decode_bfloat16_head_dim_64_builds():
     assert "nv_bfloat16" in _source(split) and "nv_bfloat16" in _source(combine)
 
 
+@pytest.mark.parametrize("drafts,knobs", [(8, None), (5, dict(warps=4, keys=8)), (40, dict(warps=4, keys=1)),
+                                          (1, None)])
+def test_verify_kernels_read_the_drafts_under_the_tree(drafts, knobs):
+    split, combine = ca.decode_attention(VERIFY, "float16", knobs, drafts=drafts)
+    source = _source(split)
+    assert "attention_verify_split_kernel" in source
+    for name in ("KD_ptr", "VD_ptr", "Kc_ptr", "Vc_ptr"):     # 16-byte loads of the drafts' and the cache's K/V
+        assert re.search(rf"\(\(uint4\*\){name}\)\[", source), name
+    assert "TR_ptr[" in source
+    _, resolved = ca.check_decode(VERIFY, "float16", knobs, drafts=drafts)
+    assert f"blockIdx.x) == {resolved['splits']})" in source   # the split past the cache's: the drafts'
+    assert len(split.params) == 9                     # q, the caches, the drafts' K/V, tree, 2 partials, length
+    assert "attention_decode_combine_kernel" in _source(combine)
+
+
 def test_decode_long_caches_build_without_shared_memory_growth():
     # shared memory holds the lane groups' partials only: the same bytes at 1k and 128k positions
     sizes = []
@@ -275,6 +291,18 @@ def test_decode_shape_errors(change, knobs, fragment):
         ca.decode_attention(dict(DECODE, **change), "float16", knobs)
 
 
+def test_verify_shape_errors():
+    with pytest.raises(ca.AttentionShapeError, match=re.escape("cache_len=1001")):
+        ca.decode_attention(dict(VERIFY, cache_len=1001), "float16", drafts=4)
+    with pytest.raises(ca.AttentionShapeError, match=re.escape("max(cache_len, 1)=700")):
+        ca.decode_attention(VERIFY, "float16", dict(splits=701), drafts=4)
+    with pytest.raises(ValueError, match="neither appends nor reads pages"):
+        ca.decode_attention(VERIFY, "float16", append=True, drafts=4)
+    # more query heads per K/V head than a CTA's registers hold: shared out among more CTAs
+    dims, _ = ca.check_decode(dict(VERIFY, num_heads=32, num_kv_heads=2), "float16", drafts=4)
+    assert (dims["rows"], dims["row_ctas"]) == (8, 8)
+
+
 # ---- nvcc ----------------------------------------------------------------------------------------
 
 def _ptxas(source: str, tmp_path) -> list[tuple[int, int]]:
@@ -332,6 +360,16 @@ def test_nvcc_compiles_decode(tmp_path, append):
     for func in (split, combine):
         [(regs, spills)] = _ptxas(_source(func), tmp_path)
         assert spills == 0 and regs <= 255
+
+
+@needs_nvcc
+@pytest.mark.parametrize("knobs", [None, dict(warps=8, keys=8)])
+def test_nvcc_compiles_verify_without_spills(tmp_path, knobs):
+    # 8 query rows a CTA (4 heads x 8 drafts shared out in sets of 8), the most registers: the
+    # default and the most keys a step
+    split, _ = ca.decode_attention(dict(VERIFY, num_heads=16, num_kv_heads=4), "float16", knobs, drafts=8)
+    [(regs, spills)] = _ptxas(_source(split), tmp_path)
+    assert spills == 0 and regs <= 255
 
 
 # ---- the arithmetic, in numpy --------------------------------------------------------------------
@@ -409,36 +447,48 @@ def test_masked_prefill_recurrence_matches_the_pattern_reference(block_n):
         assert np.isneginf(bf16_min * np.float32(ca.LOG2E))
 
 
-def _decode_model(q, k, v, length, splits, geo, scale):
-    """The split kernel's recurrence for one (batch, K/V head), in float64: key ranges from
-    decode_key_range, per lane group an online softmax in the exp2 domain over its rows of each
-    step, the CTA's merge of its lane groups, then the combine over the splits."""
-    group, hd = q.shape
-    qs = q * scale * ca.LOG2E
+def _split_part(qs, k, v, begin, end, geo, visible=None):
+    """One split CTA's partial (max, sum, output) over keys [begin, end) of k, v, in float64: per
+    lane group an online softmax in the exp2 domain over its rows of each step, then the CTA's
+    merge of its lane groups. ``visible`` (query rows x keys), where given, hides scores as the
+    drafts' tree does (the float32 minimum)."""
+    group, hd = qs.shape
     step, groups, keys, per_load = geo["step"], geo["groups"], geo["step"] // geo["groups"], geo["rows_per_load"]
+    state = [(np.full(group, ca._INIT_MAX), np.zeros(group), np.zeros((group, hd))) for _ in range(groups)]
+    for first in range(begin, max(end, begin), step):
+        for lg in range(groups):
+            warp, row = divmod(lg, per_load)
+            rows = [first + warp * per_load * keys + row + u * per_load for u in range(keys)]
+            rows = [r for r in rows if r < end]
+            m, l, acc = state[lg]
+            if not rows:
+                continue
+            s = qs @ k[rows].T                                   # (group, rows)
+            if visible is not None:
+                s = np.where(visible[:, rows], s, float(np.finfo(np.float32).min))
+            m_new = np.maximum(m, s.max(axis=1))
+            alpha = np.exp2(m - m_new)
+            p = np.exp2(s - m_new[:, None])
+            state[lg] = (m_new, l * alpha + p.sum(axis=1), acc * alpha[:, None] + p @ v[rows])
+    ms = np.array([st[0] for st in state])
+    big_m = ms.max(axis=0)
+    w = np.exp2(ms - big_m)
+    return (big_m, (w * np.array([st[1] for st in state])).sum(axis=0),
+            np.einsum("rg,rgd->gd", w, np.array([st[2] for st in state])))
+
+
+def _decode_model(q, k, v, length, splits, geo, scale, drafts=None):
+    """The split kernel's recurrence for one (batch, K/V head) (one row set when verifying), in
+    float64: key ranges from decode_key_range, a partial per split (``_split_part``), with
+    ``drafts`` = (k_draft, v_draft, visible) one more over the drafts' keys, then the combine."""
+    qs = q * scale * ca.LOG2E
     parts = []
     for sp in range(splits):
-        begin, end = ca.decode_key_range(sp, length, splits, step)
-        end = min(end, length)
-        state = [(np.full(group, ca._INIT_MAX), np.zeros(group), np.zeros((group, hd))) for _ in range(groups)]
-        for first in range(begin, max(end, begin), step):
-            for lg in range(groups):
-                warp, row = divmod(lg, per_load)
-                rows = [first + warp * per_load * keys + row + u * per_load for u in range(keys)]
-                rows = [r for r in rows if r < end]
-                m, l, acc = state[lg]
-                if not rows:
-                    continue
-                s = qs @ k[rows].T                                   # (group, rows)
-                m_new = np.maximum(m, s.max(axis=1))
-                alpha = np.exp2(m - m_new)
-                p = np.exp2(s - m_new[:, None])
-                state[lg] = (m_new, l * alpha + p.sum(axis=1), acc * alpha[:, None] + p @ v[rows])
-        ms = np.array([st[0] for st in state])
-        big_m = ms.max(axis=0)
-        w = np.exp2(ms - big_m)
-        parts.append((big_m, (w * np.array([st[1] for st in state])).sum(axis=0),
-                      np.einsum("rg,rgd->gd", w, np.array([st[2] for st in state]))))
+        begin, end = ca.decode_key_range(sp, length, splits, geo["step"])
+        parts.append(_split_part(qs, k, v, begin, min(end, length), geo))
+    if drafts is not None:
+        k_draft, v_draft, visible = drafts
+        parts.append(_split_part(qs, k_draft, v_draft, 0, len(k_draft), geo, visible))
     big_m = np.max([p[0] for p in parts], axis=0)
     w = [np.exp2(p[0] - big_m) for p in parts]
     total = sum(wi * p[1] for wi, p in zip(w, parts))
@@ -461,6 +511,45 @@ def test_decode_split_and_combine_recurrence(length, splits, knobs):
     s = q @ k[:length].T * scale
     p = np.exp(s - s.max(axis=1, keepdims=True))
     want = (p / p.sum(axis=1, keepdims=True)) @ v[:length]
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("group,drafts,rows", [(4, 8, 8), (4, 5, 5), (1, 7, 7), (16, 1, 8), (8, 3, 8), (2, 11, 2)])
+def test_verify_row_sets_cover_each_query_row_once_under_its_kv_head(group, drafts, rows):
+    # a row set is up to 8 consecutive (head, draft) rows; all of a set belong to one K/V head
+    assert ca.decode_rows(group, drafts) == rows
+    kv_heads, row_ctas = 3, group * drafts // rows
+    seen = []
+    for hk in range(kv_heads * row_ctas):
+        for g in range(rows):
+            qr = hk * rows + g                                  # (head, draft) = divmod(qr, drafts)
+            assert qr // drafts // group == ca._kv_head(hk, row_ctas)
+            seen.append(qr)
+    assert sorted(seen) == list(range(kv_heads * group * drafts))
+
+
+@pytest.mark.parametrize("cache_len,drafts,knobs", [
+    (300, 8, dict(warps=8, keys=2)), (0, 5, dict(warps=4, keys=1)), (1000, 40, dict(warps=4, keys=2)),
+    (77, 3, dict(warps=8, keys=4, splits=5))])
+def test_verify_splits_and_draft_split_match_the_pattern_reference(cache_len, drafts, knobs):
+    # the kernel's row sets (rows = the K/V head's (head, draft) pairs, up to 8 a CTA), its cache
+    # splits and the drafts' split under the tree, modelled in float64, against spec_verify_attention
+    from search_spaces.speculative import spec_verify_attention as sv
+    shape = dict(batch=1, heads=8, kv_heads=2, head_dim=64, max_seq=1024, cache_len=cache_len, k_draft=drafts)
+    q, kc, vc, kn, vn, tree = sv.make_inputs(shape, "float32", drafts)
+    q, kc, vc, kn, vn = (x.astype(np.float64) for x in (q, kc, vc, kn, vn))
+    decode = sv._decode_shape(shape)
+    dims, resolved = ca.check_decode(decode, "float16", knobs, drafts=drafts)
+    rows, row_ctas, group = dims["rows"], dims["row_ctas"], dims["group"]
+    geo = ca.decode_geometry(64, resolved)
+    flat = q[0].reshape(8 * drafts, 64)                        # query row (head, draft) -> head * drafts + draft
+    got = np.empty_like(flat)
+    for hk in range(2 * row_ctas):
+        kvh, qr = ca._kv_head(hk, row_ctas), [hk * rows + g for g in range(rows)]
+        visible = tree[[r % drafts for r in qr]] != 0
+        got[qr] = _decode_model(flat[qr], kc[0, kvh], vc[0, kvh], cache_len, resolved["splits"], geo,
+                                1 / math.sqrt(64), (kn[0, kvh], vn[0, kvh], visible))
+    want = sv.reference(q, kc, vc, kn, vn, tree, shape)[0].reshape(8 * drafts, 64)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
 
 

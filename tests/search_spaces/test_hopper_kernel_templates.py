@@ -37,6 +37,8 @@ CASES = {
                          "max_pages": 32, "num_pages": 80}, 2, None),
     "masked_attention": ({"batch": 2, "heads": 4, "kv_heads": 2, "seq_q": 128, "seq_kv": 256, "head_dim": 64,
                           "mask_rows": 1}, 1, F16_MMA + "m64n128k16"),
+    "spec_verify_attention": ({"batch": 2, "heads": 8, "kv_heads": 2, "head_dim": 128, "max_seq": 512, "cache_len": 300,
+                               "k_draft": 8}, 2, None),
     # BN 256: two m64n128k32 per k step (TVM 0.27's s8 wgmma stops at N 224)
     "int8_matmul_dequant": ({"m": 2048, "n": 2048, "k": 1024, "relu": 1}, 1, S8_MMA + "m64n128k32_s32_s8_s8"),
     # W dequantised is wgmma's A (features), the 64 tokens its N
@@ -57,6 +59,7 @@ REFUSED = {
                              ({}, "float32")],
     "paged_attention": [({"q_len": 4}, "float16"), ({"head_dim": 80}, "float16"),
                         ({"num_heads": 32, "num_kv_heads": 2}, "float16"), ({}, "float32")],
+    "spec_verify_attention": [({"head_dim": 80}, "float16"), ({"head_dim": 256}, "bfloat16"), ({}, "float32")],
     "masked_attention": [({"seq_q": 100, "mask_rows": 100}, "float16"), ({"seq_kv": 200}, "float16"),
                          ({"head_dim": 96}, "float16"), ({"mask_rows": 2}, "float16"), ({}, "float32")],
     "int8_matmul_dequant": [({"m": 500}, "float32"), ({"n": 600}, "float32"), ({"k": 1000}, "float32"),
@@ -74,6 +77,9 @@ LARGE = {
                         "causal": 0},
     "gqa_decode_attention": {"batch": 16, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "max_seq": 4096,
                              "cache_len": 4000},
+    # not in the session: 8 drafts of 16 sequences verified over a 4000-token cache
+    "spec_verify_attention": {"batch": 16, "heads": 32, "kv_heads": 8, "head_dim": 128, "max_seq": 4096,
+                              "cache_len": 4000, "k_draft": 8},
     # not in the session: flash_attention's shape with a mask row per query (causal + padding)
     "masked_attention": {"batch": 8, "heads": 16, "kv_heads": 16, "seq_q": 2048, "seq_kv": 2048, "head_dim": 128,
                          "mask_rows": 2048},
@@ -217,6 +223,16 @@ def test_masked_attention_kernel_adds_the_mask_per_batch_or_per_query():
         per_tile = 128 // 8 * (1 if rows == 1 else 2)
         assert len(loads) == per_tile * (2 if cuda_attention.PREFILL_DEFAULT_KNOBS["overlap"] else 1)
         assert "condval" in body                                    # the l == 0 guard: a row of -inf keys stores 0
+
+
+def test_verify_attends_the_cache_then_the_drafts_under_the_tree():
+    shape = CASES["spec_verify_attention"][0]
+    text = _default("spec_verify_attention").script()
+    assert text.count('T.attr({"tirx.device_entry"') == 2  # the split kernel (cache splits + drafts' split), the combine
+    assert re.search(rf"length: T.let\[T.int32\] = {shape['cache_len']}\b", text) or \
+        f"length = {shape['cache_len']}" in text, text[:3000]
+    body = _source(_default("spec_verify_attention")).split('extern "C" __global__')[-2]
+    assert "TR_ptr[" in body and "((uint4*)k_new_ptr)[" in body and "((uint4*)v_new_ptr)[" in body
 
 
 def test_decode_appends_while_it_attends_over_cache_len_plus_one():
