@@ -36,6 +36,10 @@
 #             4096, 16384, 32768 through `autofuse compare` against torch SDPA (torch.compile with
 #             DECODE_BASELINES=torch-sdpa,torch-compile; its compiles cost minutes). Lands in
 #             $OUT/decode-grid.tar.gz, one report per shape (DECODE_TIMEOUT seconds each, default 150)
+#   verify    issue 23: spec_verify_attention's split-KV kernel: its GPU tests, then compare (float16,
+#             GQA 32/8, D128) at VERIFY_SPECS batch:cache_len:drafts against torch SDPA over the
+#             concatenated K/V and torch eager on its ONNX graph (both labelled: they copy the cache).
+#             Lands in $OUT/verify.tar.gz, one report per shape
 #   prefill-grid  issue 23: flash_attention (float16, 16 heads, D128) at seq 1024 (batch 8), 2048
 #             (batch 8) and 4096 (batch 2), causal and not (PREFILL_SPECS: batch:seq:causal[:head_dim[:heads]] ...),
 #             through `autofuse compare` against torch SDPA (numpy's float64 reference bounds the
@@ -174,6 +178,22 @@ decode-grid)
         --baselines "${DECODE_BASELINES:-torch-sdpa}" --repeat 20 --no-plots --report "$work/decode-b$batch-c$cache"
       tar -C "$work" -czf "$OUT/decode-grid.tar.gz" .  # kept if the call is cut
     done
+  done
+  ;;
+verify)
+  work=$(mktemp -d)
+  trap 'tar -C "$work" -czf "$OUT/verify.tar.gz" .' EXIT
+  exec > >(tee "$work/verify.log") 2>&1
+  commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  timeout 240 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_kernel_templates_gpu.py -k spec_verify \
+    --junitxml="$work/verify-gpu-tests.xml"
+  # batch:cache_len:drafts (GQA 32/8, D128, max_seq the cache length rounded up to 1024)
+  for spec in ${VERIFY_SPECS:-1:4000:8 16:4000:8 1:16000:8 4:4000:16}; do
+    IFS=: read -r batch length drafts <<< "$spec"
+    timeout ${VERIFY_TIMEOUT:-150} "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern spec_verify_attention \
+      --shape batch=$batch,heads=32,kv_heads=8,head_dim=128,max_seq=$(( (length + 1023) / 1024 * 1024 )),cache_len=$length,k_draft=$drafts \
+      --baselines "${VERIFY_BASELINES:-torch-sdpa,torch-eager}" --repeat 20 --no-plots --report "$work/verify-b$batch-c$length-k$drafts"
+    tar -C "$work" -czf "$OUT/verify.tar.gz" .  # kept if the call is cut
   done
   ;;
 prefill-grid)
