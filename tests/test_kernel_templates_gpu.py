@@ -78,6 +78,11 @@ CASES = [
                          "page_size": 16, "max_pages": 64, "num_pages": 300}, "float16"),
     ("paged_attention", {"batch": 3, "q_len": 1, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64,
                          "page_size": 32, "max_pages": 8, "num_pages": 30}, "bfloat16"),
+    # chunks: 3 tokens of 4 heads per K/V head (12 rows: sets of 6); 16 tokens of 8 query heads
+    ("paged_attention", {"batch": 4, "q_len": 3, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                         "page_size": 16, "max_pages": 64, "num_pages": 300}, "float16"),
+    ("paged_attention", {"batch": 2, "q_len": 16, "num_heads": 8, "num_kv_heads": 1, "head_dim": 64,
+                         "page_size": 32, "max_pages": 8, "num_pages": 20}, "bfloat16"),
 ]
 IDS = [f"{name}-{dtype}-{'-'.join(str(v) for v in shape.values())}" for name, shape, dtype in CASES]
 

@@ -9,8 +9,9 @@ token, head) row over the maximum context, masked past the row's last visible ke
 (a stale score adds nothing). Unfused, scores and probabilities round-trip through memory and K/V
 are first materialised gathered; fused, a row's scratch stays on chip and K/V are read straight from
 their pages. CUDA: ``lib.attention.cuda_decode_attention`` with a K/V head's query heads x tokens
-as its rows; for decode on an sm_90 GPU in float16/bfloat16 first ``cuda_split_kv``, flash-decoding
-(``lib.cuda_attention.decode_attention``) reading the pages through the block table.
+as its rows; for decode and chunks of up to ``SPLIT_KV_MAX_Q`` tokens on an sm_90 GPU in
+float16/bfloat16 first ``cuda_split_kv``, flash-decoding (``lib.cuda_attention.decode_attention``)
+reading the pages through the block table.
 """
 
 import math
@@ -264,32 +265,39 @@ def onnx_graph(shape, dtype):
     return model
 
 
+# query tokens a sequence up to which the split-KV kernel takes a chunk (its rows in registers, the
+# K/V reread per set of 8 rows: beyond a few tokens a chunk is a prefill's, tensor cores' work)
+SPLIT_KV_MAX_Q = 16
+
+
 def _decode_shape(shape):
     B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
-    if Q != 1:
-        raise cuda_attention.AttentionShapeError(f"q_len={Q}: the split-KV kernel decodes one token (q_len 1)")
+    if Q > SPLIT_KV_MAX_Q:
+        raise cuda_attention.AttentionShapeError(f"q_len={Q}: the split-KV kernel takes chunks of at most "
+                                                 f"{SPLIT_KV_MAX_Q} tokens")
     return {"batch": B, "num_heads": H, "num_kv_heads": KVH, "head_dim": D, "max_seq": MP * PS}
 
 
 def _split_kv_check(shape, dtype, knobs):
-    cuda_attention.check_decode(_decode_shape(shape), dtype, knobs)
+    cuda_attention.check_decode(_decode_shape(shape), dtype, knobs, queries=shape["q_len"])
 
 
 def _split_kv(shape, dtype, knobs):
     """Flash-decoding on Hopper (``lib.cuda_attention``), two kernels in one PrimFunc
-    (``lib.tirx_sequence``): the split kernel, a CTA per (key split, K/V head, sequence) over its
-    share of the sequence's seq_lens[b] keys, each key row read once through the block table for
-    the whole query group, then the combine; float16/bfloat16, head_dim 64 or 128, at most 8 query
-    heads per K/V head, q_len 1."""
+    (``lib.tirx_sequence``): the split kernel, a CTA per (key split, K/V head's query group x
+    q_len tokens in sets of up to 8 rows, sequence) over its share of the sequence's seq_lens[b]
+    keys, each key row read once through the block table per row set (a chunk's token t seeing keys
+    up to seq_lens[b] - q_len + t), then the combine; float16/bfloat16, head_dim 64 or 128, q_len
+    up to SPLIT_KV_MAX_Q (one token: at most 8 query heads per K/V head)."""
     B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
     decode = _decode_shape(shape)
-    split, combine = cuda_attention.decode_attention(decode, dtype, knobs, paged=(PS, MP, NP))
-    splits = cuda_attention.check_decode(decode, dtype, knobs)[1]["splits"]
+    split, combine = cuda_attention.decode_attention(decode, dtype, knobs, paged=(PS, MP, NP), queries=Q)
+    splits = cuda_attention.check_decode(decode, dtype, knobs, queries=Q)[1]["splits"]
     q, o = buffer("q", (B, Q, H, D), dtype), buffer("o", (B, Q, H, D), dtype)
     k_pages, v_pages = (buffer(name, (NP, KVH, PS, D), dtype) for name in ("k_pages", "v_pages"))
     block_table, seq_lens = buffer("block_table", (B, MP), "int32"), buffer("seq_lens", (B,), "int32")
-    part_o = workspace("part_o", (B, H, splits, D), "float32")
-    part_ml = workspace("part_ml", (B, H, splits, 2), "float32")
+    part_o = workspace("part_o", (B, H * Q, splits, D), "float32")
+    part_ml = workspace("part_ml", (B, H * Q, splits, 2), "float32")
     return sequence("paged_attention", [q, k_pages, v_pages, block_table, seq_lens, o],
                     [(split, [q, k_pages, v_pages, block_table, seq_lens, part_o, part_ml]),
                      (combine, [part_o, part_ml, o])], [part_o, part_ml])

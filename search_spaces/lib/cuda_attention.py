@@ -747,30 +747,31 @@ def default_splits(batch: int, kv_heads: int, max_seq: int, head_dim: int, knobs
     return -(-max_seq // chunk)
 
 
-def decode_rows(group: int, drafts: int = 0) -> int:
+def decode_rows(group: int, queries: int = 1) -> int:
     """Query rows a split CTA keeps in registers: the K/V head's whole query group when decoding
-    (``drafts`` 0); when verifying, the largest divisor of its group x drafts rows up to
-    DECODE_MAX_GROUP (the rest go to further CTAs over the same keys)."""
-    if not drafts:
-        return group
-    return max(r for r in range(1, DECODE_MAX_GROUP + 1) if group * drafts % r == 0)
+    one token; with ``queries`` tokens a head (drafts, a chunk), the largest divisor of its group x
+    queries rows up to DECODE_MAX_GROUP (the rest go to further CTAs over the same keys)."""
+    return max(r for r in range(1, DECODE_MAX_GROUP + 1) if group * queries % r == 0)
 
 
-def check_decode(shape: dict, dtype: str, knobs: dict | None = None, drafts: int = 0) -> tuple[dict, dict]:
+def check_decode(shape: dict, dtype: str, knobs: dict | None = None, drafts: int = 0,
+                 queries: int = 1) -> tuple[dict, dict]:
     """(dims, resolved knobs with ``splits`` set) when ``decode_attention`` takes ``shape`` (keys
     DECODE_SHAPE_KEYS, optional ``scale``; with ``drafts``, also ``cache_len``), ``dtype`` and
-    ``knobs``; AttentionShapeError otherwise. With ``drafts`` the splits share cache_len keys."""
+    ``knobs`` (and ``drafts`` or ``queries``, as it does); AttentionShapeError otherwise. With
+    ``drafts`` the splits share cache_len keys."""
     knobs = _resolve(knobs, DECODE_KNOBS, DECODE_DEFAULT_KNOBS)
     nb, hq, hkv, hd, smax = _ints(shape, DECODE_SHAPE_KEYS)
     _check_dtype_heads(dtype, hq, hkv, hd)
     group = hq // hkv
-    if not drafts and group > DECODE_MAX_GROUP:
+    queries = drafts or queries
+    if not drafts and queries == 1 and group > DECODE_MAX_GROUP:
         raise AttentionShapeError(f"num_heads / num_kv_heads = {group} query heads per K/V head: at most "
                                   f"{DECODE_MAX_GROUP} (q and the outputs of the group are kept in registers)")
     if nb * hkv * smax * hd // _LOAD_ELEMS >= 1 << 31:
         raise AttentionShapeError("the K/V cache has 2^31 16-byte vectors or more (int32 indices)")
-    rows = decode_rows(group, drafts)
-    row_ctas = group * max(drafts, 1) // rows
+    rows = decode_rows(group, queries)
+    row_ctas = group * queries // rows
     keys, keys_name = smax, "max_seq"
     if drafts:
         length = int(shape["cache_len"])
@@ -784,7 +785,7 @@ def check_decode(shape: dict, dtype: str, knobs: dict | None = None, drafts: int
         raise AttentionShapeError(f"knob splits={splits!r} must be an integer in [1, {keys_name}={keys}]")
     knobs = dict(knobs, splits=splits)
     dims = dict(zip(DECODE_SHAPE_KEYS, (nb, hq, hkv, hd, smax)), group=group, scale=_scale(shape, hd),
-                rows=rows, row_ctas=row_ctas, drafts=drafts)
+                rows=rows, row_ctas=row_ctas, drafts=drafts, queries=queries)
     return dims, knobs
 
 
@@ -836,7 +837,8 @@ def _kv_head(cta_row, row_ctas: int):
 
 
 def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = None, append: bool = False,
-                     paged: tuple[int, int, int] | None = None, dependent: bool = True, drafts: int = 0):
+                     paged: tuple[int, int, int] | None = None, dependent: bool = True, drafts: int = 0,
+                     queries: int = 1):
     """(split, combine) tirx PrimFuncs of split-KV decoding (module docstring) for ``shape``
     {batch, num_heads, num_kv_heads, head_dim, max_seq, scale (1/sqrt(head_dim))}; global symbols
     ``attention_decode_split`` (``attention_decode_append_split`` with ``append``) and
@@ -861,6 +863,10 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     rows of a K/V head are shared out ``decode_rows`` at a time among CTAs over the same keys, and
     one more split CTA per row set attends the drafts; the partials and out are per (head, draft).
 
+    With ``paged`` and ``queries`` > 1 (a chunk of a sequence's last tokens, causal) q and out are
+    (batch, queries, heads, head_dim), and query t of sequence b sees keys j <= seq_lens[b] -
+    queries + t; its rows are shared out among CTAs as the drafts' are.
+
     With ``dependent`` (the default) both kernels are launched with programmatic dependent launch
     (``dependent_launch``): the combine is resident and waiting when the split kernel's last CTA
     ends, instead of being launched then, a few microseconds of a short step."""
@@ -868,10 +874,13 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         raise ValueError("a paged decode kernel does not append")
     if drafts and (paged or append):
         raise ValueError("a verifying decode kernel neither appends nor reads pages")
-    dims, knobs = check_decode(shape, dtype, knobs, drafts)
+    if queries > 1 and not paged:
+        raise ValueError("several query tokens a sequence: drafts (verifying) or a paged chunk only")
+    dims, knobs = check_decode(shape, dtype, knobs, drafts, queries)
     nb, hq, hkv, hd, smax = (dims[key] for key in DECODE_SHAPE_KEYS)
     group, splits, keys, warps = dims["group"], knobs["splits"], knobs["keys"], knobs["warps"]
-    rows, row_ctas, queries = dims["rows"], dims["row_ctas"], max(drafts, 1)
+    rows, row_ctas, queries = dims["rows"], dims["row_ctas"], dims["queries"]
+    chunk = bool(paged) and queries > 1  # q and out (batch, queries, heads, head_dim), causal over the last keys
     partials = decode_partials(knobs, drafts)
     geo = decode_geometry(hd, knobs)
     lanes, rows_per_load, groups, step, threads = (geo[k] for k in ("lanes", "rows_per_load", "groups", "step", "threads"))
@@ -934,6 +943,9 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                     if first + u * rows_per_load < key_end:
                         if TR[(hk * rows + g) % drafts, first + u * rows_per_load] == 0:
                             sc[u * rows + g] = T.min_value("float32")
+                if chunk:  # query t of the chunk sees keys up to length - queries + t
+                    if first + u * rows_per_load > length - queries + (hk * rows + g) % queries:
+                        sc[u * rows + g] = T.min_value("float32")
         # online softmax per query row: running max m, sum l, output acc (this lane's 8 columns)
         for g in T.unroll(rows):
             m_new[0] = m[g]
@@ -984,6 +996,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         pool.commit()
         # 16-byte views: one element = 8 consecutive values of a row
         Q16 = T.decl_buffer((nb, hq * queries, hd // vec), "uint32x4", data=Q.data)
+        if chunk:
+            QC16 = T.decl_buffer((nb, queries, hq, hd // vec), "uint32x4", data=Q.data)
         K16 = T.decl_buffer(kv_shape, "uint32x4", data=Kc.data)
         V16 = T.decl_buffer(kv_shape, "uint32x4", data=Vc.data)
         if append:
@@ -1014,7 +1028,10 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         sub = T.meta_var(tx % lanes)                  # which 8 values of a row this lane loads
         lane_group = T.meta_var(warp * rows_per_load + tx % 32 // lanes)
         for g in T.unroll(rows):
-            q16[0] = Q16[b, hk * rows + g, sub]
+            if chunk:  # query row (head, t) = hk * rows + g, t the fastest
+                q16[0] = QC16[b, (hk * rows + g) % queries, (hk * rows + g) // queries, sub]
+            else:
+                q16[0] = Q16[b, hk * rows + g, sub]
             for e in T.unroll(vec):
                 qf[g * vec + e] = T.Cast("float32", q_h[e]) * T.float32(c)
             m[g] = T.float32(_INIT_MAX)
@@ -1090,13 +1107,13 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         @T.prim_func
         def split(q: T.handle, k_pages: T.handle, v_pages: T.handle, block_table: T.handle, seq_lens: T.handle,
                   part_o: T.handle, part_ml: T.handle):
-            Q = T.match_buffer(q, (nb, hq, hd), dtype, align=16)
+            Q = T.match_buffer(q, (nb, hq * queries, hd), dtype, align=16)
             Kc = T.match_buffer(k_pages, (num_pages, hkv, page_size, hd), dtype, align=16)
             Vc = T.match_buffer(v_pages, (num_pages, hkv, page_size, hd), dtype, align=16)
             BT = T.match_buffer(block_table, (nb, max_pages), "int32", align=16)
             SL = T.match_buffer(seq_lens, (nb,), "int32", align=16)
-            PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
-            PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
+            PO = T.match_buffer(part_o, (nb, hq * queries, splits, hd), "float32", align=16)
+            PML = T.match_buffer(part_ml, (nb, hq * queries, splits, 2), "float32", align=16)
             _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, 0, BT, SL, None, None, None)
     elif drafts:
         @T.prim_func
@@ -1158,7 +1175,11 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                     w[1] = T.exp2(part[0, s1] - total[0])
                     total[1] = total[1] + w[1] * part[1, s1]
                     total[2] = total[2] + w[1] * part[2, s1]
-        O[b, h, d] = T.Cast(dtype, total[2] / total[1])
+        if chunk:  # out (batch, queries, heads, head_dim)
+            OC = T.decl_buffer((nb, queries, hq, hd), dtype, data=O.data)
+            OC[b, h % queries, h // queries, d] = T.Cast(dtype, total[2] / total[1])
+        else:
+            O[b, h, d] = T.Cast(dtype, total[2] / total[1])
 
     name = "attention_decode_append_split" if append else "attention_decode_paged_split" if paged \
         else "attention_verify_split" if drafts else "attention_decode_split"

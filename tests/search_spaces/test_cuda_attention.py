@@ -209,6 +209,18 @@ def test_verify_kernels_read_the_drafts_under_the_tree(drafts, knobs):
     assert "attention_decode_combine_kernel" in _source(combine)
 
 
+def test_paged_chunk_kernels_mask_each_tokens_later_keys():
+    paged = (16, 64, 200)
+    split, combine = ca.decode_attention(dict(DECODE, max_seq=1024), "float16", paged=paged, queries=5)
+    source = _source(split)
+    assert "attention_decode_paged_split_kernel" in source and "BT_ptr[" in source
+    # key row > seq_lens[b] - 5 + t hidden, as seq_lens[b] < row + 5 - t (t = 0 for the first row)
+    assert re.search(r"if \(SL_ptr\[\(\(int\)blockIdx\.z\)\] < \(.*\+ 5\)\) \{", source), "the chunk's causal bound"
+    assert "O_ptr[" in _source(combine)
+    with pytest.raises(ValueError, match="a paged chunk only"):
+        ca.decode_attention(DECODE, "float16", queries=5)
+
+
 def test_decode_long_caches_build_without_shared_memory_growth():
     # shared memory holds the lane groups' partials only: the same bytes at 1k and 128k positions
     sizes = []
@@ -551,6 +563,36 @@ def test_verify_splits_and_draft_split_match_the_pattern_reference(cache_len, dr
                                 1 / math.sqrt(64), (kn[0, kvh], vn[0, kvh], visible))
     want = sv.reference(q, kc, vc, kn, vn, tree, shape)[0].reshape(8 * drafts, 64)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("length,queries,knobs", [(300, 3, dict(warps=8, keys=2)), (16, 16, dict(warps=4, keys=1)),
+                                                  (1000, 5, dict(warps=8, keys=4, splits=9))])
+def test_paged_chunk_rows_see_the_keys_up_to_their_own(length, queries, knobs):
+    # a chunk's query t (heads x tokens in row sets of up to 8, t the fastest) sees keys up to
+    # length - queries + t: the split kernel's mask in each step, modelled in float64
+    rng = np.random.default_rng(length)
+    heads, kv_heads, hd = 8, 2, 64
+    q = rng.standard_normal((queries, heads, hd))
+    k, v = rng.standard_normal((kv_heads, length, hd)), rng.standard_normal((kv_heads, length, hd))
+    shape = dict(batch=1, num_heads=heads, num_kv_heads=kv_heads, head_dim=hd, max_seq=1024)
+    dims, resolved = ca.check_decode(shape, "float16", knobs, queries=queries)
+    rows, row_ctas, geo = dims["rows"], dims["row_ctas"], ca.decode_geometry(hd, resolved)
+    for hk in range(kv_heads * row_ctas):
+        kvh, qr = ca._kv_head(hk, row_ctas), [hk * rows + g for g in range(rows)]
+        t = np.array([r % queries for r in qr])
+        visible = np.arange(length)[None, :] <= length - queries + t[:, None]
+        qs = q[t, [r // queries for r in qr]] * (1 / math.sqrt(hd)) * ca.LOG2E
+        parts = []
+        for sp in range(resolved["splits"]):
+            begin, end = ca.decode_key_range(sp, length, resolved["splits"], geo["step"])
+            parts.append(_split_part(qs, k[kvh], v[kvh], begin, min(end, length), geo, visible))
+        big_m = np.max([p[0] for p in parts], axis=0)
+        w = [np.exp2(p[0] - big_m) for p in parts]
+        got = sum(wi[:, None] * p[2] for wi, p in zip(w, parts)) / sum(wi * p[1] for wi, p in zip(w, parts))[:, None]
+        s = q[t, [r // queries for r in qr]] @ k[kvh].T / math.sqrt(hd)
+        s = np.where(visible, s, -np.inf)
+        e = np.exp(s - s.max(axis=1, keepdims=True))
+        np.testing.assert_allclose(got, (e / e.sum(axis=1, keepdims=True)) @ v[kvh], rtol=1e-10, atol=1e-12)
 
 
 @pytest.mark.parametrize("length,splits,step", [(1, 7, 32), (1000, 16, 64), (4097, 33, 64), (131072, 32, 64)])

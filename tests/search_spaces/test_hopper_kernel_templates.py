@@ -57,7 +57,7 @@ REFUSED = {
     "flash_attention": [({"head_dim": 96}, "float16"), ({}, "float32"), ({"seq_q": 300, "causal": 1}, "float16")],
     "gqa_decode_attention": [({"num_heads": 32, "num_kv_heads": 2}, "float16"), ({"head_dim": 80}, "float16"),
                              ({}, "float32")],
-    "paged_attention": [({"q_len": 4}, "float16"), ({"head_dim": 80}, "float16"),
+    "paged_attention": [({"q_len": 17}, "float16"), ({"head_dim": 80}, "float16"),
                         ({"num_heads": 32, "num_kv_heads": 2}, "float16"), ({}, "float32")],
     "spec_verify_attention": [({"head_dim": 80}, "float16"), ({"head_dim": 256}, "bfloat16"), ({}, "float32")],
     "masked_attention": [({"seq_q": 100, "mask_rows": 100}, "float16"), ({"seq_kv": 200}, "float16"),
