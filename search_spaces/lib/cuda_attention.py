@@ -88,6 +88,11 @@ Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new
     to k_out/v_out, and the CTAs share out the copy of the rows from length on, so the copy adds
     the writes and no second pass over the caches.
 
+    Several query tokens per sequence (a speculative step's drafts, ``drafts``; a paged chunk,
+    ``queries``): a K/V head's group x tokens query rows are shared out ``decode_rows`` (at most
+    DECODE_MAX_GROUP) to a CTA, the CTAs of one split reading the same keys (from L2 after the
+    first); the drafts' own keys are one more split, masked by their tree.
+
     Only a split's last step checks row bounds. Knobs (``DECODE_KNOBS``): ``warps`` per CTA (4, 8);
     ``keys`` rows per lane group and step (1, 2, 4, 8); ``splits`` (None: ``default_splits``).
     Defaults: 8 warps, 2 keys (the faster from a 4k cache on in an H100 sweep).
