@@ -49,6 +49,11 @@ CASES = [
                               "cache_len": 1500}, "float16"),
     ("gqa_decode_attention", {"batch": 2, "num_heads": 8, "num_kv_heads": 8, "head_dim": 64, "max_seq": 512,
                               "cache_len": 0}, "bfloat16"),
+    # 16 query heads per K/V head (two row sets; the first appends), an MQA head of 32 over pages
+    ("gqa_decode_attention", {"batch": 2, "num_heads": 32, "num_kv_heads": 2, "head_dim": 128, "max_seq": 1024,
+                              "cache_len": 700}, "float16"),
+    ("paged_attention", {"batch": 2, "q_len": 1, "num_heads": 32, "num_kv_heads": 1, "head_dim": 64,
+                         "page_size": 16, "max_pages": 16, "num_pages": 40}, "bfloat16"),
     # 8 drafts of 4 heads per K/V head in sets of 8 rows over 1500 cached keys; 5 drafts, an empty cache
     ("spec_verify_attention", {"batch": 3, "heads": 32, "kv_heads": 8, "head_dim": 128, "max_seq": 2048,
                                "cache_len": 1500, "k_draft": 8}, "float16"),

@@ -224,7 +224,8 @@ def _split_kv(shape, dtype, knobs):
     reads (row cache_len taken from k_new/v_new, every row it loads stored to the output caches,
     the rows past cache_len copied by the CTAs in shares; each K/V row read once for its whole
     query group, a partial per key split), then the combine; no cache length limit.
-    float16/bfloat16, head_dim 64 or 128, at most 8 query heads per K/V head."""
+    float16/bfloat16, head_dim 64 or 128; a group of more than 8 query heads is shared out in row
+    sets among CTAs over the same keys, the first of which appends."""
     nb, hq, hkv, _, hd, smax, length = _dims(shape)
     split, combine = cuda_attention.decode_attention(shape, dtype, knobs, append=True)
     splits = cuda_attention.check_decode(shape, dtype, knobs)[1]["splits"]

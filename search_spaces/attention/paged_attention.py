@@ -288,7 +288,7 @@ def _split_kv(shape, dtype, knobs):
     q_len tokens in sets of up to 8 rows, sequence) over its share of the sequence's seq_lens[b]
     keys, each key row read once through the block table per row set (a chunk's token t seeing keys
     up to seq_lens[b] - q_len + t), then the combine; float16/bfloat16, head_dim 64 or 128, q_len
-    up to SPLIT_KV_MAX_Q (one token: at most 8 query heads per K/V head)."""
+    up to SPLIT_KV_MAX_Q."""
     B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
     decode = _decode_shape(shape)
     split, combine = cuda_attention.decode_attention(decode, dtype, knobs, paged=(PS, MP, NP), queries=Q)

@@ -127,7 +127,7 @@ SPLIT_MAX_CTAS = 4096    # split CTAs in all
 SPLIT_KV_KNOBS = {name: values for name, values in DECODE_KNOBS.items() if values is not None}
 SPLIT_KV_DEFAULT_KNOBS = {name: DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_KNOBS}
 COMBINE_UNROLL = SPLIT_MAX       # splits whose partials the combine kernel loads at once
-DECODE_MAX_GROUP = 8              # query heads per K/V head: q and O of the group live in registers
+DECODE_MAX_GROUP = 8              # query rows a split CTA keeps (q and O in registers); more: more CTAs
 
 _SWIZZLE_128B = 3  # CUtensorMapSwizzle and the wgmma descriptor's layout code for 128-byte swizzle
 _TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -770,9 +770,6 @@ def check_decode(shape: dict, dtype: str, knobs: dict | None = None, drafts: int
     _check_dtype_heads(dtype, hq, hkv, hd)
     group = hq // hkv
     queries = drafts or queries
-    if not drafts and queries == 1 and group > DECODE_MAX_GROUP:
-        raise AttentionShapeError(f"num_heads / num_kv_heads = {group} query heads per K/V head: at most "
-                                  f"{DECODE_MAX_GROUP} (q and the outputs of the group are kept in registers)")
     if nb * hkv * smax * hd // _LOAD_ELEMS >= 1 << 31:
         raise AttentionShapeError("the K/V cache has 2^31 16-byte vectors or more (int32 indices)")
     rows = decode_rows(group, queries)
@@ -928,7 +925,16 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                 kv16[keys + u] = v_vec
         if append:
             for u in T.unroll(keys):
-                if checked:
+                if row_ctas > 1:  # the K/V head's first row set stores the rows it loaded
+                    if hk % row_ctas == 0:
+                        if checked:
+                            if first + u * rows_per_load < key_end:
+                                KO16[b, kvh, first + u * rows_per_load, sub] = kv16[u]
+                                VO16[b, kvh, first + u * rows_per_load, sub] = kv16[keys + u]
+                        else:
+                            KO16[b, kvh, first + u * rows_per_load, sub] = kv16[u]
+                            VO16[b, kvh, first + u * rows_per_load, sub] = kv16[keys + u]
+                elif checked:
                     if first + u * rows_per_load < key_end:
                         KO16[b, kvh, first + u * rows_per_load, sub] = kv16[u]
                         VO16[b, kvh, first + u * rows_per_load, sub] = kv16[keys + u]
@@ -966,6 +972,18 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                 l[g] = l[g] + sc[u * rows + g]
                 for e in T.unroll(vec):
                     acc[g * vec + e] = acc[g * vec + e] + sc[u * rows + g] * T.Cast("float32", kv[(keys + u) * vec + e])
+
+    @T.macro(hygienic=False)
+    def _copy_tail(copy_rows):
+        # append: rows from length on are copied as they are, a share of them per split
+        tail_begin = T.meta_var(decode_tail_range(sp, length, splits, smax)[0])
+        tail_end = T.meta_var(T.min(decode_tail_range(sp, length, splits, smax)[1], smax))
+        for t in T.serial((tail_end - tail_begin + copy_rows - 1) // copy_rows):
+            if tail_begin + t * copy_rows + tx // lanes < tail_end:
+                KO16[b, kvh, tail_begin + t * copy_rows + tx // lanes, sub] = K16[
+                    b, kvh, tail_begin + t * copy_rows + tx // lanes, sub]
+                VO16[b, kvh, tail_begin + t * copy_rows + tx // lanes, sub] = V16[
+                    b, kvh, tail_begin + t * copy_rows + tx // lanes, sub]
 
     @T.macro(hygienic=False)
     def _cache_keys():
@@ -1044,15 +1062,11 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         for i in T.unroll(rows * vec):
             acc[i] = T.float32(0)
         if append:
-            # rows from length on are copied as they are, a share of them per split
-            tail_begin = T.meta_var(decode_tail_range(sp, length, splits, smax)[0])
-            tail_end = T.meta_var(T.min(decode_tail_range(sp, length, splits, smax)[1], smax))
-            for t in T.serial((tail_end - tail_begin + copy_rows - 1) // copy_rows):
-                if tail_begin + t * copy_rows + tx // lanes < tail_end:
-                    KO16[b, kvh, tail_begin + t * copy_rows + tx // lanes, sub] = K16[
-                        b, kvh, tail_begin + t * copy_rows + tx // lanes, sub]
-                    VO16[b, kvh, tail_begin + t * copy_rows + tx // lanes, sub] = V16[
-                        b, kvh, tail_begin + t * copy_rows + tx // lanes, sub]
+            if row_ctas > 1:
+                if hk % row_ctas == 0:
+                    _copy_tail(copy_rows)
+            else:
+                _copy_tail(copy_rows)
         if drafts > 0:
             if sp == splits:  # the drafts' split
                 draft_first = T.meta_var(warp * rows_per_load * keys + tx % 32 // lanes)

@@ -291,7 +291,6 @@ _FLOAT32_MIN = "-0x1.fffffep+127f"
 
 
 @pytest.mark.parametrize("change,knobs,fragment", [
-    (dict(num_heads=64, num_kv_heads=2), {}, "at most 8"),
     (dict(num_kv_heads=3), {}, "multiple of kv_heads"),
     (dict(head_dim=256), {}, "head_dim=256"),
     (dict(batch=128, num_kv_heads=8, num_heads=8, max_seq=1 << 20), {}, "2^31"),
@@ -301,6 +300,18 @@ _FLOAT32_MIN = "-0x1.fffffep+127f"
 def test_decode_shape_errors(change, knobs, fragment):
     with pytest.raises(ca.AttentionShapeError, match=re.escape(fragment)):
         ca.decode_attention(dict(DECODE, **change), "float16", knobs)
+
+
+@pytest.mark.parametrize("append", [False, True])
+def test_decode_shares_a_large_group_out_in_row_sets(append):
+    # 32 query heads per K/V head: 4 CTAs of 8 rows over the same keys; with append only the first
+    # row set of a K/V head stores the caches (the loaded rows and the tail)
+    shape = dict(DECODE, num_heads=64, num_kv_heads=2)
+    dims, _ = ca.check_decode(shape, "float16")
+    assert (dims["rows"], dims["row_ctas"]) == (8, 4)
+    source = _source(ca.decode_attention(shape, "float16", append=append)[0])
+    guards = re.findall(r"if \(\(\(\(int\)blockIdx\.y\) % 4\) == 0\)", source)
+    assert len(guards) >= (2 if append else 0) and (append or not guards)
 
 
 def test_verify_shape_errors():
