@@ -833,6 +833,13 @@ def decode_partials(knobs: dict, drafts: int = 0) -> int:
     return knobs["splits"] + (1 if drafts else 0)
 
 
+def _append_guard(row, key_end, checked: bool, cta_row, row_ctas: int):
+    """When a split CTA stores a loaded cache row (append): the row is attended (``checked``
+    steps only) and the CTA is its K/V head's first row set (with several); True: always."""
+    conds = ([row < key_end] if checked else []) + ([cta_row % row_ctas == 0] if row_ctas > 1 else [])
+    return T.And(*conds) if len(conds) == 2 else conds[0] if conds else True
+
+
 def _kv_head(cta_row, row_ctas: int):
     """The K/V head of a split CTA's row index (its query rows' CTA over the K/V heads)."""
     return cta_row if row_ctas == 1 else cta_row // row_ctas
@@ -923,22 +930,9 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             else:
                 kv16[u] = k_vec
                 kv16[keys + u] = v_vec
-        if append:
+        if append:  # the rows loaded, stored to the output caches (by a K/V head's first row set)
             for u in T.unroll(keys):
-                if row_ctas > 1:  # the K/V head's first row set stores the rows it loaded
-                    if hk % row_ctas == 0:
-                        if checked:
-                            if first + u * rows_per_load < key_end:
-                                KO16[b, kvh, first + u * rows_per_load, sub] = kv16[u]
-                                VO16[b, kvh, first + u * rows_per_load, sub] = kv16[keys + u]
-                        else:
-                            KO16[b, kvh, first + u * rows_per_load, sub] = kv16[u]
-                            VO16[b, kvh, first + u * rows_per_load, sub] = kv16[keys + u]
-                elif checked:
-                    if first + u * rows_per_load < key_end:
-                        KO16[b, kvh, first + u * rows_per_load, sub] = kv16[u]
-                        VO16[b, kvh, first + u * rows_per_load, sub] = kv16[keys + u]
-                else:
+                if _append_guard(first + u * rows_per_load, key_end, checked, hk, row_ctas):
                     KO16[b, kvh, first + u * rows_per_load, sub] = kv16[u]
                     VO16[b, kvh, first + u * rows_per_load, sub] = kv16[keys + u]
         for u in T.unroll(keys):
