@@ -386,11 +386,10 @@ def test_nvcc_compiles_decode(tmp_path, append):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("knobs", [None, dict(warps=8, keys=8)])
-def test_nvcc_compiles_verify_without_spills(tmp_path, knobs):
-    # 8 query rows a CTA (4 heads x 8 drafts shared out in sets of 8), the most registers: the
-    # default and the most keys a step
-    split, _ = ca.decode_attention(dict(VERIFY, num_heads=16, num_kv_heads=4), "float16", knobs, drafts=8)
+def test_nvcc_compiles_verify_without_spills(tmp_path):
+    # 8 query rows a CTA (4 heads x 8 drafts shared out in sets of 8), the most registers, at the
+    # default knobs (8 keys a step compiled without spills too, but takes nvcc 13 s)
+    split, _ = ca.decode_attention(dict(VERIFY, num_heads=16, num_kv_heads=4), "float16", drafts=8)
     [(regs, spills)] = _ptxas(_source(split), tmp_path)
     assert spills == 0 and regs <= 255
 
