@@ -20,7 +20,7 @@ from autofuse.pattern import ShapeParam, onnx_model, template
 from search_spaces.lib.cpu_rows import lanes_innermost
 from search_spaces.lib.cpu_rules import PARALLEL_MIN_ELEMENTS
 from search_spaces.lib.cuda_rows import VECTOR_BYTES
-from search_spaces.lib.onnx_graphs import attention_nodes, kv_repeat_constants, repeat_kv_heads
+from search_spaces.lib.onnx_graphs import attention_nodes, hidden_score, kv_repeat_constants, repeat_kv_heads
 from search_spaces.lib.tiling import unroll, vectorize_inner
 from search_spaces.lib.tir_math import dtype_bytes, exp_f32
 
@@ -89,10 +89,7 @@ def attention_graph(name, shape, dtype, out="o"):
     if int(shape.get("causal", 0)):
         i = np.arange(sq)[:, None]
         j = np.arange(skv)[None, :]
-        # Finite, as exporters write it (exp underflows to exactly 0 either way): -1e9, or float16's
-        # lowest, -65504, where -1e9 would round to -inf.
-        hidden = np.finfo(np.float16).min if dtype == "float16" else -1e9
-        consts["mask"] = np.where(j <= i + (skv - sq), 0.0, hidden).astype(dtype)
+        consts["mask"] = np.where(j <= i + (skv - sq), 0.0, hidden_score(dtype)).astype(dtype)
         mask = "mask"
     nodes += attention_nodes("q", k_in, v_in, out, mask)
     return onnx_model(name, nodes, [("q", (b, h, sq, d)), ("k", (b, kvh, skv, d)), ("v", (b, kvh, skv, d))],

@@ -31,14 +31,13 @@ from search_spaces.lib import cuda_attention
 from search_spaces.lib.attention import (HEAD_DIM, MAX_SEQ, annotate_read, gqa_heads, load_lanes, row_lanes,
                                          vector_split)
 from search_spaces.lib.cuda_wgmma import HOPPER
-from search_spaces.lib.onnx_graphs import attention_nodes, kv_repeat_constants, repeat_kv_heads, typed_model
+from search_spaces.lib.onnx_graphs import (attention_nodes, hidden_score, kv_repeat_constants, repeat_kv_heads,
+                                           typed_model)
 from search_spaces.lib.tiling import unroll
 from search_spaces.lib.tir_math import dtype_bytes, exp_f32
 from search_spaces.lib.tirx_sequence import buffer, sequence, workspace
 
 KV_TILE = 64
-# What a hidden draft's score gets in the ONNX graph: -1e9, or the dtype's lowest where that overflows
-HIDDEN = {"float32": -1e9, "float16": float(np.finfo(np.float16).min), "bfloat16": -3.3895313892515355e38}
 
 
 def _dims(shape):
@@ -611,8 +610,7 @@ def onnx_graph(shape, dtype):
         "scale": np.array(1.0 / math.sqrt(hd), dtype),
         "one_i32": np.array(1, np.int32),
         "visible": np.array(0.0, dtype),
-        # -1e9 rather than -inf: exp underflows to exactly 0 either way, as exporters write it.
-        "hidden": np.array(HIDDEN[str(dtype)], dtype),
+        "hidden": np.array(hidden_score(dtype), dtype),
         "cache_bias": np.zeros((kd, length), dtype),
     }
     nodes = []
