@@ -24,7 +24,8 @@
 #             torch.compile; their GPU tests (tests/test_kernel_templates_gpu.py); the float16
 #             decoder_block against torch.compile. Everything lands in $OUT/kernels.tar.gz (the
 #             device returns at most 8 files) and the log in $OUT/kernels.log. KERNEL_STEPS
-#             (default compare,tests,model) picks the parts: compare alone takes at most 330 s.
+#             (default compare,tests,model) picks the parts: compare alone takes at most 330 s and
+#             is gemm,int8,attention, each of which can be named alone.
 #             KERNEL_BASELINES adds contenders to every compare (e.g. xla,tvm-auto; each compare's
 #             timeout grows by KERNEL_EXTRA_SECS, default 0)
 #   parity    issue 20: three patterns of gpu-large2-float32.json timed by the old benchmarks/gpu.py
@@ -58,13 +59,15 @@
 #             (default 16 128 4096) tokens through `autofuse compare` against torch eager and
 #             torch.compile of its ONNX graph (which dequantises all of W, then a cuBLAS GEMM);
 #             with WOQ_TRIALS=N, the first N configurations of each shape searched into $DB first
-#             and compared with those records. Lands in $OUT/woq.tar.gz, one report per shape
+#             and compared with those records (WOQ_BASELINES names others, e.g. adding xla,tvm-auto).
+#             Lands in $OUT/woq.tar.gz, one report per shape
 #   moe       issue 22: moe_gate_topk (float16, 8 experts, top-2) at MOE_SHAPES (default tokens 2048,
 #             hidden 2048, inter 4096 and the pattern's default shape): its GPU tests, compare against
 #             torch eager and torch.compile of its ONNX graph (which gathers a copy of an expert's
 #             weights per row tile: more work, labelled), the SIMT template cuda_routed alone
 #             (gpu_check_templates.py), and the first MOE_TRIALS (default 8) configurations of the
-#             wgmma kernel template searched (gpu_tune_kernels.py). Lands in $OUT/moe.tar.gz
+#             wgmma kernel template searched (gpu_tune_kernels.py); MOE_STEPS (default
+#             tests,compare,routed,tune) picks the parts, MOE_BASELINES the contenders. Lands in $OUT/moe.tar.gz
 #   hopper-tune  the wgmma GEMM kernel template of linear_bias_relu (float16, 4096^3) searched
 #             (benchmarks/gpu_tune_kernels.py, every config of its space within TUNE_SECS, default
 #             330, resumable through $DB),
@@ -129,14 +132,19 @@ kernels)
   exec > >(tee "$OUT/kernels.log") 2>&1
   commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
   steps=",${KERNEL_STEPS:-compare,tests,model},"
-  if [[ $steps == *,compare,* ]]; then
+  [[ $steps == *,compare,* ]] && steps+="gemm,int8,attention,"
   extra=${KERNEL_BASELINES:+,$KERNEL_BASELINES} more=${KERNEL_EXTRA_SECS:-0}
+  if [[ $steps == *,gemm,* ]]; then
   timeout $((130 + more)) "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern linear_bias_relu,swiglu_ffn \
     --shape linear_bias_relu:m=4096,n=4096,k=4096 --shape swiglu_ffn:tokens=4096,hidden=4096,inter=11008 \
     --baselines torch-eager,torch-compile,torch-sdpa$extra --repeat 10 --report "$work/compare-kernels-gemm-float16"
+  fi
+  if [[ $steps == *,int8,* ]]; then
   timeout $((70 + more)) "${COMPARE[@]}" "${commit[@]}" --db none --pattern int8_matmul_dequant \
     --shape int8_matmul_dequant:m=4096,n=4096,k=4096 \
     --baselines torch-eager,torch-compile$extra --repeat 10 --report "$work/compare-kernels-gemm-int8-float32"
+  fi
+  if [[ $steps == *,attention,* ]]; then
   timeout $((130 + more)) "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern flash_attention,gqa_decode_attention \
     --shape flash_attention:batch=8,heads=16,kv_heads=16,seq_q=2048,seq_kv=2048,head_dim=128,causal=0 \
     --shape gqa_decode_attention:batch=16,num_heads=32,num_kv_heads=8,head_dim=128,max_seq=4096,cache_len=4000 \
@@ -266,15 +274,16 @@ moe)
   trap 'tar -C "$work" -czf "$OUT/moe.tar.gz" .' EXIT
   exec > >(tee "$work/moe.log") 2>&1
   commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
-  timeout 150 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_kernel_templates_gpu.py -k moe \
+  steps=",${MOE_STEPS:-tests,compare,routed,tune},"
+  [[ $steps == *,tests,* ]] && timeout 150 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_kernel_templates_gpu.py -k moe \
     --junitxml="$work/moe-gpu-tests.xml"
   for shape in ${MOE_SHAPES:-tokens=2048,hidden=2048,inter=4096,experts=8,k=2 tokens=64,hidden=256,inter=512,experts=8,k=2}; do
     tag=$(echo "$shape" | tr -d 'a-z=' | tr ',' '-')
-    timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern moe_gate_topk --shape "$shape" \
+    [[ $steps == *,compare,* ]] && timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern moe_gate_topk --shape "$shape" \
       --baselines "${MOE_BASELINES:-torch-eager,torch-compile}" --repeat 20 --no-plots --report "$work/compare-moe-$tag"
-    timeout 90 python3 benchmarks/gpu_check_templates.py --patterns moe_gate_topk --dtype float16 --templates cuda_routed \
+    [[ $steps == *,routed,* ]] && timeout 90 python3 benchmarks/gpu_check_templates.py --patterns moe_gate_topk --dtype float16 --templates cuda_routed \
       --shape "moe_gate_topk:$shape" --repeat 20 --out "$work/routed-moe-$tag.json"
-    timeout 150 python3 benchmarks/gpu_tune_kernels.py --pattern moe_gate_topk --dtype float16 --shape "$shape" \
+    [[ $steps == *,tune,* ]] && timeout 150 python3 benchmarks/gpu_tune_kernels.py --pattern moe_gate_topk --dtype float16 --shape "$shape" \
       "${commit[@]}" --db "$DB" --trials "${MOE_TRIALS:-8}" --budget-secs 100 --out "$work/tune-moe-$tag.json"
     tar -C "$work" -czf "$OUT/moe.tar.gz" .  # kept if the call is cut
   done
@@ -293,7 +302,7 @@ woq)
         "${commit[@]}" --db "$DB" --trials "$WOQ_TRIALS" --budget-secs 100 --out "$work/tune-woq-m$m-float16.json"
     fi
     timeout 150 "${COMPARE[@]}" "${commit[@]}" --db "$db" --dtype float16 --pattern woq_matmul \
-      --shape "woq_matmul:$shape" --baselines torch-eager,torch-compile \
+      --shape "woq_matmul:$shape" --baselines "${WOQ_BASELINES:-torch-eager,torch-compile}" \
       --repeat 20 --no-plots --report "$work/compare-woq-m$m-float16"
   done
   ;;
