@@ -88,6 +88,14 @@ CASES = [
                          "page_size": 16, "max_pages": 64, "num_pages": 300}, "float16"),
     ("paged_attention", {"batch": 2, "q_len": 16, "num_heads": 8, "num_kv_heads": 1, "head_dim": 64,
                          "page_size": 32, "max_pages": 8, "num_pages": 20}, "bfloat16"),
+    # longer chunks on the tensor-core prefill: 200 tokens (a padded query tile) over 16-key pages;
+    # 300 tokens of MQA over pages of one 128-key tile; 100 tokens over pages of two tiles
+    ("paged_attention", {"batch": 3, "q_len": 200, "num_heads": 8, "num_kv_heads": 2, "head_dim": 128,
+                         "page_size": 16, "max_pages": 48, "num_pages": 160}, "float16"),
+    ("paged_attention", {"batch": 2, "q_len": 300, "num_heads": 4, "num_kv_heads": 1, "head_dim": 64,
+                         "page_size": 128, "max_pages": 6, "num_pages": 15}, "bfloat16"),
+    ("paged_attention", {"batch": 2, "q_len": 100, "num_heads": 8, "num_kv_heads": 2, "head_dim": 128,
+                         "page_size": 256, "max_pages": 3, "num_pages": 7}, "float16"),
 ]
 IDS = [f"{name}-{dtype}-{'-'.join(str(v) for v in shape.values())}" for name, shape, dtype in CASES]
 

@@ -11,7 +11,8 @@ are first materialised gathered; fused, a row's scratch stays on chip and K/V ar
 their pages. CUDA: ``lib.attention.cuda_decode_attention`` with a K/V head's query heads x tokens
 as its rows; for decode and chunks of up to ``SPLIT_KV_MAX_Q`` tokens on an sm_90 GPU in
 float16/bfloat16 first ``cuda_split_kv``, flash-decoding (``lib.cuda_attention.decode_attention``)
-reading the pages through the block table.
+reading the pages through the block table; longer chunks ``cuda_wgmma_prefill``, the tensor-core
+prefill (``lib.cuda_attention.prefill_attention``) loading whole pages into its key tiles.
 """
 
 import math
@@ -307,6 +308,35 @@ cuda_split_kv = KernelTemplate("cuda_split_kv", _split_kv, cuda_attention.SPLIT_
                                cuda_attention.SPLIT_KV_DEFAULT_KNOBS, _split_kv_check, **HOPPER)
 
 
+def _prefill_shape(shape):
+    """(flash_attention's shape, the page geometry) of a chunk too long for the split-KV kernel."""
+    B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
+    if Q <= SPLIT_KV_MAX_Q:
+        raise cuda_attention.AttentionShapeError(f"q_len={Q}: chunks of up to {SPLIT_KV_MAX_Q} tokens run on "
+                                                 "the split-KV kernel")
+    return ({"batch": B, "heads": H, "kv_heads": KVH, "seq_q": Q, "seq_kv": MP * PS, "head_dim": D, "causal": 1},
+            (PS, MP, NP))
+
+
+def _wgmma_prefill_check(shape, dtype, knobs):
+    prefill, paged = _prefill_shape(shape)
+    return cuda_attention.check_prefill(prefill, dtype, knobs, paged)
+
+
+def _wgmma_prefill(shape, dtype, knobs):
+    """FlashAttention on Hopper tensor cores for chunks of more than SPLIT_KV_MAX_Q tokens
+    (``lib.cuda_attention.prefill_attention`` paged): TMA copies of whole pages through the block
+    table into the key ring, two wgmma consumer warpgroups of 64 query rows of one head, token t
+    seeing keys up to seq_lens[b] - q_len + t; float16/bfloat16, head_dim 64 or 128, a page size
+    that is a multiple of 8 dividing the key tile or a multiple of it."""
+    prefill, paged = _prefill_shape(shape)
+    return cuda_attention.prefill_attention(prefill, dtype, knobs, paged)
+
+
+cuda_wgmma_prefill = KernelTemplate("cuda_wgmma_prefill", _wgmma_prefill, cuda_attention.PREFILL_KNOBS,
+                                    cuda_attention.PREFILL_DEFAULT_KNOBS, _wgmma_prefill_check, **HOPPER)
+
+
 PATTERN = Pattern.from_module(
     globals(),
     description="attention over a block-table paged KV cache (vLLM layout), GQA; q_len=1 is decode, "
@@ -317,5 +347,5 @@ PATTERN = Pattern.from_module(
                   ShapeParam("page_size", 16, 4, "tokens per KV page"),
                   ShapeParam("max_pages", 32, 3, "block-table entries per sequence"),
                   ShapeParam("num_pages", 160, 8, "physical pages in the pool (>= batch*max_pages)")],
-    templates=[row_parallel, cuda_split_kv, cuda_kv_head],
+    templates=[row_parallel, cuda_split_kv, cuda_wgmma_prefill, cuda_kv_head],
 )

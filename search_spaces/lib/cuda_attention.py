@@ -63,6 +63,15 @@ Prefill: ``prefill_attention`` -> ``(q, k, v, out)``, or ``(q, k, v, mask, out)`
     rows not stored. With a mask (mask_rows > 0) seq_q must still be a multiple of 128 and seq_kv
     of BN.
 
+    With ``paged`` (page_size, max_pages, num_pages): paged_attention's chunked prefill, causal,
+    q and out (batch, seq_q, heads, head_dim), K/V in pages (num_pages, kv_heads, page_size,
+    head_dim) through block_table (batch, max_pages) and seq_lens (batch,), both int32. A head's
+    query tile is a 64-column box of the (batch x seq_q, heads x head_dim) matrix; a key tile is
+    BN / page_size page boxes (or a BN-row part of one page), each TMA copy's row looked up in
+    the block table by the producer, all completing on the slot's one barrier. The work item's
+    length seq_lens[b] sets, at run time, the causal offset seq_lens[b] - seq_q and how many key
+    tiles it visits; keys past it in the last tile are masked as above the diagonal.
+
 Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new token per sequence
     split (q, k_cache, v_cache, part_o, part_ml, length) attends q (batch, heads, head_dim) over
     positions [0, length) of the caches (batch, kv_heads, max_seq, head_dim) (length is a run-time
@@ -205,10 +214,11 @@ def prefill_shared_memory_bytes(head_dim: int, knobs: dict) -> int:
         + 8 * (2 * knobs["stages"] + 2) + 1024
 
 
-def check_prefill(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[dict, dict]:
+def check_prefill(shape: dict, dtype: str, knobs: dict | None = None,
+                  paged: tuple[int, int, int] | None = None) -> tuple[dict, dict]:
     """(dims, resolved knobs) when ``prefill_attention`` takes ``shape`` (keys PREFILL_SHAPE_KEYS,
-    optional ``causal`` 0/1, ``scale`` and ``mask_rows`` 0/1/seq_q), ``dtype`` and ``knobs``;
-    AttentionShapeError otherwise."""
+    optional ``causal`` 0/1, ``scale`` and ``mask_rows`` 0/1/seq_q), ``dtype``, ``knobs`` and
+    ``paged``; AttentionShapeError otherwise."""
     knobs = _resolve(knobs, PREFILL_KNOBS, PREFILL_DEFAULT_KNOBS)
     nb, hq, hkv, sq, skv, hd = _ints(shape, PREFILL_SHAPE_KEYS)
     _check_dtype_heads(dtype, hq, hkv, hd)
@@ -233,12 +243,26 @@ def check_prefill(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[d
                                   "carry the causal part")
     if max(nb * hq * sq, nb * hkv * skv) * hd >= 1 << 31 or nb * mask_rows * skv >= 1 << 31:
         raise AttentionShapeError("q, k/v or the mask has 2^31 elements or more (int32 indices)")
+    if paged is not None:
+        page_size, max_pages, num_pages = paged
+        if not causal or mask_rows:
+            raise AttentionShapeError("a paged chunk is causal (token t sees the keys up to seq_lens - seq_q + t) "
+                                      "and takes no mask")
+        if skv != page_size * max_pages:
+            raise AttentionShapeError(f"seq_kv={skv} must be the block table's context, page_size x max_pages "
+                                      f"= {page_size * max_pages}")
+        if page_size % 8 or (bn % page_size and page_size % bn):
+            raise AttentionShapeError(f"page_size={page_size}: a key tile is loaded as whole pages of 8-row "
+                                      f"swizzle atoms, so the page size must be a multiple of 8 that divides "
+                                      f"block_n={bn} or is a multiple of it")
+        if num_pages * hkv * page_size * hd >= 1 << 31:
+            raise AttentionShapeError("the page pool has 2^31 elements or more (int32 indices)")
     smem = prefill_shared_memory_bytes(hd, knobs)
     if smem > SHARED_MEMORY_LIMIT:
         raise AttentionShapeError(f"{smem} bytes of shared memory (stages={knobs['stages']}, block_n={bn}, "
                                   f"head_dim={hd}) exceed the {SHARED_MEMORY_LIMIT} a CTA may have")
     dims = dict(zip(PREFILL_SHAPE_KEYS, (nb, hq, hkv, sq, skv, hd)), causal=causal, scale=_scale(shape, hd),
-                mask_rows=int(mask_rows))
+                mask_rows=int(mask_rows), paged=paged)
     return dims, knobs
 
 
@@ -327,6 +351,16 @@ def causal_key_tiles(q_first, offset: int, block_n: int, padded: bool = False, k
         return (q_first + BLOCK_M + offset) // block_n, unmasked
     visit = (q_first + BLOCK_M - 1 + offset) // block_n + 1
     return (min(visit, kv_tiles) if isinstance(visit, int) else T.min(visit, kv_tiles)), unmasked
+
+
+def paged_key_row(block_table, b, kv_head, key, page_size: int, max_pages: int, kv_heads: int):
+    """Row of the page pool viewed as (num_pages x kv_heads x page_size, head_dim) holding key
+    position ``key`` of sequence b's K/V head kv_head (Python ints and a numpy block table, or the
+    kernel's expressions and buffer). A key past the table's last entry reads that entry's page:
+    such keys are past seq_lens[b], masked."""
+    entry = key // page_size
+    entry = min(entry, max_pages - 1) if isinstance(entry, int) else T.min(entry, max_pages - 1)
+    return (block_table[b, entry] * kv_heads + kv_head) * page_size + key % page_size
 
 
 # The steps of one key tile in a consumer warpgroup. Register layout of an m64nN float32
@@ -459,13 +493,17 @@ def _issue_pv(o, n_o, p_regs, v_smem, slot, block_n, mma, v_box_units, desc_b):
     T.ptx.wgmma.commit_group.sync.aligned()
 
 
-def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = None):
+def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = None,
+                      paged: tuple[int, int, int] | None = None):
     """The tirx PrimFunc ``(q, k, v, out)`` of the prefill forward (module docstring) for ``shape``
     {batch, heads, kv_heads, seq_q, seq_kv, head_dim, causal (0), scale (1/sqrt(head_dim)),
     mask_rows (0)}; global symbol ``attention_prefill``. With ``mask_rows`` 1 or seq_q it is
     ``(q, k, v, mask, out)``, the additive mask (batch, 1, mask_rows, seq_kv) in the dtype, global
-    symbol ``attention_prefill_masked``. AttentionShapeError when shape, dtype or knobs do not fit."""
-    dims, knobs = check_prefill(shape, dtype, knobs)
+    symbol ``attention_prefill_masked``. With ``paged`` (page_size, max_pages, num_pages) it is
+    paged_attention's chunked prefill ``(q, k_pages, v_pages, block_table, seq_lens, out)``, global
+    symbol ``attention_prefill_paged`` (module docstring). AttentionShapeError when shape, dtype or
+    knobs do not fit."""
+    dims, knobs = check_prefill(shape, dtype, knobs, paged)
     nb, hq, hkv, sq, skv, hd = (dims[key] for key in PREFILL_SHAPE_KEYS)
     causal = bool(dims["causal"])
     mask_rows = dims["mask_rows"]
@@ -489,6 +527,15 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
     q_rows, kv_rows = nb * hq * sq, nb * hkv * skv
     tma_q = _tensor_map_args(q_rows, hd, bm)
     tma_kv = _tensor_map_args(kv_rows, hd, bn)
+    is_paged = paged is not None
+    if is_paged:
+        # q and out (batch, seq_q, heads, head_dim): a head's query tile is a column box of the
+        # (batch x seq_q, heads x head_dim) matrix; a key tile is bn / box_kv boxes of page rows
+        page_size, max_pages, num_pages = paged
+        box_kv = min(page_size, bn)
+        tma_q = _tensor_map_args(nb * sq, hq * hd, bm)
+        tma_kv = _tensor_map_args(num_pages * hkv * page_size, hd, box_kv)
+        padded = True  # the sequence's length is a run-time value
     kv_tile_bytes = 2 * bn * hd * 2
     v_box_units = bn * 64 * 2 // 16    # one 64-column box of the V tile, in 16-byte units
     tiles = q_tiles * nb * hq          # (query tile, batch x head) work items
@@ -499,9 +546,17 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         """(query tile, batch x head) of this CTA's it-th work item."""
         return prefill_work_item(prefill_cta_item(cta, it, grid, paired), q_tiles, nb * hq, causal, paired)
 
+    def item_keys(q_first, length):
+        """(key tiles visited, of which unmasked (causal), the causal offset) of a work item whose
+        query tile starts at row q_first; paged, ``length`` holds its sequence's seq_lens entry."""
+        key_offset = offset if length is None else length[0] - sq
+        n_kv = kv_tiles if length is None else (length[0] + bn - 1) // bn
+        visit = causal_key_tiles(q_first, key_offset, bn, padded, n_kv)[0] if causal else kv_tiles
+        return visit, causal_key_tiles(q_first, key_offset, bn)[1], key_offset
+
     @T.macro
-    def key_tile_softmax(s, m, l, m_new, alpha, tile_sum, j, n_tiles, n_unmasked, first_row, head, lane, q_empty,
-                         M_words, mask_pair, mask_word):
+    def key_tile_softmax(s, m, l, m_new, alpha, tile_sum, j, n_tiles, n_unmasked, key_offset, first_row, head, lane,
+                         q_empty, M_words, mask_pair, mask_word):
         """After key tile j's scores landed: release the query tile after the item's last one, mask,
         and the online softmax's update (``_softmax_tile``)."""
         if j == n_tiles - 1:
@@ -509,7 +564,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                 T.ptx.mbarrier.arrive.shared.b64(T.address_of(q_empty[0]))
         if causal:
             if j >= n_unmasked:
-                _mask_above_diagonal(s, n_s, j * bn, first_row, offset, lane)
+                _mask_above_diagonal(s, n_s, j * bn, first_row, key_offset, lane)
         elif pad_kv:
             if j == n_tiles - 1:
                 _mask_keys_from(s, n_s, j * bn, skv, lane)
@@ -521,7 +576,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
 
     # One body for both signatures (with and without the mask), spliced into each.
     @T.macro
-    def body(Q, K, V, Mk, O):
+    def body(Q, K, V, Mk, BT, SL, O):
         Q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", Q_map, dtype, 2, Q.data, *tma_q)
         K_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
@@ -554,7 +609,10 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         ring = T.alloc_buffer((1,), "int32", scope="local")  # key tiles through the ring before this work item
         out_pair = T.alloc_buffer((2,), dtype, scope="local")
         out_word = T.decl_buffer((1,), "uint32", data=out_pair.data, scope="local")
-        O_words = T.decl_buffer((q_rows, hd // 2), "uint32", data=O.data)
+        if is_paged:
+            O_words = T.decl_buffer((nb * sq, hq, hd // 2), "uint32", data=O.data)
+        else:
+            O_words = T.decl_buffer((q_rows, hd // 2), "uint32", data=O.data)
         if masked:
             # the mask as 4-byte words: a thread's two adjacent keys of a row in one load
             M_words = T.decl_buffer((nb * mask_rows * skv // 2,), "uint32", data=Mk.data)
@@ -564,6 +622,11 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
             M_words = T.meta_var(None)
             mask_pair = T.meta_var(None)
             mask_word = T.meta_var(None)
+        if is_paged:
+            length = T.alloc_buffer((1,), "int32", scope="local")    # the work item's seq_lens entry
+            page_row = T.alloc_buffer((1,), "int32", scope="local")  # a key box's row in the page pool
+        else:
+            length = T.meta_var(None)
         # This CTA's work items: cta, cta + grid, ... (one each unless persistent), or pairs of them
         items = T.meta_var(prefill_cta_items(cta, grid, tiles, paired))
         wg = T.meta_var(tx // 128 - 1)
@@ -586,23 +649,39 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                     head = T.meta_var(work_item(cta, it)[1])
                     q_first = T.meta_var(q_tile * bm)
                     kv_row0 = T.meta_var(head // group * skv)  # (b * heads + h) // group = b * kv_heads + h // group
-                    n_tiles = T.meta_var(causal_key_tiles(q_first, offset, bn, padded, kv_tiles)[0] if causal else kv_tiles)
+                    if is_paged:
+                        length[0] = SL[head // hq]
+                    n_tiles = T.meta_var(item_keys(q_first, length)[0])
                     if it > 0:  # both consumers issued their last Q K^T of the previous item
                         T.cuda.mbarrier_wait(T.address_of(q_empty[0]), (it - 1) % 2)
                     for h in T.unroll(boxes):
-                        T.ptx[_TMA_LOAD](Qs.ptr_to([h, 0, 0]), T.address_of(Q_map), h * 64, head * sq + q_first,
-                                         T.address_of(q_full[0]))
+                        if is_paged:
+                            T.ptx[_TMA_LOAD](Qs.ptr_to([h, 0, 0]), T.address_of(Q_map), head % hq * hd + h * 64,
+                                             head // hq * sq + q_first, T.address_of(q_full[0]))
+                        else:
+                            T.ptx[_TMA_LOAD](Qs.ptr_to([h, 0, 0]), T.address_of(Q_map), h * 64, head * sq + q_first,
+                                             T.address_of(q_full[0]))
                     T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(q_full[0]), T.uint32(bm * hd * 2))
                     for j in T.serial(n_tiles):
                         g = T.meta_var(ring[0] + j)
                         st = T.meta_var(g % stages)
                         if g >= stages:  # wait until both consumers released the slot's previous tile
                             T.cuda.mbarrier_wait(T.address_of(empty[st]), (g // stages + 1) % 2)
-                        for h in T.unroll(boxes):
-                            T.ptx[_TMA_LOAD](Ks.ptr_to([st, h, 0, 0]), T.address_of(K_map), h * 64,
-                                             kv_row0 + j * bn, T.address_of(full[st]))
-                            T.ptx[_TMA_LOAD](Vs.ptr_to([st, h, 0, 0]), T.address_of(V_map), h * 64,
-                                             kv_row0 + j * bn, T.address_of(full[st]))
+                        if is_paged:
+                            for e in T.unroll(bn // box_kv):
+                                page_row[0] = paged_key_row(BT, head // hq, head % hq // group, j * bn + e * box_kv,
+                                                            page_size, max_pages, hkv)
+                                for h in T.unroll(boxes):
+                                    T.ptx[_TMA_LOAD](Ks.ptr_to([st, h, e * box_kv, 0]), T.address_of(K_map), h * 64,
+                                                     page_row[0], T.address_of(full[st]))
+                                    T.ptx[_TMA_LOAD](Vs.ptr_to([st, h, e * box_kv, 0]), T.address_of(V_map), h * 64,
+                                                     page_row[0], T.address_of(full[st]))
+                        else:
+                            for h in T.unroll(boxes):
+                                T.ptx[_TMA_LOAD](Ks.ptr_to([st, h, 0, 0]), T.address_of(K_map), h * 64,
+                                                 kv_row0 + j * bn, T.address_of(full[st]))
+                                T.ptx[_TMA_LOAD](Vs.ptr_to([st, h, 0, 0]), T.address_of(V_map), h * 64,
+                                                 kv_row0 + j * bn, T.address_of(full[st]))
                         T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[st]), T.uint32(kv_tile_bytes))
                     ring[0] = ring[0] + n_tiles
         else:
@@ -612,10 +691,14 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                 q_tile = T.meta_var(work_item(cta, it)[0])
                 head = T.meta_var(work_item(cta, it)[1])
                 q_first = T.meta_var(q_tile * bm)
-                q_row0 = T.meta_var(head * sq + q_first)
+                # out's row of the tile's first query: (batch x head, seq_q) rows, paged (batch, seq_q)
+                q_row0 = T.meta_var(head // hq * sq + q_first if is_paged else head * sq + q_first)
+                if is_paged:
+                    length[0] = SL[head // hq]
                 # Key tiles this item visits; the last BM / BN of them (causal) cross the diagonal.
-                n_tiles = T.meta_var(causal_key_tiles(q_first, offset, bn, padded, kv_tiles)[0] if causal else kv_tiles)
-                n_unmasked = T.meta_var(causal_key_tiles(q_first, offset, bn)[1])
+                n_tiles = T.meta_var(item_keys(q_first, length)[0])
+                n_unmasked = T.meta_var(item_keys(q_first, length)[1])
+                key_offset = T.meta_var(item_keys(q_first, length)[2])
                 for i in T.unroll(n_o):
                     o[i] = T.float32(0)
                 for r in T.unroll(2):
@@ -635,8 +718,8 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                     _issue_scores(s, n_s, Qs, Ks, ring[0] % stages, wg, hd, mma_s, desc_a, desc_b)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     pin_registers(s, n_s, "float32")
-                    key_tile_softmax(s, m, l, m_new, alpha, tile_sum, 0, n_tiles, n_unmasked, q_first + wg * 64, head,
-                                     lane, q_empty, M_words, mask_pair, mask_word)
+                    key_tile_softmax(s, m, l, m_new, alpha, tile_sum, 0, n_tiles, n_unmasked, key_offset, q_first + wg * 64,
+                                     head, lane, q_empty, M_words, mask_pair, mask_word)
                     _rescale_cast(s, p, n_s, o, n_o, alpha, dtype)
                     for j1 in T.serial(n_tiles - 1):
                         g = T.meta_var(ring[0] + j1 + 1)
@@ -645,7 +728,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                         _issue_pv(o, n_o, p_regs, Vs, (g - 1) % stages, bn, mma_o, v_box_units, desc_b)
                         T.ptx.wgmma.wait_group.sync.aligned(1)
                         pin_registers(s, n_s, "float32")
-                        key_tile_softmax(s, m, l, m_new, alpha, tile_sum, j1 + 1, n_tiles, n_unmasked,
+                        key_tile_softmax(s, m, l, m_new, alpha, tile_sum, j1 + 1, n_tiles, n_unmasked, key_offset,
                                          q_first + wg * 64, head, lane, q_empty, M_words, mask_pair, mask_word)
                         T.ptx.wgmma.wait_group.sync.aligned(0)
                         pin_registers(o, n_o, "float32")
@@ -666,8 +749,8 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                         T.cuda.mbarrier_wait(T.address_of(full[st]), g // stages % 2)
                         _issue_scores(s, n_s, Qs, Ks, st, wg, hd, mma_s, desc_a, desc_b)
                         T.ptx.wgmma.wait_group.sync.aligned(0)
-                        key_tile_softmax(s, m, l, m_new, alpha, tile_sum, j, n_tiles, n_unmasked, q_first + wg * 64,
-                                         head, lane, q_empty, M_words, mask_pair, mask_word)
+                        key_tile_softmax(s, m, l, m_new, alpha, tile_sum, j, n_tiles, n_unmasked, key_offset,
+                                         q_first + wg * 64, head, lane, q_empty, M_words, mask_pair, mask_word)
                         _rescale_cast(s, p, n_s, o, n_o, alpha, dtype)
                         _issue_pv(o, n_o, p_regs, Vs, st, bn, mma_o, v_box_units, desc_b)
                         T.ptx.wgmma.wait_group.sync.aligned(0)
@@ -687,9 +770,14 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                     row = T.meta_var(q_row0 + wg * 64 + lane // 32 * 16 + lane % 32 // 4 + i % 2 * 8)
                     out_pair[0] = T.Cast(dtype, o[i * 2] * l[i % 2])
                     out_pair[1] = T.Cast(dtype, o[i * 2 + 1] * l[i % 2])
-                    if pad_q:  # rows past seq_q belong to the next head
+                    if pad_q:  # rows past seq_q belong to the next head (paged: sequence)
                         if q_first + wg * 64 + lane // 32 * 16 + lane % 32 // 4 + i % 2 * 8 < sq:
-                            O_words[row, i // 2 * 4 + lane % 4] = out_word[0]
+                            if is_paged:
+                                O_words[row, head % hq, i // 2 * 4 + lane % 4] = out_word[0]
+                            else:
+                                O_words[row, i // 2 * 4 + lane % 4] = out_word[0]
+                    elif is_paged:
+                        O_words[row, head % hq, i // 2 * 4 + lane % 4] = out_word[0]
                     else:
                         O_words[row, i // 2 * 4 + lane % 4] = out_word[0]
 
@@ -702,9 +790,23 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
             V = T.match_buffer(v, (nb, hkv, skv, hd), dtype, align=16)
             Mk = T.match_buffer(mask, (nb, 1, mask_rows, skv), dtype, align=16)
             O = T.match_buffer(out, (nb, hq, sq, hd), dtype, align=16)
-            body(Q, K, V, Mk, O)
+            body(Q, K, V, Mk, None, None, O)
 
         return _mark(attention_masked, "attention_prefill_masked")
+
+    if is_paged:
+        @T.prim_func
+        def attention_paged(q: T.handle, k_pages: T.handle, v_pages: T.handle, block_table: T.handle,
+                            seq_lens: T.handle, out: T.handle):
+            Q = T.match_buffer(q, (nb, sq, hq, hd), dtype, align=16)
+            K = T.match_buffer(k_pages, (num_pages, hkv, page_size, hd), dtype, align=16)
+            V = T.match_buffer(v_pages, (num_pages, hkv, page_size, hd), dtype, align=16)
+            BT = T.match_buffer(block_table, (nb, max_pages), "int32")
+            SL = T.match_buffer(seq_lens, (nb,), "int32")
+            O = T.match_buffer(out, (nb, sq, hq, hd), dtype, align=16)
+            body(Q, K, V, None, BT, SL, O)
+
+        return _mark(attention_paged, "attention_prefill_paged")
 
     @T.prim_func
     def attention(q: T.handle, k: T.handle, v: T.handle, out: T.handle):
@@ -712,7 +814,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         K = T.match_buffer(k, (nb, hkv, skv, hd), dtype, align=16)
         V = T.match_buffer(v, (nb, hkv, skv, hd), dtype, align=16)
         O = T.match_buffer(out, (nb, hq, sq, hd), dtype, align=16)
-        body(Q, K, V, None, O)
+        body(Q, K, V, None, None, None, O)
 
     return _mark(attention, "attention_prefill")
 

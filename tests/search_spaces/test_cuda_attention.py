@@ -14,6 +14,7 @@ import subprocess
 import numpy as np
 import pytest
 
+from autofuse.measure import param_buffers
 from search_spaces.lib import cuda_attention as ca
 from search_spaces.lib.cuda_wgmma import SM_COUNT
 
@@ -21,6 +22,9 @@ PREFILL = dict(batch=1, heads=4, kv_heads=2, seq_q=256, seq_kv=384, head_dim=128
 MASKED = dict(PREFILL, causal=0, mask_rows=1, batch=2)
 DECODE = dict(batch=2, num_heads=8, num_kv_heads=2, head_dim=128, max_seq=1000)
 VERIFY = dict(DECODE, cache_len=700)  # with drafts: spec_verify_attention's split-KV kernels
+# paged_attention's chunk of 200 tokens over 16-key pages (a 512-key table: 32 pages)
+PAGED_CHUNK = dict(batch=2, heads=8, kv_heads=2, seq_q=200, seq_kv=512, head_dim=128, causal=1)
+PAGES = (16, 32, 80)  # page_size, max_pages, num_pages
 
 
 def _source(func) -> str:
@@ -252,6 +256,17 @@ def test_prefill_shape_errors(change, fragment):
         ca.prefill_attention(dict(PREFILL, **change), "float16")
 
 
+@pytest.mark.parametrize("change,pages,fragment", [
+    (dict(causal=0), PAGES, "a paged chunk is causal"),
+    (dict(seq_kv=384), PAGES, "page_size x max_pages = 512"),
+    (dict(seq_kv=24 * 32), (24, 32, 80), "page_size=24"),
+    (dict(seq_kv=4 * 128), (4, 128, 300), "page_size=4"),
+])
+def test_paged_prefill_errors(change, pages, fragment):
+    with pytest.raises(ca.AttentionShapeError, match=re.escape(fragment)):
+        ca.check_prefill(dict(PAGED_CHUNK, **change), "float16", None, pages)
+
+
 def test_prefill_other_errors():
     with pytest.raises(ca.AttentionShapeError, match="float32"):
         ca.prefill_attention(PREFILL, "float32")
@@ -266,6 +281,21 @@ def test_prefill_other_errors():
     assert ca.check_prefill(masked, "float16", dict(block_n=64))
     with pytest.raises(ca.AttentionShapeError, match="block_n=128"):
         ca.check_prefill(masked, "float16", dict(block_n=128))
+
+
+@pytest.mark.parametrize("pages,lookups", [(PAGES, 128 // 16), ((256, 2, 5), 1), ((64, 8, 20), 2)])
+def test_paged_prefill_loads_whole_pages_through_the_block_table(pages, lookups):
+    shape = dict(PAGED_CHUNK, seq_kv=pages[0] * pages[1])
+    func = ca.prefill_attention(shape, "float16", None, paged=pages)
+    assert func.attrs["global_symbol"] == "attention_prefill_paged"
+    assert [tuple(int(d) for d in b.shape) for b in param_buffers(func)] == [
+        (2, 200, 8, 128), (pages[2], 2, pages[0], 128), (pages[2], 2, pages[0], 128), (2, pages[1]), (2,),
+        (2, 200, 8, 128)]
+    source = _source(func)
+    # a block-table lookup per page box of a 128-key tile (the producer's tile loop is not unrolled),
+    # each feeding a K and a V copy of both 64-column boxes
+    assert source.count("BT_ptr[") == lookups
+    assert "SL_ptr[" in source and "m64n128k16_f32_f16_f16" in source
 
 
 # Lengths no multiple of the tiles: the last query tile half past seq_q, the last key tile too
@@ -344,10 +374,11 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not f
 
 @needs_nvcc
 @pytest.mark.parametrize("shape", [PREFILL, dict(PREFILL, causal=0, head_dim=64), dict(MASKED, mask_rows=256),
-                                   PADDED[0], PADDED[1]])
+                                   PADDED[0], PADDED[1], PAGED_CHUNK])
 def test_nvcc_compiles_prefill_defaults(tmp_path, shape):
     # 384 threads: at most 168 registers each, or the CTA does not fit the register file
-    [(regs, spills)] = _ptxas(_source(ca.prefill_attention(shape, "float16")), tmp_path)
+    pages = PAGES if shape is PAGED_CHUNK else None
+    [(regs, spills)] = _ptxas(_source(ca.prefill_attention(shape, "float16", None, pages)), tmp_path)
     assert regs <= 168 and spills == 0
 
 
@@ -412,6 +443,31 @@ def test_causal_key_tiles_visit_every_visible_key_and_mask_only_where_needed(blo
         assert n_unmasked * block_n <= seq_kv and rows[:, :n_unmasked * block_n].all()  # unmasked: all visible
         if (n_unmasked + 1) * block_n <= seq_kv:                 # the next whole tile is not
             assert not rows[:, n_unmasked * block_n:(n_unmasked + 1) * block_n].all()
+
+
+@pytest.mark.parametrize("page_size,block_n", [(16, 128), (64, 64), (256, 128), (8, 64)])
+def test_paged_key_rows_gather_each_sequences_keys(page_size, block_n):
+    # the producer's TMA rows (a box of min(page_size, block_n) rows per lookup), read from the pool
+    # viewed as (num_pages x kv_heads x page_size) rows, are paged_attention's gathered keys
+    from search_spaces.attention.paged_attention import gather_cache
+
+    rng = np.random.default_rng(0)
+    batch, kv_heads, max_pages = 3, 2, max(2, 1024 // page_size)
+    num_pages = batch * max_pages + 3
+    pool = rng.standard_normal((num_pages, kv_heads, page_size, 4))
+    table = rng.integers(0, num_pages, (batch, max_pages))
+    table[:, :] = rng.permutation(num_pages)[:batch * max_pages].reshape(batch, max_pages)
+    rows, keys = pool.reshape(-1, 4), gather_cache(pool, table)
+    box = min(page_size, block_n)
+    for b, length in enumerate((1, 333, max_pages * page_size)):
+        for h in range(kv_heads):
+            for j in range(-(-length // block_n)):                     # the key tiles a chunk visits
+                for e in range(block_n // box):
+                    first = j * block_n + e * box
+                    row = ca.paged_key_row(table, b, h, first, page_size, max_pages, kv_heads)
+                    real = min(box, max(0, length - first))                # keys past seq_lens are masked
+                    np.testing.assert_array_equal(rows[row:row + real], keys[b, h, first:first + real])
+                    assert 0 <= row and row + box <= len(rows)
 
 
 def _masked_prefill_model(q, k, v, mask, block_n, scale):
