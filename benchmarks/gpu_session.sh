@@ -41,6 +41,11 @@
 #             GQA 32/8, D128) at VERIFY_SPECS batch:cache_len:drafts against torch SDPA over the
 #             concatenated K/V and torch eager on its ONNX graph (both labelled: they copy the cache).
 #             Lands in $OUT/verify.tar.gz, one report per shape
+#   paged     issue 23: paged_attention's GPU tests, then its chunked prefill (float16, one sequence, GQA
+#             32/8, D128, 16-key pages) at PAGED_SPECS q_len:context through `autofuse compare`
+#             against torch eager and torch.compile of its ONNX graph (PAGED_BASELINES), and
+#             flash_attention causal at q_len x the sequence's seeded length against torch SDPA (the
+#             same attention over a contiguous cache). Lands in $OUT/paged.tar.gz
 #   prefill-grid  issue 23: flash_attention (float16, 16 heads, D128) at seq 1024 (batch 8), 2048
 #             (batch 8) and 4096 (batch 2), causal and not (PREFILL_SPECS: batch:seq:causal[:head_dim[:heads]] ...),
 #             through `autofuse compare` against torch SDPA (numpy's float64 reference bounds the
@@ -204,6 +209,30 @@ verify)
     tar -C "$work" -czf "$OUT/verify.tar.gz" .  # kept if the call is cut
   done
   ;;
+paged)
+  work=$(mktemp -d)
+  trap 'tar -C "$work" -czf "$OUT/paged.tar.gz" .' EXIT
+  exec > >(tee "$work/paged.log") 2>&1
+  commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  timeout 200 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_kernel_templates_gpu.py -k paged \
+    --junitxml="$work/paged-gpu-tests.xml"
+  # q_len:context (one sequence, GQA 32/8, D128, 16-key pages): paged_attention's chunk against torch
+  # on its ONNX graph (which gathers the whole table), then flash_attention causal over a contiguous
+  # cache of the sequence's own length (make_inputs' seeded seq_lens[0]) against torch SDPA: the
+  # same attention without the pages
+  for spec in ${PAGED_SPECS:-1024:4096 2048:8192}; do
+    IFS=: read -r q_len context <<< "$spec"
+    shape=batch=1,q_len=$q_len,num_heads=32,num_kv_heads=8,head_dim=128,page_size=16,max_pages=$((context / 16)),num_pages=$((context / 16))
+    length=$(python3 -c "from autofuse.registry import get_pattern; p = get_pattern('paged_attention')
+print(p.make_inputs(p.resolve_shape(dict(kv.split('=') for kv in '$shape'.split(','))), 'float16', 0)[4][0])")
+    timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern paged_attention --shape "$shape" \
+      --baselines "${PAGED_BASELINES:-torch-eager,torch-compile}" --repeat 20 --no-plots --report "$work/paged-q$q_len-c$context"
+    timeout 120 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern flash_attention \
+      --shape batch=1,heads=32,kv_heads=8,seq_q=$q_len,seq_kv=$length,head_dim=128,causal=1 \
+      --baselines torch-sdpa --repeat 20 --no-plots --report "$work/contiguous-q$q_len-kv$length"
+    tar -C "$work" -czf "$OUT/paged.tar.gz" .  # kept if the call is cut
+  done
+  ;;
 prefill-grid)
   work=$(mktemp -d)
   trap 'tar -C "$work" -czf "$OUT/prefill-grid.tar.gz" .' EXIT
@@ -307,7 +336,7 @@ woq)
   done
   ;;
 *)
-  echo "usage: $0 measure|tune|check|kernels|parity|decode-grid|prefill-grid|gemm-sweep|real-models|hopper-tune|woq|moe" >&2
+  echo "usage: $0 measure|tune|check|kernels|parity|decode-grid|prefill-grid|paged|gemm-sweep|real-models|hopper-tune|woq|moe" >&2
   exit 2
   ;;
 esac
