@@ -46,6 +46,9 @@
 #             against torch eager and torch.compile of its ONNX graph (PAGED_BASELINES), and
 #             flash_attention causal at q_len x the sequence's seeded length against torch SDPA (the
 #             same attention over a contiguous cache). Lands in $OUT/paged.tar.gz
+#   rope      issue 23: rope_qk's and masked_attention's GPU tests, then rope_qk (float16, head_dim 128,
+#             seq_q = seq_k) at ROPE_SPECS batch:heads:seq through `autofuse compare` against torch
+#             eager and torch.compile of its ONNX graph (ROPE_BASELINES). Lands in $OUT/rope.tar.gz
 #   prefill-grid  issue 23: flash_attention (float16, 16 heads, D128) at seq 1024 (batch 8), 2048
 #             (batch 8) and 4096 (batch 2), causal and not (PREFILL_SPECS: batch:seq:causal[:head_dim[:heads]] ...),
 #             through `autofuse compare` against torch SDPA (numpy's float64 reference bounds the
@@ -233,6 +236,22 @@ print(p.make_inputs(p.resolve_shape(dict(kv.split('=') for kv in '$shape'.split(
     tar -C "$work" -czf "$OUT/paged.tar.gz" .  # kept if the call is cut
   done
   ;;
+rope)
+  work=$(mktemp -d)
+  trap 'tar -C "$work" -czf "$OUT/rope.tar.gz" .' EXIT
+  exec > >(tee "$work/rope.log") 2>&1
+  commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
+  timeout 150 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_kernel_templates_gpu.py -k "rope or masked" \
+    --junitxml="$work/rope-masked-gpu-tests.xml"
+  # batch:heads:seq (seq_q = seq_k, head_dim 128)
+  for spec in ${ROPE_SPECS:-1:32:2048 1:32:4096}; do
+    IFS=: read -r batch heads seq <<< "$spec"
+    timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern rope_qk \
+      --shape batch=$batch,heads=$heads,seq_q=$seq,seq_k=$seq,head_dim=128 \
+      --baselines "${ROPE_BASELINES:-torch-eager,torch-compile}" --repeat 20 --no-plots --report "$work/rope-b$batch-h$heads-s$seq"
+    tar -C "$work" -czf "$OUT/rope.tar.gz" .  # kept if the call is cut
+  done
+  ;;
 prefill-grid)
   work=$(mktemp -d)
   trap 'tar -C "$work" -czf "$OUT/prefill-grid.tar.gz" .' EXIT
@@ -336,7 +355,7 @@ woq)
   done
   ;;
 *)
-  echo "usage: $0 measure|tune|check|kernels|parity|decode-grid|prefill-grid|paged|gemm-sweep|real-models|hopper-tune|woq|moe" >&2
+  echo "usage: $0 measure|tune|check|kernels|parity|decode-grid|prefill-grid|paged|rope|gemm-sweep|real-models|hopper-tune|woq|moe" >&2
   exit 2
   ;;
 esac

@@ -77,7 +77,15 @@ CASES = [
                           "mask_rows": 384}, "bfloat16"),
     ("masked_attention", {"batch": 2, "heads": 16, "kv_heads": 16, "seq_q": 1024, "seq_kv": 1024, "head_dim": 64,
                           "mask_rows": 1}, "float16"),
+    # padded last tiles under a mask: a row per query (padded rows read the last query's), one row
+    ("masked_attention", {"batch": 2, "heads": 8, "kv_heads": 2, "seq_q": 200, "seq_kv": 334, "head_dim": 128,
+                          "mask_rows": 200}, "float16"),
+    ("masked_attention", {"batch": 3, "heads": 4, "kv_heads": 4, "seq_q": 77, "seq_kv": 290, "head_dim": 64,
+                          "mask_rows": 1}, "bfloat16"),
     ("cross_attention", {"batch": 2, "heads": 4, "seq_q": 256, "seq_kv": 384, "head_dim": 128}, "float16"),
+    # rotary scores: padded query and key tiles (queries at the last positions); D64 pairs in one box
+    ("rope_qk", {"batch": 2, "heads": 4, "seq_q": 200, "seq_k": 334, "head_dim": 128}, "float16"),
+    ("rope_qk", {"batch": 1, "heads": 8, "seq_q": 256, "seq_k": 512, "head_dim": 64}, "bfloat16"),
     # sequences of seeded lengths over scattered pages; a block table whose unused entries point anywhere
     ("paged_attention", {"batch": 4, "q_len": 1, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
                          "page_size": 16, "max_pages": 64, "num_pages": 300}, "float16"),

@@ -8,8 +8,7 @@ heads as in flash_attention; in a model, K/V that the graph repeats for the quer
 Unsqueeze/Expand/Reshape) reach the kernel unrepeated. The kernel is flash_attention's (``lib.attention.flash_attention_func``
 with the mask hook: key tiles, online softmax, scores and statistics in float32) and so are its
 templates ``flash_tiles`` and ``cuda_flash``. On an sm_90 GPU in float16/bfloat16 the kernel template
-``cuda_wgmma_masked`` comes first where its tiles fit (seq_q a multiple of 128, seq_kv of the key
-tile, head_dim 64 or 128; elsewhere ``cuda_flash``): flash_attention's ``cuda_wgmma_flash``
+``cuda_wgmma_masked`` comes first (head_dim 64 or 128, seq_kv even; elsewhere ``cuda_flash``): flash_attention's ``cuda_wgmma_flash``
 (``lib.cuda_attention.prefill_attention``, TMA + wgmma) with ``mask_rows``, each thread adding the
 mask words of its accumulator's (row, key) pairs to the scaled scores in float32 before the row max.
 
@@ -97,7 +96,7 @@ def _wgmma_prefill(shape, dtype, knobs):
     """FlashAttention with the additive mask on Hopper tensor cores (``lib.cuda_attention.prefill_attention``
     with ``mask_rows``): flash_attention's ``cuda_wgmma_flash`` kernel, each score scaled and its mask
     added in float32 before the row max, a row of -inf keys stored as 0; float16/bfloat16, head_dim
-    64 or 128, seq_q a multiple of 128 and seq_kv of the key tile (other shapes fall back to
+    64 or 128, any seq_q and an even seq_kv (padded last tiles; other shapes fall back to
     ``cuda_flash``)."""
     _check_wgmma(shape, dtype, knobs)
     return cuda_attention.prefill_attention(shape, dtype, knobs)

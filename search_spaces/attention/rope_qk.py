@@ -5,7 +5,9 @@ the last seq_q of the seq_k key positions; scale = 1/sqrt(head_dim). The rotated
 indexed by (half, index in the half), so the partner element is an affine index (no modulo) and the
 rotation vectorises; rotated K is stored transposed for the GEMM's key axis. Unfused, rope(q) and
 rope(k) go to memory and back; fused, each tile's rotation is computed once, into a small buffer
-(``key_tiles``) or shared memory (``cuda_score_tiles``), and reused by the whole tile.
+(``key_tiles``) or shared memory (``cuda_score_tiles``; on an sm_90 GPU in float16/bfloat16 first
+``cuda_wgmma_scores``, the tiles rotated in place after their TMA copy, then wgmma), and reused by
+the whole tile.
 """
 
 import math
@@ -13,8 +15,11 @@ import math
 import numpy as np
 from tvm.script import tirx as T
 
+from autofuse.kernel_templates import KernelTemplate
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
+from search_spaces.lib import cuda_attention
 from search_spaces.lib.attention import BATCH, HEADS
+from search_spaces.lib.cuda_wgmma import HOPPER
 from search_spaces.lib.cuda_gemm import cuda_tile_output, cuda_unroll, cuda_vector_lanes
 from search_spaces.lib.tiling import unroll
 
@@ -209,6 +214,17 @@ def cuda_score_tiles(sch, target, knobs):
     cuda_unroll(sch, knobs, bx)
 
 
+def _wgmma_scores(shape, dtype, knobs):
+    """The scores on Hopper tensor cores (``lib.cuda_attention.rope_scores``): Q and K tiles by TMA,
+    rotated in shared memory by every thread, one wgmma chain over head_dim per warpgroup, scaled
+    and stored from the accumulators; float16/bfloat16, head_dim 64 or 128, an even seq_k."""
+    return cuda_attention.rope_scores(shape, dtype, knobs)
+
+
+cuda_wgmma_scores = KernelTemplate("cuda_wgmma_scores", _wgmma_scores, cuda_attention.ROPE_KNOBS,
+                                   cuda_attention.ROPE_DEFAULT_KNOBS, cuda_attention.check_rope_scores, **HOPPER)
+
+
 def onnx_graph(shape, dtype):
     """Rotate-half as Slice/Neg/Concat, Mul/Add with the tables (the queries' rows Sliced out),
     Transpose, MatMul, Mul by the scale."""
@@ -244,5 +260,5 @@ PATTERN = Pattern.from_module(
     shape_params=[BATCH, HEADS, ShapeParam("seq_q", 256, 8, "queries (the last seq_q positions)"),
                   ShapeParam("seq_k", 256, 12, "keys (positions 0..seq_k-1), >= seq_q"),
                   ShapeParam("head_dim", 64, 8, "head dimension D (even)", minimum=2)],
-    templates=[key_tiles, cuda_score_tiles],
+    templates=[key_tiles, cuda_wgmma_scores, cuda_score_tiles],
 )

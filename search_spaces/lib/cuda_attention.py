@@ -60,8 +60,9 @@ Prefill: ``prefill_attention`` -> ``(q, k, v, out)``, or ``(q, k, v, mask, out)`
     load ahead (in an H100 sweep overlap was the slowest with two stages and the fastest with
     three). Any seq_q and seq_kv: a last tile past the end copies the next head's rows (or TMA's
     zeros past the tensor), its keys masked (non-causal; causal masks them already), its query
-    rows not stored. With a mask (mask_rows > 0) seq_q must still be a multiple of 128 and seq_kv
-    of BN.
+    rows not stored. With a mask the same, its loads clamped to the mask (a padded row reads the
+    last query's words, keys past seq_kv some word of the mask, then -inf); seq_kv must be even (the
+    mask is read two keys at a time).
 
     With ``paged`` (page_size, max_pages, num_pages): paged_attention's chunked prefill, causal,
     q and out (batch, seq_q, heads, head_dim), K/V in pages (num_pages, kv_heads, page_size,
@@ -227,12 +228,9 @@ def check_prefill(shape: dict, dtype: str, knobs: dict | None = None,
         raise AttentionShapeError(f"causal={causal} must be 0 or 1")
     bn = knobs["block_n"]
     mask_rows = shape.get("mask_rows", 0) or 0
-    if mask_rows and sq % BLOCK_M:
-        raise AttentionShapeError(f"seq_q={sq} is not a multiple of the query tile {BLOCK_M}: with a mask "
-                                  "(mask_rows > 0) padded tiles are not supported yet")
-    if mask_rows and skv % bn:
-        raise AttentionShapeError(f"seq_kv={skv} is not a multiple of the key tile block_n={bn}: with a mask "
-                                  "(mask_rows > 0) padded tiles are not supported yet")
+    if mask_rows and skv % 2:
+        raise AttentionShapeError(f"seq_kv={skv} is odd: with a mask (mask_rows > 0) the kernel reads the mask "
+                                  "two keys (4 bytes) at a time, so its rows must have an even length")
     if causal and sq > skv:
         raise AttentionShapeError(f"causal attention needs seq_q={sq} <= seq_kv={skv} "
                                   "(the mask is aligned at the end: otherwise early queries see no key)")
@@ -405,12 +403,15 @@ def _mask_above_diagonal(s, n_s, first_key, first_row, offset, lane):
         s[i] = T.if_then_else(key <= row + offset, s[i], T.min_value("float32"))
 
 
-def mask_word_index(batch, first_row, first_key, lane, mask_rows: int, seq_kv: int):
+def mask_word_index(batch, first_row, first_key, lane, mask_rows: int, seq_kv: int, last_row=None):
     """Index of the 4-byte word of the (batch, 1, mask_rows, seq_kv) mask that holds this thread's
     keys first_key + 2 (lane % 4), +1 of its first row (first_row + 16 (lane / 32) + (lane % 32) / 4
     of the warpgroup's tile; row 0 when the mask has one row); its next 8-key group is 4 words on,
-    its row + 8 4 seq_kv words on (ints or the kernel's expressions)."""
+    its row + 8 4 seq_kv words on (ints or the kernel's expressions). ``last_row`` (a padded query
+    tile): rows past it read its words (they are not stored)."""
     row = 0 if mask_rows == 1 else first_row + lane // 32 * 16 + lane % 32 // 4
+    if last_row is not None and mask_rows > 1:
+        row = min(row, last_row) if isinstance(row, int) else T.min(row, last_row)
     return (batch * mask_rows + row) * (seq_kv // 2) + first_key // 2 + lane % 4
 
 
@@ -430,6 +431,29 @@ def _add_mask(s, n_s, mask_words, mask_pair, mask_word, word0, half_words, scale
             mask_word[0] = mask_words[word0 + j * 4 + half_words]
         for e in T.unroll(2):
             s[j * 4 + 2 + e] = s[j * 4 + 2 + e] * T.float32(scale) + T.Cast("float32", mask_pair[e])
+
+
+@T.macro
+def _add_mask_padded(s, n_s, mask_words, mask_pair, mask_word, word0, word8, last_word, scale):
+    """``_add_mask`` for padded tiles: row r + 8's words from ``word8`` (its row clamped to the last
+    query as r's is, ``mask_word_index``), every load clamped to the mask's last word, so keys past
+    seq_kv read some word in the mask (they are hidden after)."""
+    for j in T.unroll(n_s // 4):
+        mask_word[0] = mask_words[T.min(word0 + j * 4, last_word)]
+        for e in T.unroll(2):
+            s[j * 4 + e] = s[j * 4 + e] * T.float32(scale) + T.Cast("float32", mask_pair[e])
+        mask_word[0] = mask_words[T.min(word8 + j * 4, last_word)]
+        for e in T.unroll(2):
+            s[j * 4 + 2 + e] = s[j * 4 + 2 + e] * T.float32(scale) + T.Cast("float32", mask_pair[e])
+
+
+@T.macro
+def _hide_keys_from(s, n_s, first_key, seq_kv, lane):
+    """Padded last key tile of the masked kernel: keys seq_kv and on get -inf after the mask is
+    added (with the float32 minimum a row whose keys are all -inf would average them)."""
+    for i in T.unroll(n_s):
+        key = T.meta_var(first_key + i // 4 * 8 + lane % 4 * 2 + i % 2)
+        s[i] = T.if_then_else(key < seq_kv, s[i], T.float32(-math.inf))
 
 
 @T.macro
@@ -565,10 +589,18 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         if causal:
             if j >= n_unmasked:
                 _mask_above_diagonal(s, n_s, j * bn, first_row, key_offset, lane)
-        elif pad_kv:
+        elif pad_kv and not masked:
             if j == n_tiles - 1:
                 _mask_keys_from(s, n_s, j * bn, skv, lane)
-        if masked:
+        if masked and padded:
+            _add_mask_padded(s, n_s, M_words, mask_pair, mask_word,
+                             mask_word_index(head // hq, first_row, j * bn, lane, mask_rows, skv, sq - 1),
+                             mask_word_index(head // hq, first_row + 8, j * bn, lane, mask_rows, skv, sq - 1),
+                             nb * mask_rows * skv // 2 - 1, dims["scale"])
+            if pad_kv:
+                if j == n_tiles - 1:
+                    _hide_keys_from(s, n_s, j * bn, skv, lane)
+        elif masked:
             _add_mask(s, n_s, M_words, mask_pair, mask_word,
                       mask_word_index(head // hq, first_row, j * bn, lane, mask_rows, skv),
                       4 * skv if mask_rows > 1 else 0, dims["scale"])
@@ -825,6 +857,181 @@ def prefill_flops(shape: dict) -> float:
     nb, hq, _, sq, skv, hd = _ints(shape, PREFILL_SHAPE_KEYS)
     full = 4.0 * nb * hq * sq * skv * hd
     return full / 2 if int(shape.get("causal", 0) or 0) else full
+
+
+# ---- rotary scores -------------------------------------------------------------------------------
+
+ROPE_SHAPE_KEYS = ("batch", "heads", "seq_q", "seq_k", "head_dim")
+ROPE_KNOBS = {"block_n": (64, 128, 256)}
+ROPE_DEFAULT_KNOBS = {"block_n": 128}
+_ROPE_THREADS = 256  # two warpgroups of 64 query rows
+
+
+def check_rope_scores(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[dict, dict]:
+    """(dims, resolved knobs) when ``rope_scores`` takes ``shape`` (keys ROPE_SHAPE_KEYS), ``dtype``
+    and ``knobs``; AttentionShapeError otherwise."""
+    knobs = _resolve(knobs, ROPE_KNOBS, ROPE_DEFAULT_KNOBS)
+    nb, hq, sq, sk, hd = _ints(shape, ROPE_SHAPE_KEYS)
+    _check_dtype_heads(dtype, hq, hq, hd)
+    if sq > sk:
+        raise AttentionShapeError(f"seq_q={sq} must be <= seq_k={sk}: queries are the last seq_q positions")
+    if sk % 2:
+        raise AttentionShapeError(f"seq_k={sk} is odd: scores are stored two keys (4 bytes) at a time")
+    if nb * hq * max(sq, sk) * max(hd, sk) >= 1 << 31:
+        raise AttentionShapeError("q, k or the scores have 2^31 elements or more (int32 indices)")
+    smem = (BLOCK_M + knobs["block_n"]) * hd * 2 + 8 + 1024
+    if smem > SHARED_MEMORY_LIMIT:
+        raise AttentionShapeError(f"{smem} bytes of shared memory exceed the {SHARED_MEMORY_LIMIT} a CTA may have")
+    return dict(zip(ROPE_SHAPE_KEYS, (nb, hq, sq, sk, hd))), knobs
+
+
+def rope_scores(shape: dict, dtype: str = "float16", knobs: dict | None = None):
+    """The tirx PrimFunc ``(q, k, cos, sin, scores)`` of rope_qk on tensor cores: scores = rope(q)
+    rope(k)^T / sqrt(head_dim), q (batch, heads, seq_q, head_dim) at the last seq_q of the seq_k
+    positions, k (batch, heads, seq_k, head_dim), cos and sin (seq_k, head_dim), scores (batch,
+    heads, seq_q, seq_k), rotate-half RoPE; global symbol ``rope_scores``.
+
+    A CTA per (128-query tile, BN-key tile, batch x head), key tiles of a query tile adjacent in
+    launch order (its Q tile from L2). Thread 0 copies the Q and K tiles by TMA (128-byte swizzle,
+    as the prefill's); every thread then rotates 16-byte chunks of them in shared memory: the chunk
+    of columns 8c.. of the first half and its partner half a row on (the same swizzled chunk of the
+    next 64-column box at head_dim 128; chunk c + 4 of the same box at 64), with the cos/sin rows of
+    its position, in float32, rounded back to the dtype (as a framework's RoPE before its matmul).
+    After a proxy fence, each warpgroup's S = Qr Kr^T is one wgmma chain over head_dim, scaled and
+    stored two keys per 4-byte store; rows past seq_q and keys past seq_k (a padded tile's TMA copy
+    of the next head, or zeros) read their position clamped to the last one and are not stored.
+    Knob ``block_n`` (64, 128, 256), keys per tile."""
+    dims, knobs = check_rope_scores(shape, dtype, knobs)
+    nb, hq, sq, sk, hd = (dims[key] for key in ROPE_SHAPE_KEYS)
+    bm, bn = BLOCK_M, knobs["block_n"]
+    boxes, cpr = hd // 64, hd // 16          # 64-column boxes; 16-byte chunks in a half row
+    off = sk - sq
+    q_tiles, k_tiles = -(-sq // bm), -(-sk // bn)
+    grid = q_tiles * k_tiles * nb * hq
+    pad_q, pad_k = sq % bm != 0, sk % bn != 0
+    n_s = bn // 2
+    scale = 1.0 / math.sqrt(hd)
+    op = DTYPES[dtype]
+    mma = f"wgmma.mma_async.sync.aligned.m64n{bn}k16.f32.{op}.{op}"
+    tma_q = _tensor_map_args(nb * hq * sq, hd, bm)
+    tma_k = _tensor_map_args(nb * hq * sk, hd, bn)
+    tile_bytes = (bm + bn) * hd * 2
+
+    def partner(c):
+        """(box, chunk) of the partner of first-half chunk c, before the swizzle."""
+        return (c + cpr) * 8 // 64, (c + cpr) % 8
+
+    @T.macro
+    def rotate(X16, box0, row, c, pos, C16, S16, xa16, xb16, xa, xb, ca16, sa16, cb16, sb16, ca, sa, cb, sb, r):
+        """Rotate one chunk pair of row ``row`` of a swizzled tile in place, at position ``pos``."""
+        xa16[0] = X16[box0, row, T.bitwise_xor(c, row % 8)]
+        xb16[0] = X16[box0 + partner(c)[0], row, T.bitwise_xor(partner(c)[1], row % 8)]
+        ca16[0] = C16[pos, c]
+        sa16[0] = S16[pos, c]
+        cb16[0] = C16[pos, c + cpr]
+        sb16[0] = S16[pos, c + cpr]
+        for e in T.unroll(8):
+            a = T.meta_var(T.Cast("float32", xa[e]))
+            b = T.meta_var(T.Cast("float32", xb[e]))
+            r[0] = a * T.Cast("float32", ca[e]) - b * T.Cast("float32", sa[e])
+            r[1] = b * T.Cast("float32", cb[e]) + a * T.Cast("float32", sb[e])
+            xa[e] = T.Cast(dtype, r[0])
+            xb[e] = T.Cast(dtype, r[1])
+        X16[box0, row, T.bitwise_xor(c, row % 8)] = xa16[0]
+        X16[box0 + partner(c)[0], row, T.bitwise_xor(partner(c)[1], row % 8)] = xb16[0]
+
+    @T.prim_func
+    def rope_qk(q: T.handle, k: T.handle, cos: T.handle, sin: T.handle, scores: T.handle):
+        Q = T.match_buffer(q, (nb, hq, sq, hd), dtype, align=16)
+        K = T.match_buffer(k, (nb, hq, sk, hd), dtype, align=16)
+        C = T.match_buffer(cos, (sk, hd), dtype, align=16)
+        S = T.match_buffer(sin, (sk, hd), dtype, align=16)
+        O = T.match_buffer(scores, (nb, hq, sq, sk), dtype, align=16)
+        Q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", Q_map, dtype, 2, Q.data, *tma_q)
+        K_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+        T.call_packed("runtime.cuTensorMapEncodeTiled", K_map, dtype, 2, K.data, *tma_k)
+        T.device_entry()
+        cta = T.cta_id([grid])
+        tx = T.thread_id([_ROPE_THREADS])
+        pool = T.SMEMPool()
+        Qs = pool.alloc((boxes, bm, 64), dtype, align=1024)
+        Ks = pool.alloc((1, boxes, bn, 64), dtype, align=1024)
+        bar = pool.alloc((1,), "uint64", align=8)
+        pool.commit()
+        Q16 = T.decl_buffer((boxes, bm, 8), "uint32x4", data=Qs.data, elem_offset=Qs.elem_offset // 8,
+                            scope="shared.dyn")
+        K16 = T.decl_buffer((boxes, bn, 8), "uint32x4", data=Ks.data, elem_offset=Ks.elem_offset // 8,
+                            scope="shared.dyn")
+        C16 = T.decl_buffer((sk, hd // 8), "uint32x4", data=C.data)
+        S16 = T.decl_buffer((sk, hd // 8), "uint32x4", data=S.data)
+        O_words = T.decl_buffer((nb * hq * sq, sk // 2), "uint32", data=O.data)
+        desc_a: T.uint64
+        desc_b: T.uint64
+        s = T.alloc_buffer((n_s,), "float32", scope="local")
+        xa16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        xb16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        ca16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        sa16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        cb16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        sb16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        xa = T.decl_buffer((8,), dtype, data=xa16.data, scope="local")
+        xb = T.decl_buffer((8,), dtype, data=xb16.data, scope="local")
+        ca = T.decl_buffer((8,), dtype, data=ca16.data, scope="local")
+        sa = T.decl_buffer((8,), dtype, data=sa16.data, scope="local")
+        cb = T.decl_buffer((8,), dtype, data=cb16.data, scope="local")
+        sb = T.decl_buffer((8,), dtype, data=sb16.data, scope="local")
+        r = T.alloc_buffer((2,), "float32", scope="local")  # a chunk pair's rotated elements
+        out_pair = T.alloc_buffer((2,), dtype, scope="local")
+        out_word = T.decl_buffer((1,), "uint32", data=out_pair.data, scope="local")
+        kt = T.meta_var(cta % k_tiles)
+        qt = T.meta_var(cta // k_tiles % q_tiles)
+        head = T.meta_var(cta // (k_tiles * q_tiles))
+        wg = T.meta_var(tx // 128)
+        lane = T.meta_var(tx % 128)
+        if tx == 0:
+            T.ptx.mbarrier.init.shared.b64(T.address_of(bar[0]), T.uint32(1))
+        T.ptx.fence.proxy.async_.shared__cta()
+        T.cuda.cta_sync()
+        if tx == 0:
+            for h in T.unroll(boxes):
+                T.ptx[_TMA_LOAD](Qs.ptr_to([h, 0, 0]), T.address_of(Q_map), h * 64, head * sq + qt * bm,
+                                 T.address_of(bar[0]))
+                T.ptx[_TMA_LOAD](Ks.ptr_to([0, h, 0, 0]), T.address_of(K_map), h * 64, head * sk + kt * bn,
+                                 T.address_of(bar[0]))
+            T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bar[0]), T.uint32(tile_bytes))
+        T.cuda.mbarrier_wait(T.address_of(bar[0]), 0)
+        for u in T.unroll(bm * cpr // _ROPE_THREADS):
+            rotate(Q16, 0, (tx + u * _ROPE_THREADS) // cpr, (tx + u * _ROPE_THREADS) % cpr,
+                   T.min(qt * bm + (tx + u * _ROPE_THREADS) // cpr, sq - 1) + off, C16, S16,
+                   xa16, xb16, xa, xb, ca16, sa16, cb16, sb16, ca, sa, cb, sb, r)
+        for u in T.unroll(bn * cpr // _ROPE_THREADS):
+            rotate(K16, 0, (tx + u * _ROPE_THREADS) // cpr, (tx + u * _ROPE_THREADS) % cpr,
+                   T.min(kt * bn + (tx + u * _ROPE_THREADS) // cpr, sk - 1), C16, S16,
+                   xa16, xb16, xa, xb, ca16, sa16, cb16, sb16, ca, sa, cb, sb, r)
+        T.ptx.fence.proxy.async_.shared__cta()  # the rotated tiles, to wgmma's async proxy
+        T.cuda.cta_sync()
+        _issue_scores(s, n_s, Qs, Ks, 0, wg, hd, mma, desc_a, desc_b)
+        T.ptx.wgmma.wait_group.sync.aligned(0)
+        for i in T.unroll(n_s // 2):
+            # pair i: keys 8 (i // 2) + q, +1 of row half i % 2 (the accumulator's layout above)
+            row = T.meta_var(qt * bm + wg * 64 + lane // 32 * 16 + lane % 32 // 4 + i % 2 * 8)
+            key = T.meta_var(kt * bn + i // 2 * 8 + lane % 4 * 2)
+            out_pair[0] = T.Cast(dtype, s[i * 2] * T.float32(scale))
+            out_pair[1] = T.Cast(dtype, s[i * 2 + 1] * T.float32(scale))
+            if pad_q or pad_k:
+                if row < sq and key < sk:
+                    O_words[head * sq + row, key // 2] = out_word[0]
+            else:
+                O_words[head * sq + row, key // 2] = out_word[0]
+
+    return _mark(rope_qk, "rope_scores")
+
+
+def rope_flops(shape: dict) -> float:
+    """Multiply-adds x 2 of Q K^T (the rotation's few per element left out)."""
+    nb, hq, sq, sk, hd = _ints(shape, ROPE_SHAPE_KEYS)
+    return 2.0 * nb * hq * sq * sk * hd
 
 
 # ---- decode ---------------------------------------------------------------------------------------

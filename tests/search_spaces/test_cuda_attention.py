@@ -238,8 +238,7 @@ def test_decode_long_caches_build_without_shared_memory_growth():
 # ---- shape rules ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change,fragment", [
-    (dict(seq_q=200, causal=0, mask_rows=1), "multiple of the query tile"),
-    (dict(seq_kv=320, causal=0, mask_rows=1), "multiple of the key tile"),
+    (dict(seq_kv=321, causal=0, mask_rows=1), "seq_kv=321 is odd"),
     (dict(head_dim=96), "head_dim=96"),
     (dict(kv_heads=3), "multiple of kv_heads"),
     (dict(seq_q=512, seq_kv=384), "seq_q=512 <= seq_kv=384"),
@@ -276,11 +275,35 @@ def test_prefill_other_errors():
         ca.prefill_attention(PREFILL, "float16", dict(tile=1))
     with pytest.raises(ca.AttentionShapeError, match="needs integers"):
         ca.prefill_attention({"batch": 1}, "float16")
-    # with a mask, seq_kv 320 is fine with 64-key tiles only
-    masked = dict(PREFILL, causal=0, mask_rows=1, seq_kv=320)
-    assert ca.check_prefill(masked, "float16", dict(block_n=64))
-    with pytest.raises(ca.AttentionShapeError, match="block_n=128"):
-        ca.check_prefill(masked, "float16", dict(block_n=128))
+    # with a mask, lengths no multiple of the tiles take every configuration
+    masked = dict(PREFILL, causal=0, mask_rows=200, seq_q=200, seq_kv=334)
+    assert len(ca.prefill_configs(masked, "float16")) == 16
+
+
+@pytest.mark.parametrize("rows,block_n", [(200, 128), (1, 64)])
+def test_padded_masked_prefill_clamps_its_mask_loads_and_hides_keys_past_seq_kv(rows, block_n):
+    shape = dict(MASKED, seq_q=200, seq_kv=334, mask_rows=rows)
+    source = _source(ca.prefill_attention(shape, "float16", dict(block_n=block_n, stages=2, persistent=0,
+                                                                  overlap=0)))
+    loads = _masked_loads(source)
+    # two loads per 8-key group (row r, row r + 8), clamped to the mask's last word (where the
+    # simplifier cannot prove a group's words inside the mask: the last groups of a tile)
+    last = 2 * rows * 334 // 2 - 1
+    assert len(loads) == block_n // 8 * 2 and any(index.startswith("min(") and index.endswith(f", {last})")
+                                                  for index in loads)
+    if rows > 1:  # a padded query row reads the last query's words
+        assert all(", 199) * 167)" in index for index in loads)
+    # keys past seq_kv: -inf after the mask is added, so a row of -inf keys still stores 0
+    assert 0 < source.count("-CUDART_INF_F") <= block_n // 2  # (not where a key is provably < seq_kv)
+    assert source.index("mask_pair_ptr[0])") < source.index("-CUDART_INF_F")
+
+
+def test_padded_query_rows_read_the_last_querys_mask_words():
+    for rows in (200, 1):
+        for row in range(192, 256, 8):  # a thread's row r of the last query tile (lane 0), and r + 8
+            got = ca.mask_word_index(1, row, 128, 0, rows, 334, 199)
+            want = ca.mask_word_index(1, min(row, 199) if rows > 1 else 0, 128, 0, rows, 334)
+            assert got == want and got < 2 * rows * 334 // 2
 
 
 @pytest.mark.parametrize("pages,lookups", [(PAGES, 128 // 16), ((256, 2, 5), 1), ((64, 8, 20), 2)])
@@ -296,6 +319,37 @@ def test_paged_prefill_loads_whole_pages_through_the_block_table(pages, lookups)
     # each feeding a K and a V copy of both 64-column boxes
     assert source.count("BT_ptr[") == lookups
     assert "SL_ptr[" in source and "m64n128k16_f32_f16_f16" in source
+
+
+ROPE = dict(batch=2, heads=4, seq_q=200, seq_k=334, head_dim=128)
+
+
+@pytest.mark.parametrize("head_dim,block_n", [(128, 128), (64, 256), (64, 64)])
+def test_rope_scores_rotate_chunk_pairs_in_shared_memory_then_one_wgmma_chain(head_dim, block_n):
+    shape = dict(ROPE, head_dim=head_dim)
+    func = ca.rope_scores(shape, "bfloat16", dict(block_n=block_n))
+    assert func.attrs["global_symbol"] == "rope_scores"
+    assert [tuple(int(d) for d in b.shape) for b in param_buffers(func)] == [
+        (2, 4, 200, head_dim), (2, 4, 334, head_dim), (334, head_dim), (334, head_dim), (2, 4, 200, 334)]
+    source = _source(func)
+    # per thread: a 16-byte chunk and its partner half a row on, for each of its Q and K units
+    units = (ca.BLOCK_M + block_n) * head_dim // 16 // 256
+    assert source.count("xb16_ptr[0] = ((uint4*)pool_buf_ptr)[") == units
+    assert source.count("sb16_ptr[0] = ((uint4*)S_ptr)[") == units
+    # the rotated tiles reach wgmma through the async proxy: a fence after the rotation
+    rotated = source.rindex("((uint4*)pool_buf_ptr)[")
+    assert "fence_proxy_proxy_async_shared__cta();" in source[rotated:source.index("wgmma_fence_fence_sync_aligned();")]
+    assert source.count(f"m64n{block_n}k16_f32_bf16_bf16_1_1_0_0(") == head_dim // 16 + 1  # calls + definition
+    # padded tiles: only real (query, key) pairs stored
+    stores = [line for line in source.splitlines() if "((uint*)O_ptr)[" in line]
+    assert len(stores) == block_n // 2 // 2
+
+
+def test_rope_scores_shape_errors():
+    for change, fragment in ((dict(seq_k=335), "seq_k=335 is odd"), (dict(seq_q=400), "seq_q=400 must be <="),
+                             (dict(head_dim=96), "head_dim=96")):
+        with pytest.raises(ca.AttentionShapeError, match=re.escape(fragment)):
+            ca.check_rope_scores(dict(ROPE, **change), "float16")
 
 
 # Lengths no multiple of the tiles: the last query tile half past seq_q, the last key tile too
@@ -472,11 +526,16 @@ def test_paged_key_rows_gather_each_sequences_keys(page_size, block_n):
 
 def _masked_prefill_model(q, k, v, mask, block_n, scale):
     """The masked prefill kernel's recurrence for one (batch, head), in float32 as the kernel
-    computes it: S = q k^T scale + mask, key tiles of block_n, m from the float32 minimum,
-    m' = max(m, rowmax S), alpha = 2^((m - m') log2 e), P = 2^((S - m') log2 e), and O / l stored
-    as 0 where l = 0. NaN anywhere raises (np.errstate)."""
+    computes it: S = q k^T scale + mask, key tiles of block_n (a padded last tile's keys past
+    seq_kv with some other mask value, then -inf), m from the float32 minimum, m' = max(m,
+    rowmax S), alpha = 2^((m - m') log2 e), P = 2^((S - m') log2 e), and O / l stored as 0 where
+    l = 0. NaN anywhere raises (np.errstate)."""
     f32 = np.float32
+    seq_kv, pad = k.shape[0], -k.shape[0] % block_n
+    k, v = (np.concatenate([x, np.ones((pad, x.shape[1]), x.dtype)]) for x in (k, v))
+    mask = np.concatenate([mask, np.full((mask.shape[0], pad), 7.0, mask.dtype)], axis=1)  # another row's words
     s = (q.astype(f32) @ k.astype(f32).T) * f32(scale) + mask.astype(f32)
+    s[:, seq_kv:] = -np.inf
     rows = s.shape[0]
     m = np.full(rows, np.finfo(f32).min, f32)
     l, o = np.zeros(rows, f32), np.zeros((rows, v.shape[1]), f32)
@@ -492,12 +551,13 @@ def _masked_prefill_model(q, k, v, mask, block_n, scale):
     return o * inv[:, None]
 
 
+@pytest.mark.parametrize("seq_kv", [384, 334])
 @pytest.mark.parametrize("block_n", [64, 128])
-def test_masked_prefill_recurrence_matches_the_pattern_reference(block_n):
+def test_masked_prefill_recurrence_matches_the_pattern_reference(block_n, seq_kv):
     from search_spaces.attention import masked_attention as ma
 
     rng = np.random.default_rng(block_n)
-    seq_kv, head_dim = 384, 64
+    head_dim = 64
     q = rng.standard_normal((1, 1, 8, head_dim)).astype(np.float32)
     k, v = (rng.standard_normal((1, 1, seq_kv, head_dim)).astype(np.float32) for _ in range(2))
     bf16_min, f16_min = np.float32(ma.MASKED["bfloat16"]), np.float32(ma.MASKED["float16"])

@@ -40,6 +40,7 @@ CASES = {
                                  "page_size": 16, "max_pages": 32, "num_pages": 80}, 1, F16_MMA + "m64n128k16"),
     "masked_attention": ({"batch": 2, "heads": 4, "kv_heads": 2, "seq_q": 128, "seq_kv": 256, "head_dim": 64,
                           "mask_rows": 1}, 1, F16_MMA + "m64n128k16"),
+    "rope_qk": ({"batch": 2, "heads": 4, "seq_q": 200, "seq_k": 334, "head_dim": 128}, 1, F16_MMA + "m64n128k16"),
     "spec_verify_attention": ({"batch": 2, "heads": 8, "kv_heads": 2, "head_dim": 128, "max_seq": 512, "cache_len": 300,
                                "k_draft": 8}, 2, None),
     # BN 256: two m64n128k32 per k step (TVM 0.27's s8 wgmma stops at N 224)
@@ -64,7 +65,8 @@ REFUSED = {
     "paged_attention": [({"q_len": 17, "page_size": 24}, "float16"), ({"head_dim": 80}, "float16"), ({}, "float32")],
     "paged_attention:prefill": [({"page_size": 24}, "float16"), ({"head_dim": 80}, "bfloat16"), ({}, "float32")],
     "spec_verify_attention": [({"head_dim": 80}, "float16"), ({"head_dim": 256}, "bfloat16"), ({}, "float32")],
-    "masked_attention": [({"seq_q": 100, "mask_rows": 100}, "float16"), ({"seq_kv": 200}, "float16"),
+    "rope_qk": [({"seq_k": 335}, "float16"), ({"head_dim": 96}, "bfloat16"), ({}, "float32")],
+    "masked_attention": [({"seq_kv": 201}, "float16"),
                          ({"head_dim": 96}, "float16"), ({"mask_rows": 2}, "float16"), ({}, "float32")],
     "int8_matmul_dequant": [({"m": 500}, "float32"), ({"n": 600}, "float32"), ({"k": 1000}, "float32"),
                             ({}, "float16")],
@@ -87,6 +89,8 @@ LARGE = {
     # not in the session: flash_attention's shape with a mask row per query (causal + padding)
     "masked_attention": {"batch": 8, "heads": 16, "kv_heads": 16, "seq_q": 2048, "seq_kv": 2048, "head_dim": 128,
                          "mask_rows": 2048},
+    # not in the session: Llama's 32 heads' scores over 2048 positions
+    "rope_qk": {"batch": 1, "heads": 32, "seq_q": 2048, "seq_k": 2048, "head_dim": 128},
     # not in the session: a batch of 16 tokens through a 4096^2 int4 layer
     "woq_matmul": {"m": 16, "n": 4096, "k": 4096, "group": 128, "bits": 4},
     # not in the session: Mixtral's expert FFNs (ReLU for SwiGLU) over 4096 tokens
