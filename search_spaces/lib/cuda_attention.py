@@ -1,6 +1,7 @@
-"""Hopper (sm_90a) attention kernels: a tensor-core prefill forward and split-KV decoding.
+"""Hopper (sm_90a) attention kernels: a tensor-core prefill forward, split-KV decoding and rotary
+scores (rope_qk's, ``rope_scores``).
 
-Both are kernel templates, functions ``(shape, dtype, knobs) -> tirx PrimFunc`` written in the tirx
+All are kernel templates, functions ``(shape, dtype, knobs) -> tirx PrimFunc`` written in the tirx
 script and built with ``tvm.compile(IRModule, target=TARGET, tir_pipeline="tirx")`` (``build``):
 TVM 0.27's schedule primitives reach tensor cores only through WMMA / mma.sync, and the H200 wants
 TMA copies, mbarrier rings and asynchronous warpgroup MMAs (wgmma), which only the script expresses.
