@@ -76,16 +76,12 @@ REFUSED = {
                       ({}, "float32")],
 }
 # The shapes of compare's GPU session (benchmarks/gpu_session.sh kernels), compiled with nvcc
-# (linear_bias_relu's and int8_matmul_dequant's defaults at 4096^3 are tests/search_spaces/test_cuda_wgmma.py's).
+# (linear_bias_relu's and int8_matmul_dequant's defaults at 4096^3 are tests/search_spaces/test_cuda_wgmma.py's,
+# the decode and verify kernels', whose code does not change with the cache length, test_cuda_attention.py's).
 LARGE = {
     "swiglu_ffn": {"tokens": 4096, "hidden": 4096, "inter": 11008, "p_permille": 100},
     "flash_attention": {"batch": 8, "heads": 16, "kv_heads": 16, "seq_q": 2048, "seq_kv": 2048, "head_dim": 128,
                         "causal": 0},
-    "gqa_decode_attention": {"batch": 16, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "max_seq": 4096,
-                             "cache_len": 4000},
-    # not in the session: 8 drafts of 16 sequences verified over a 4000-token cache
-    "spec_verify_attention": {"batch": 16, "heads": 32, "kv_heads": 8, "head_dim": 128, "max_seq": 4096,
-                              "cache_len": 4000, "k_draft": 8},
     # not in the session: flash_attention's shape with a mask row per query (causal + padding)
     "masked_attention": {"batch": 8, "heads": 16, "kv_heads": 16, "seq_q": 2048, "seq_kv": 2048, "head_dim": 128,
                          "mask_rows": 2048},
