@@ -112,7 +112,7 @@ def pattern_subject(pattern, shape: dict, dtype: str, folder: str, seed: int = 0
     return Subject("pattern", pattern.name, inputs, names, onnx_path,
                    flops=pattern.flops(shape), bytes=pattern.bytes(shape, dtype), shape=dict(shape), dtype=dtype,
                    pattern=pattern, accumulation=check["accumulation"], bound=check["bound"],
-                   more_work=dict(pattern.more_work))
+                   more_work=pattern.more_work_at(shape))
 
 
 def model_subject(path: str, seed: int = 0, input_shapes: dict[str, tuple[int, ...]] | None = None,

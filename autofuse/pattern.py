@@ -277,8 +277,14 @@ class Pattern:
     # torch-eager runs it and torch-compile compiles it instead of the ONNX graph.
     torch_function: Callable[..., Sequence[Any]] | None = None
     # Baselines doing more work than this pattern's kernel: contender name (or "onnx_graph": every
-    # contender running onnx_graph) -> why. compare shows them labelled, outside ours / best.
-    more_work: dict[str, str] = dataclasses.field(default_factory=dict)
+    # contender running onnx_graph) -> why, or a function of the shape giving why (None: the same
+    # work at that shape). compare shows them labelled, outside ours / best.
+    more_work: dict[str, str | Callable[[dict], str | None]] = dataclasses.field(default_factory=dict)
+
+    def more_work_at(self, shape: dict) -> dict[str, str]:
+        """``more_work`` at ``shape``: the baselines that do more work there, and why."""
+        reasons = {name: reason(shape) if callable(reason) else reason for name, reason in self.more_work.items()}
+        return {name: reason for name, reason in reasons.items() if reason}
 
     @classmethod
     def from_module(cls, namespace: dict[str, Any], **fields) -> Pattern:

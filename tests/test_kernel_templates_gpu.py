@@ -185,6 +185,25 @@ def test_moe_torch_function_computes_the_reference(dtype):
     assert err < (4e-3 if dtype == "float16" else 3e-2), err
 
 
+@pytest.mark.parametrize("cache_len", [1000, 1020])
+def test_spec_verify_sdpa_baseline_computes_the_reference(cache_len):
+    """spec_verify_attention's torch-sdpa baseline: the drafts written into the caches' free rows
+    (1000 + 8 <= 1024), or concatenated where they do not fit (1020), gives the reference."""
+    import numpy as np
+
+    torch = pytest.importorskip("torch")
+    pattern = get_pattern("spec_verify_attention")
+    shape = {"batch": 2, "heads": 8, "kv_heads": 2, "head_dim": 64, "max_seq": 1024, "cache_len": cache_len,
+             "k_draft": 8}
+    inputs = pattern.make_inputs(shape, "float16", 3)
+    args = [torch.from_numpy(a).cuda() for a in inputs]
+    (got,) = pattern.sdpa(torch, shape, *args)
+    want = pattern.run_reference([a.astype(np.float32) if a.dtype == np.float16 else a for a in inputs],
+                                 shape)[0].astype(np.float64)
+    err = np.abs(got.float().cpu().numpy() - want).max() / np.abs(want).max()
+    assert err < 4e-3, err
+
+
 @pytest.mark.parametrize("dtype,rows", [("bfloat16", 256), ("float16", 1)])
 def test_the_masked_kernel_on_rows_without_a_visible_key(dtype, rows):
     """cuda_wgmma_masked where make_inputs' masks never go: a row (or, with one mask row, a batch)

@@ -632,11 +632,24 @@ def onnx_graph(shape, dtype):
                        [("o", (nb, hq, kd, hd), dtype)], consts)
 
 
+def _drafts_fit(shape) -> bool:
+    """Whether the caches have room for the drafts after the cache prefix."""
+    return shape["cache_len"] + shape["k_draft"] <= shape["max_seq"]
+
+
 def sdpa(torch, shape, q, k_cache, v_cache, k_new, v_new, tree):
-    """The torch-sdpa baseline: the cache prefix and the drafts' K/V concatenated (SDPA takes one
-    K and V), torch's scaled_dot_product_attention with the visibility as a boolean mask, GQA."""
-    length = shape["cache_len"]
-    k, v = (torch.cat([cache[:, :, :length], new], dim=2) for cache, new in ((k_cache, k_new), (v_cache, v_new)))
+    """The torch-sdpa baseline as a serving stack writes it: the drafts' K/V written into the caches'
+    free rows after the prefix (the same rows each call, so the inputs stay the same for every
+    contender: no kernel reads past cache_len), then torch's scaled_dot_product_attention over the
+    caches' first cache_len + k_draft rows in place, the visibility as a boolean mask, GQA. Where
+    the drafts do not fit, the prefix and the drafts concatenated (a copy of the cache)."""
+    length, drafts = shape["cache_len"], shape["k_draft"]
+    if _drafts_fit(shape):
+        for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+            cache[:, :, length:length + drafts] = new
+        k, v = k_cache[:, :, :length + drafts], v_cache[:, :, :length + drafts]
+    else:
+        k, v = (torch.cat([cache[:, :, :length], new], dim=2) for cache, new in ((k_cache, k_new), (v_cache, v_new)))
     visible = torch.cat([torch.ones(tree.shape[0], length, dtype=torch.bool, device=tree.device), tree != 0], dim=1)
     return [torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=visible,
                                                              enable_gqa=shape["heads"] != shape["kv_heads"])]
@@ -654,6 +667,7 @@ PATTERN = Pattern.from_module(
     templates=[kv_head_tiles, cuda_split_kv, cuda_verify_rows],
     more_work={"onnx_graph": "the graph concatenates the cache prefix with the drafts' K/V (a copy of the "
                              "cache) and repeats K/V over each query group; the kernel reads the cache in place",
-               "torch-sdpa": "concatenates the cache prefix with the drafts' K/V (a copy of the cache) for "
-                             "SDPA's one K and V; the kernel reads the cache in place"},
+               "torch-sdpa": lambda shape: None if _drafts_fit(shape) else (
+                   "concatenates the cache prefix with the drafts' K/V (a copy of the cache: the drafts do "
+                   "not fit after it) for SDPA's one K and V; the kernel reads the cache in place")},
 )

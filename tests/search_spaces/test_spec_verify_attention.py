@@ -180,3 +180,12 @@ def test_rejects_bad_shapes():
         sv.build(dict(SMALL, heads=3, kv_heads=2), "float32")
     with pytest.raises(ValueError):
         sv.build(dict(SMALL, cache_len=SMALL["max_seq"] + 1), "float32")
+
+
+def test_sdpa_does_the_same_work_where_the_drafts_fit_after_the_cache():
+    # SDPA over the caches in place (the drafts written into their free rows) is the same work;
+    # concatenating the prefix with the drafts copies the cache, labelled more work
+    fits = dict(SMALL, max_seq=512, cache_len=200, k_draft=8)
+    full = dict(fits, cache_len=510)
+    assert "torch-sdpa" not in sv.PATTERN.more_work_at(fits) and "onnx_graph" in sv.PATTERN.more_work_at(fits)
+    assert "copy of the cache" in sv.PATTERN.more_work_at(full)["torch-sdpa"]
