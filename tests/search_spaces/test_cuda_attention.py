@@ -524,6 +524,40 @@ def test_paged_key_rows_gather_each_sequences_keys(page_size, block_n):
                     assert 0 <= row and row + box <= len(rows)
 
 
+@pytest.mark.parametrize("page_size,block_n", [(16, 128), (128, 64)])
+def test_paged_prefill_tiles_match_the_pattern_reference(page_size, block_n):
+    # The paged kernel's work items in float64: per (query tile, sequence, head) the key tiles its
+    # run-time length gives (causal_key_tiles from seq_lens[b] - q_len), each gathered box by box
+    # through the block table (paged_key_row), the tiles from n_unmasked on masked above the
+    # diagonal, then the softmax over what was visited: paged_attention's reference
+    from search_spaces.attention import paged_attention as pa
+
+    shape = dict(batch=3, q_len=150, num_heads=4, num_kv_heads=2, head_dim=16, page_size=page_size,
+                 max_pages=320 // page_size, num_pages=3 * 320 // page_size + 2)
+    q, k_pages, v_pages, table, lengths = pa.make_inputs(shape, "float32", 1)
+    want = pa.reference(q, k_pages, v_pages, table, lengths)
+    ql, hq, hkv, hd = 150, 4, 2, 16
+    box = min(page_size, block_n)
+    k_rows, v_rows = (x.reshape(-1, hd).astype(np.float64) for x in (k_pages, v_pages))
+    got = np.full_like(want, np.nan, dtype=np.float64)
+    for b, length in enumerate(int(n) for n in lengths):
+        offset = length - ql
+        for h in range(hq):
+            for q_first in range(0, ql, ca.BLOCK_M):
+                n_tiles, n_unmasked = ca.causal_key_tiles(q_first, offset, block_n, True, -(-length // block_n))
+                rows = [ca.paged_key_row(table, b, h // (hq // hkv), j * block_n + e * box, page_size,
+                                         shape["max_pages"], hkv) + r
+                        for j in range(n_tiles) for e in range(block_n // box) for r in range(box)]
+                keys = np.arange(n_tiles * block_n)
+                t = np.arange(q_first, min(q_first + ca.BLOCK_M, ql))
+                s = q[b, t, h].astype(np.float64) @ k_rows[rows].T / math.sqrt(hd)
+                hidden = (keys[None, :] >= n_unmasked * block_n) & (keys[None, :] > t[:, None] + offset)
+                s = np.where(hidden, -np.inf, s)
+                p = np.exp(s - s.max(axis=1, keepdims=True))
+                got[b, t, h] = (p / p.sum(axis=1, keepdims=True)) @ v_rows[rows]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
 def _masked_prefill_model(q, k, v, mask, block_n, scale):
     """The masked prefill kernel's recurrence for one (batch, head), in float32 as the kernel
     computes it: S = q k^T scale + mask, key tiles of block_n (a padded last tile's keys past
