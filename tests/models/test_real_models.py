@@ -1,6 +1,6 @@
 """models/real/: the corpus of exported HF transformers and torchvision models. The manifest
 describes the committed files; every file imports into Relax (its symbolic axes bound where it has
-them); the TorchScript fixed-shape export of each architecture but two builds under --fusion
+them); the TorchScript fixed-shape export of the transformers and ResNet-18 builds under --fusion
 patterns without records and matches onnxruntime (the rest build in benchmarks/real_models.py);
 a dynamic export builds with its axes bound (--input-shape) and runs at that shape."""
 
@@ -22,12 +22,12 @@ with open(os.path.join(REAL, "manifest.json"), encoding="utf-8") as f:
     MANIFEST = json.load(f)
 EXPORTED = [m for m in MANIFEST["models"] if m["file"]]
 # One variant per architecture in the suite: the TorchScript exporter at fixed shapes (BERT's
-# dynamic export, bound, stands in for its fixed one); the others build in the benchmark, as do
-# ResNet-50 (ResNet-18's operators in bottleneck blocks) and ShuffleNet (MobileNet's depthwise
-# convolutions; its channel shuffle folds away on import, which the import test checks): 35 s of
-# the suite's 10 minutes.
+# dynamic export, bound, stands in for its fixed one); the others build in the benchmark
+# (benchmarks/real_models.py, every export against onnxruntime), as do the CNNs but ResNet-18:
+# ResNet-50, MobileNetV3 and ShuffleNet took 60 s of the suite's 10 minutes (the import test still
+# reads every export, ShuffleNet's channel shuffle folded away).
 SUITE = [m for m in EXPORTED if m["exporter"] == "torchscript" and m["axes"] == "fixed"
-         and m["architecture"] not in ("bert", "resnet50", "shufflenetv2_x0_5")]
+         and m["architecture"] not in ("bert", "resnet50", "shufflenetv2_x0_5", "mobilenetv3_small")]
 TARGET = parse_target("llvm")
 
 
