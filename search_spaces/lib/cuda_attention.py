@@ -386,12 +386,14 @@ def _issue_scores(s, n_s, q_smem, k_smem, slot, wg, head_dim, mma, desc_a, desc_
 
 
 @T.macro
-def _mask_keys_from(s, n_s, first_key, seq_kv, lane):
+def _mask_keys_from(s, n_s, first_key, seq_kv, lane, hidden):
     """Padded last key tile: keys seq_kv and on (the next head's rows, or TMA's zero fill past the
-    tensor) are hidden from every query."""
+    tensor) are hidden from every query, their scores set to ``hidden``: the float32 minimum, or
+    with a mask -inf after it is added (with the minimum a row whose keys are all -inf would
+    average the padding)."""
     for i in T.unroll(n_s):
         key = T.meta_var(first_key + i // 4 * 8 + lane % 4 * 2 + i % 2)
-        s[i] = T.if_then_else(key < seq_kv, s[i], T.min_value("float32"))
+        s[i] = T.if_then_else(key < seq_kv, s[i], hidden)
 
 
 @T.macro
@@ -417,44 +419,22 @@ def mask_word_index(batch, first_row, first_key, lane, mask_rows: int, seq_kv: i
 
 
 @T.macro
-def _add_mask(s, n_s, mask_words, mask_pair, mask_word, word0, half_words, scale):
+def _add_mask(s, n_s, mask_words, mask_pair, mask_word, word, at, second_row, scale):
     """S = S scale + mask, in float32, the additive mask read straight from global memory (small,
-    and L2-resident across heads and query tiles): per 8-key group one 4-byte load of the thread's
-    two adjacent keys for row r, and for row r + 8 another (``half_words`` words on) unless the
-    mask has one row (``half_words`` 0: both rows add the same pair). Not scaled by log2(e) here:
-    a bfloat16 finfo.min times log2(e) overflows float32, which would turn a row of finfo.min keys
-    (the reference's uniform softmax) into one of -inf keys (0)."""
+    and L2-resident across heads and query tiles): per 8-key group j one 4-byte load of the
+    thread's two adjacent keys for row r, word ``word(at, j, False)``, and for row r + 8 another,
+    ``word(at, j, True)``, where the mask has a row per query (``second_row``; else both rows add the
+    same pair). Not scaled by log2(e) here: a bfloat16 finfo.min times log2(e) overflows float32,
+    which would turn a row of finfo.min keys (the reference's uniform softmax) into one of -inf
+    keys (0)."""
     for j in T.unroll(n_s // 4):
-        mask_word[0] = mask_words[word0 + j * 4]
+        mask_word[0] = mask_words[word(at, j, False)]
         for e in T.unroll(2):
             s[j * 4 + e] = s[j * 4 + e] * T.float32(scale) + T.Cast("float32", mask_pair[e])
-        if half_words > 0:
-            mask_word[0] = mask_words[word0 + j * 4 + half_words]
+        if second_row:
+            mask_word[0] = mask_words[word(at, j, True)]
         for e in T.unroll(2):
             s[j * 4 + 2 + e] = s[j * 4 + 2 + e] * T.float32(scale) + T.Cast("float32", mask_pair[e])
-
-
-@T.macro
-def _add_mask_padded(s, n_s, mask_words, mask_pair, mask_word, word0, word8, last_word, scale):
-    """``_add_mask`` for padded tiles: row r + 8's words from ``word8`` (its row clamped to the last
-    query as r's is, ``mask_word_index``), every load clamped to the mask's last word, so keys past
-    seq_kv read some word in the mask (they are hidden after)."""
-    for j in T.unroll(n_s // 4):
-        mask_word[0] = mask_words[T.min(word0 + j * 4, last_word)]
-        for e in T.unroll(2):
-            s[j * 4 + e] = s[j * 4 + e] * T.float32(scale) + T.Cast("float32", mask_pair[e])
-        mask_word[0] = mask_words[T.min(word8 + j * 4, last_word)]
-        for e in T.unroll(2):
-            s[j * 4 + 2 + e] = s[j * 4 + 2 + e] * T.float32(scale) + T.Cast("float32", mask_pair[e])
-
-
-@T.macro
-def _hide_keys_from(s, n_s, first_key, seq_kv, lane):
-    """Padded last key tile of the masked kernel: keys seq_kv and on get -inf after the mask is
-    added (with the float32 minimum a row whose keys are all -inf would average them)."""
-    for i in T.unroll(n_s):
-        key = T.meta_var(first_key + i // 4 * 8 + lane % 4 * 2 + i % 2)
-        s[i] = T.if_then_else(key < seq_kv, s[i], T.float32(-math.inf))
 
 
 @T.macro
@@ -571,6 +551,17 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         """(query tile, batch x head) of this CTA's it-th work item."""
         return prefill_work_item(prefill_cta_item(cta, it, grid, paired), q_tiles, nb * hq, causal, paired)
 
+    def mask_word_at(at, g, row8):
+        """The mask word of key tile j's 8-key group g for this thread's row r (or r + 8), ``at`` =
+        (batch x head, the warpgroup's first row, j, lane): padded, rows clamped to the last query
+        and every word to the mask's last (``mask_word_index``)."""
+        head, first_row, j, lane = at
+        if padded:
+            word = mask_word_index(head // hq, first_row + 8 * row8, j * bn, lane, mask_rows, skv, sq - 1)
+            return T.min(word + g * 4, nb * mask_rows * skv // 2 - 1)
+        word = mask_word_index(head // hq, first_row, j * bn, lane, mask_rows, skv) + g * 4
+        return word + 4 * skv if row8 else word
+
     def item_keys(q_first, length):
         """(key tiles visited, of which unmasked (causal), the causal offset) of a work item whose
         query tile starts at row q_first; paged, ``length`` holds its sequence's seq_lens entry."""
@@ -592,19 +583,13 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                 _mask_above_diagonal(s, n_s, j * bn, first_row, key_offset, lane)
         elif pad_kv and not masked:
             if j == n_tiles - 1:
-                _mask_keys_from(s, n_s, j * bn, skv, lane)
-        if masked and padded:
-            _add_mask_padded(s, n_s, M_words, mask_pair, mask_word,
-                             mask_word_index(head // hq, first_row, j * bn, lane, mask_rows, skv, sq - 1),
-                             mask_word_index(head // hq, first_row + 8, j * bn, lane, mask_rows, skv, sq - 1),
-                             nb * mask_rows * skv // 2 - 1, dims["scale"])
+                _mask_keys_from(s, n_s, j * bn, skv, lane, T.min_value("float32"))
+        if masked:
+            _add_mask(s, n_s, M_words, mask_pair, mask_word, mask_word_at, (head, first_row, j, lane), mask_rows > 1,
+                      dims["scale"])
             if pad_kv:
                 if j == n_tiles - 1:
-                    _hide_keys_from(s, n_s, j * bn, skv, lane)
-        elif masked:
-            _add_mask(s, n_s, M_words, mask_pair, mask_word,
-                      mask_word_index(head // hq, first_row, j * bn, lane, mask_rows, skv),
-                      4 * skv if mask_rows > 1 else 0, dims["scale"])
+                    _mask_keys_from(s, n_s, j * bn, skv, lane, T.float32(-math.inf))
         _softmax_tile(s, n_s, m, l, m_new, alpha, tile_sum, c, masked)
 
     # One body for both signatures (with and without the mask), spliced into each.
