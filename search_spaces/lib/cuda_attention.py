@@ -903,15 +903,13 @@ def rope_scores(shape: dict, dtype: str = "float16", knobs: dict | None = None):
     tma_k = _tensor_map_args(nb * hq * sk, hd, bn)
     tile_bytes = (bm + bn) * hd * 2
 
-    def partner(c):
-        """(box, chunk) of the partner of first-half chunk c, before the swizzle."""
-        return (c + cpr) * 8 // 64, (c + cpr) % 8
-
-    @T.macro
-    def rotate(X16, box0, row, c, pos, C16, S16, xa16, xb16, xa, xb, ca16, sa16, cb16, sb16, ca, sa, cb, sb, r):
-        """Rotate one chunk pair of row ``row`` of a swizzled tile in place, at position ``pos``."""
-        xa16[0] = X16[box0, row, T.bitwise_xor(c, row % 8)]
-        xb16[0] = X16[box0 + partner(c)[0], row, T.bitwise_xor(partner(c)[1], row % 8)]
+    @T.macro(hygienic=False)
+    def rotate(X16, row, c, pos):
+        """Rotate one chunk pair of row ``row`` of a swizzled tile in place, at position ``pos``, in
+        the kernel's registers (the names of ``rope_qk``'s body, where it is expanded)."""
+        xa16[0] = X16[0, row, T.bitwise_xor(c, row % 8)]
+        # the partner chunk, half a row on: box (c + cpr) * 8 // 64, chunk (c + cpr) % 8 before the swizzle
+        xb16[0] = X16[(c + cpr) * 8 // 64, row, T.bitwise_xor((c + cpr) % 8, row % 8)]
         ca16[0] = C16[pos, c]
         sa16[0] = S16[pos, c]
         cb16[0] = C16[pos, c + cpr]
@@ -923,8 +921,8 @@ def rope_scores(shape: dict, dtype: str = "float16", knobs: dict | None = None):
             r[1] = b * T.Cast("float32", cb[e]) + a * T.Cast("float32", sb[e])
             xa[e] = T.Cast(dtype, r[0])
             xb[e] = T.Cast(dtype, r[1])
-        X16[box0, row, T.bitwise_xor(c, row % 8)] = xa16[0]
-        X16[box0 + partner(c)[0], row, T.bitwise_xor(partner(c)[1], row % 8)] = xb16[0]
+        X16[0, row, T.bitwise_xor(c, row % 8)] = xa16[0]
+        X16[(c + cpr) * 8 // 64, row, T.bitwise_xor((c + cpr) % 8, row % 8)] = xb16[0]
 
     @T.prim_func
     def rope_qk(q: T.handle, k: T.handle, cos: T.handle, sin: T.handle, scores: T.handle):
@@ -988,13 +986,11 @@ def rope_scores(shape: dict, dtype: str = "float16", knobs: dict | None = None):
             T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bar[0]), T.uint32(tile_bytes))
         T.cuda.mbarrier_wait(T.address_of(bar[0]), 0)
         for u in T.unroll(bm * cpr // _ROPE_THREADS):
-            rotate(Q16, 0, (tx + u * _ROPE_THREADS) // cpr, (tx + u * _ROPE_THREADS) % cpr,
-                   T.min(qt * bm + (tx + u * _ROPE_THREADS) // cpr, sq - 1) + off, C16, S16,
-                   xa16, xb16, xa, xb, ca16, sa16, cb16, sb16, ca, sa, cb, sb, r)
+            rotate(Q16, (tx + u * _ROPE_THREADS) // cpr, (tx + u * _ROPE_THREADS) % cpr,
+                   T.min(qt * bm + (tx + u * _ROPE_THREADS) // cpr, sq - 1) + off)
         for u in T.unroll(bn * cpr // _ROPE_THREADS):
-            rotate(K16, 0, (tx + u * _ROPE_THREADS) // cpr, (tx + u * _ROPE_THREADS) % cpr,
-                   T.min(kt * bn + (tx + u * _ROPE_THREADS) // cpr, sk - 1), C16, S16,
-                   xa16, xb16, xa, xb, ca16, sa16, cb16, sb16, ca, sa, cb, sb, r)
+            rotate(K16, (tx + u * _ROPE_THREADS) // cpr, (tx + u * _ROPE_THREADS) % cpr,
+                   T.min(kt * bn + (tx + u * _ROPE_THREADS) // cpr, sk - 1))
         T.ptx.fence.proxy.async_.shared__cta()  # the rotated tiles, to wgmma's async proxy
         T.cuda.cta_sync()
         _issue_scores(s, n_s, Qs, Ks, 0, wg, hd, mma, desc_a, desc_b)
