@@ -86,6 +86,13 @@ def reference(q, k_pages, v_pages, block_table, seq_lens):
     return np.einsum("bthj,bhjd->bthd", p, v).astype(q.dtype)
 
 
+def seeded_seq_lens(shape, seed=0):
+    """The sequence lengths ``make_inputs(shape, dtype, seed)`` draws first: uniform in [q_len, max
+    context]. At seed 0, compare's inputs, they also count the work (``flops``, ``nbytes``)."""
+    B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
+    return np.random.default_rng(seed).integers(Q, MP * PS + 1, size=B).astype("int32")
+
+
 def make_inputs(shape, dtype, seed):
     """Sequences of different seeded lengths in [q_len, max context]; each sequence's pages are
     taken from a seeded permutation of the pool, so they are scattered; block-table entries past a
@@ -94,10 +101,10 @@ def make_inputs(shape, dtype, seed):
     if NP < B * MP:
         raise ValueError(f"num_pages ({NP}) must hold batch*max_pages ({B * MP}) pages")
     rng = np.random.default_rng(seed)
+    seq_lens = rng.integers(Q, MP * PS + 1, size=B).astype("int32")  # as seeded_seq_lens
     # Drawn as float32 and cast: a half-precision run gets the float32 run's inputs, rounded.
     q, k_pages, v_pages = (rng.standard_normal(s).astype(np.float32).astype(dtype)
                            for s in ((B, Q, H, D), (NP, KVH, PS, D), (NP, KVH, PS, D)))
-    seq_lens = rng.integers(Q, MP * PS + 1, size=B).astype("int32")
     block_table = rng.integers(0, NP, size=(B, MP)).astype("int32")
     perm = rng.permutation(NP).astype("int32")
     used = 0
@@ -109,19 +116,32 @@ def make_inputs(shape, dtype, seed):
 
 
 def flops(shape):
-    # Over the maximum context, as the kernel computes it: q.k and p.v (2 flops per MAC each), then
-    # max, sub+mul+exp, sum per score and one division per output.
+    # The useful work at compare's inputs (seed 0): query t of a sequence of length L sees
+    # L - q_len + t + 1 keys; per (query, key) pair q.k and p.v (2 flops per MAC each) and ~5 for
+    # the scale/max/exp/sum, as flash_attention counts.
     B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
-    rows, c = B * Q * H, MP * PS
-    return rows * (4.0 * c * D + 5.0 * c + D)
+    pairs = sum(Q * (int(n) - Q) + Q * (Q + 1) // 2 for n in seeded_seq_lens(shape))
+    return H * pairs * (4.0 * D + 5.0)
 
 
 def nbytes(shape, dtype):
-    # q and the output once, the block table and lengths once, and the K/V pages the block table
-    # addresses once (not the rest of the pool, which no kernel needs to touch).
+    # q and the output once, the block table and lengths once, and the K/V pages holding each
+    # sequence's keys at compare's inputs (seed 0) once: no kernel needs the rest of the pool.
     B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
+    pages = sum(-(-int(n) // PS) for n in seeded_seq_lens(shape))
     item = np.dtype(dtype).itemsize
-    return item * (2 * B * Q * H * D + 2 * B * MP * KVH * PS * D) + 4 * (B * MP + B)
+    return item * (2 * B * Q * H * D + 2 * pages * KVH * PS * D) + 4 * (B * MP + B)
+
+
+def _graph_more_work(shape):
+    """Why the ONNX graph does more work than needed at compare's inputs, or None."""
+    B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
+    lens = seeded_seq_lens(shape)
+    if lens.min() == MP * PS:
+        return None
+    return (f"the graph gathers every block-table entry's page (a copy of {MP * PS} keys a sequence) and "
+            f"attends over all of them, masked; the sequences hold {lens.min()} to {lens.max()} keys "
+            "(the GPU kernels read only those pages; the row kernels mask the whole table too)")
 
 
 @template("row_parallel")
@@ -348,4 +368,5 @@ PATTERN = Pattern.from_module(
                   ShapeParam("max_pages", 32, 3, "block-table entries per sequence"),
                   ShapeParam("num_pages", 160, 8, "physical pages in the pool (>= batch*max_pages)")],
     templates=[row_parallel, cuda_split_kv, cuda_wgmma_prefill, cuda_kv_head],
+    more_work={"onnx_graph": _graph_more_work},
 )

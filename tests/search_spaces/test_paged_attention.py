@@ -152,3 +152,20 @@ def test_make_inputs_scatters_pages_and_varies_lengths():
     live = np.concatenate([table[b, :-(-int(n) // shape["page_size"])] for b, n in enumerate(seq_lens)])
     assert len(set(live.tolist())) == len(live), "no page belongs to two sequences"
     assert not np.all(np.diff(live) == 1), "pages are scattered, not consecutive"
+
+
+def test_the_work_counted_is_the_seeded_sequences_and_the_whole_table_graph_is_labelled():
+    shape = pa.PATTERN.default_shape()
+    *_, seq_lens = pa.make_inputs(shape, "float16", 0)
+    np.testing.assert_array_equal(pa.seeded_seq_lens(shape), seq_lens)
+    q_len, heads, head_dim, page = shape["q_len"], shape["num_heads"], shape["head_dim"], shape["page_size"]
+    visible = sum(int(n) - q_len + t + 1 for n in seq_lens for t in range(q_len))
+    assert pa.flops(shape) == heads * visible * (4.0 * head_dim + 5.0)
+    pages = sum(-(-int(n) // page) for n in seq_lens)
+    assert pa.nbytes(shape, "float16") == (2 * (2 * shape["batch"] * q_len * heads * head_dim
+                                                + 2 * pages * shape["num_kv_heads"] * page * head_dim)
+                                           + 4 * shape["batch"] * (shape["max_pages"] + 1))
+    assert "onnx_graph" in pa.PATTERN.more_work_at(shape)
+    # every sequence as long as its table: the graph's work is the kernels'
+    full = dict(shape, q_len=shape["max_pages"] * page)
+    assert (pa.seeded_seq_lens(full) == full["q_len"]).all() and pa.PATTERN.more_work_at(full) == {}
