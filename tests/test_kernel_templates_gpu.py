@@ -54,11 +54,20 @@ CASES = [
                               "cache_len": 700}, "float16"),
     ("paged_attention", {"batch": 2, "q_len": 1, "num_heads": 32, "num_kv_heads": 1, "head_dim": 64,
                          "page_size": 16, "max_pages": 16, "num_pages": 40}, "bfloat16"),
-    # 8 drafts of 4 heads per K/V head in sets of 8 rows over 1500 cached keys; 5 drafts, an empty cache
-    ("spec_verify_attention", {"batch": 3, "heads": 32, "kv_heads": 8, "head_dim": 128, "max_seq": 2048,
+    # the split kernel (fewer than VERIFY_MIN_ITEMS (batch, K/V head) items): 8 drafts of 4 heads per
+    # K/V head in sets of 8 rows over 1500 cached keys; 5 drafts, an empty cache
+    ("spec_verify_attention", {"batch": 1, "heads": 32, "kv_heads": 8, "head_dim": 128, "max_seq": 2048,
                                "cache_len": 1500, "k_draft": 8}, "float16"),
     ("spec_verify_attention", {"batch": 2, "heads": 8, "kv_heads": 2, "head_dim": 64, "max_seq": 512,
                                "cache_len": 0, "k_draft": 5}, "bfloat16"),
+    # the tensor-core prefill: 32 rows an item over 1500 keys (a last tile of 92, its V tail zeroed);
+    # 8 x 16 rows, one whole query tile, an empty cache; 4 x 5 rows, the tree's rows by row % 5
+    ("spec_verify_attention", {"batch": 4, "heads": 32, "kv_heads": 8, "head_dim": 128, "max_seq": 2048,
+                               "cache_len": 1500, "k_draft": 8}, "float16"),
+    ("spec_verify_attention", {"batch": 8, "heads": 16, "kv_heads": 2, "head_dim": 64, "max_seq": 512,
+                               "cache_len": 0, "k_draft": 16}, "bfloat16"),
+    ("spec_verify_attention", {"batch": 16, "heads": 8, "kv_heads": 2, "head_dim": 128, "max_seq": 512,
+                               "cache_len": 300, "k_draft": 5}, "float16"),
     ("linear", {"m": 512, "n": 768, "k": 1024}, "float16"),
     ("linear_bias", {"m": 256, "n": 384, "k": 512}, "bfloat16"),
     ("linear_bias_gelu", {"m": 512, "n": 768, "k": 1024}, "float16"),
@@ -111,7 +120,7 @@ IDS = [f"{name}-{dtype}-{'-'.join(str(v) for v in shape.values())}" for name, sh
 @pytest.mark.parametrize("name, shape, dtype", CASES, ids=IDS)
 def test_the_kernel_template_default_passes_its_check(name, shape, dtype):
     job = Job(get_pattern(name), shape, dtype)
-    (template,) = K.kernel_templates_for(job.pattern, shape, dtype, H200)
+    template = K.kernel_templates_for(job.pattern, shape, dtype, H200)[0]  # the first tried
     choice, rejected = verify.choose(job, None, H200, DEV)
     assert choice.source == verify.TEMPLATE_DEFAULT, rejected
     assert choice.knobs == template.default_for(shape, dtype), rejected  # not an S-TIR template's

@@ -74,6 +74,16 @@ Prefill: ``prefill_attention`` -> ``(q, k, v, out)``, or ``(q, k, v, mask, out)`
     length seq_lens[b] sets, at run time, the causal offset seq_lens[b] - seq_q and how many key
     tiles it visits; keys past it in the last tile are masked as above the diagonal.
 
+    With ``verify`` (drafts, cache_len) and a ``verify_prefill_shape``: spec_verify_attention's
+    drafts, not causal. A work item is a (batch, K/V head): its group's heads x drafts query rows,
+    contiguous in q, are the item's queries (one wgmma tile from 1 x 128 to 8 x 16 rows). Its key
+    tiles are the cache's first cache_len rows (``verify_key_tiles``), then one tile of the drafts'
+    own K/V (k_new, v_new, a BN-row box from the item's first draft) masked by tree[row % drafts,
+    key]. The last cache tile's keys past cache_len are masked and their V rows zeroed in shared
+    memory by each consumer warpgroup before its P V (rows nobody wrote may hold NaN, which P = 0
+    would not cancel); fence.proxy.async and a warpgroup barrier, then the wgmma. Needs
+    VERIFY_MIN_ITEMS items or more, and drafts <= BN.
+
 Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new token per sequence
     split (q, k_cache, v_cache, part_o, part_ml, length) attends q (batch, heads, head_dim) over
     positions [0, length) of the caches (batch, kv_heads, max_seq, head_dim) (length is a run-time
@@ -139,6 +149,9 @@ SPLIT_KV_KNOBS = {name: values for name, values in DECODE_KNOBS.items() if value
 SPLIT_KV_DEFAULT_KNOBS = {name: DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_KNOBS}
 COMBINE_UNROLL = SPLIT_MAX       # splits whose partials the combine kernel loads at once
 DECODE_MAX_GROUP = 8              # query rows a split CTA keeps (q and O in registers); more: more CTAs
+# (batch, K/V head) work items below which a verify prefill leaves most SMs idle: the split kernel
+# spreads the cache over more CTAs there
+VERIFY_MIN_ITEMS = 16
 
 _SWIZZLE_128B = 3  # CUtensorMapSwizzle and the wgmma descriptor's layout code for 128-byte swizzle
 _TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
@@ -217,10 +230,11 @@ def prefill_shared_memory_bytes(head_dim: int, knobs: dict) -> int:
 
 
 def check_prefill(shape: dict, dtype: str, knobs: dict | None = None,
-                  paged: tuple[int, int, int] | None = None) -> tuple[dict, dict]:
+                  paged: tuple[int, int, int] | None = None,
+                  verify: tuple[int, int] | None = None) -> tuple[dict, dict]:
     """(dims, resolved knobs) when ``prefill_attention`` takes ``shape`` (keys PREFILL_SHAPE_KEYS,
     optional ``causal`` 0/1, ``scale`` and ``mask_rows`` 0/1/seq_q), ``dtype``, ``knobs`` and
-    ``paged``; AttentionShapeError otherwise."""
+    ``paged`` or ``verify``; AttentionShapeError otherwise."""
     knobs = _resolve(knobs, PREFILL_KNOBS, PREFILL_DEFAULT_KNOBS)
     nb, hq, hkv, sq, skv, hd = _ints(shape, PREFILL_SHAPE_KEYS)
     _check_dtype_heads(dtype, hq, hkv, hd)
@@ -256,6 +270,8 @@ def check_prefill(shape: dict, dtype: str, knobs: dict | None = None,
                                       f"block_n={bn} or is a multiple of it")
         if num_pages * hkv * page_size * hd >= 1 << 31:
             raise AttentionShapeError("the page pool has 2^31 elements or more (int32 indices)")
+    if verify is not None:
+        _check_verify(nb, hq, hkv, sq, skv, bn, causal or mask_rows or paged is not None, verify)
     smem = prefill_shared_memory_bytes(hd, knobs)
     if smem > SHARED_MEMORY_LIMIT:
         raise AttentionShapeError(f"{smem} bytes of shared memory (stages={knobs['stages']}, block_n={bn}, "
@@ -263,6 +279,42 @@ def check_prefill(shape: dict, dtype: str, knobs: dict | None = None,
     dims = dict(zip(PREFILL_SHAPE_KEYS, (nb, hq, hkv, sq, skv, hd)), causal=causal, scale=_scale(shape, hd),
                 mask_rows=int(mask_rows), paged=paged)
     return dims, knobs
+
+
+def _check_verify(nb, hq, hkv, sq, skv, bn, other_mode, verify):
+    drafts, cache_len = verify
+    if other_mode:
+        raise AttentionShapeError("a verify prefill is neither causal, masked nor paged: the tree masks its drafts")
+    if hq != hkv:
+        raise AttentionShapeError("a verify prefill's heads are its K/V heads (a group's rows packed, "
+                                  "``verify_prefill_shape``)")
+    if drafts < 1 or sq % drafts:
+        raise AttentionShapeError(f"seq_q={sq} must be the group's heads x drafts={drafts}")
+    if not 0 <= cache_len <= skv:
+        raise AttentionShapeError(f"cache_len={cache_len} must be in [0, max_seq={skv}]")
+    if drafts > bn:
+        raise AttentionShapeError(f"{drafts} drafts do not fit one key tile (block_n={bn})")
+    if nb * hkv < VERIFY_MIN_ITEMS:
+        raise AttentionShapeError(f"{nb * hkv} (batch, K/V head) work items, fewer than {VERIFY_MIN_ITEMS}: "
+                                  "most SMs would idle (cuda_split_kv splits the cache instead)")
+    if nb * hkv * drafts < bn or nb * hq * sq < BLOCK_M:
+        raise AttentionShapeError(f"the drafts' K/V ({nb * hkv * drafts} rows) or q ({nb * hq * sq} rows) are "
+                                  f"shorter than one TMA box (block_n={bn}, {BLOCK_M} query rows)")
+
+
+def verify_prefill_shape(shape: dict, drafts: int) -> dict:
+    """The prefill shape of speculative verification: shape {batch, num_heads, num_kv_heads,
+    head_dim, max_seq} with ``drafts`` tokens a query head run as one head per (batch, K/V head)
+    whose queries are its group's heads x drafts rows (contiguous in q (batch, heads, drafts,
+    head_dim)), over max_seq keys; ``prefill_attention(..., verify=(drafts, cache_len))``."""
+    nb, hq, hkv, hd, smax = _ints(shape, DECODE_SHAPE_KEYS)
+    return {"batch": nb, "heads": hkv, "kv_heads": hkv, "seq_q": hq // hkv * drafts, "seq_kv": smax,
+            "head_dim": hd, **({"scale": shape["scale"]} if "scale" in shape else {})}
+
+
+def verify_key_tiles(cache_len: int, block_n: int) -> int:
+    """Key tiles of the cache a verify prefill visits (its drafts' tile comes after them)."""
+    return -(-cache_len // block_n)
 
 
 def prefill_configs(shape: dict, dtype: str) -> list[dict]:
@@ -406,6 +458,18 @@ def _mask_above_diagonal(s, n_s, first_key, first_row, offset, lane):
         s[i] = T.if_then_else(key <= row + offset, s[i], T.min_value("float32"))
 
 
+@T.macro
+def _mask_draft_keys(s, n_s, tree, first_row, lane, drafts):
+    """Verify's drafts' key tile: draft key k is seen by the item's query row r (a group head x drafts
+    + its draft) when tree[r % drafts, k] != 0; keys from ``drafts`` on (the next item's drafts, or
+    TMA's zero fill) are hidden from every row."""
+    for i in T.unroll(n_s):
+        row = T.meta_var(first_row + lane // 32 * 16 + lane % 32 // 4 + i % 4 // 2 * 8)
+        key = T.meta_var(i // 4 * 8 + lane % 4 * 2 + i % 2)
+        s[i] = T.if_then_else(T.And(key < drafts, tree[row % drafts, T.min(key, drafts - 1)] != 0), s[i],
+                              T.min_value("float32"))
+
+
 def mask_word_index(batch, first_row, first_key, lane, mask_rows: int, seq_kv: int, last_row=None):
     """Index of the 4-byte word of the (batch, 1, mask_rows, seq_kv) mask that holds this thread's
     keys first_key + 2 (lane % 4), +1 of its first row (first_row + 16 (lane / 32) + (lane % 32) / 4
@@ -499,16 +563,18 @@ def _issue_pv(o, n_o, p_regs, v_smem, slot, block_n, mma, v_box_units, desc_b):
 
 
 def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = None,
-                      paged: tuple[int, int, int] | None = None):
+                      paged: tuple[int, int, int] | None = None, verify: tuple[int, int] | None = None):
     """The tirx PrimFunc ``(q, k, v, out)`` of the prefill forward (module docstring) for ``shape``
     {batch, heads, kv_heads, seq_q, seq_kv, head_dim, causal (0), scale (1/sqrt(head_dim)),
     mask_rows (0)}; global symbol ``attention_prefill``. With ``mask_rows`` 1 or seq_q it is
     ``(q, k, v, mask, out)``, the additive mask (batch, 1, mask_rows, seq_kv) in the dtype, global
     symbol ``attention_prefill_masked``. With ``paged`` (page_size, max_pages, num_pages) it is
     paged_attention's chunked prefill ``(q, k_pages, v_pages, block_table, seq_lens, out)``, global
-    symbol ``attention_prefill_paged`` (module docstring). AttentionShapeError when shape, dtype or
-    knobs do not fit."""
-    dims, knobs = check_prefill(shape, dtype, knobs, paged)
+    symbol ``attention_prefill_paged`` (module docstring). With ``verify`` (drafts, cache_len) and a
+    ``verify_prefill_shape`` it is spec_verify_attention's ``(q, k_cache, v_cache, k_new, v_new,
+    tree, out)``, global symbol ``attention_prefill_verify`` (module docstring). AttentionShapeError
+    when shape, dtype or knobs do not fit."""
+    dims, knobs = check_prefill(shape, dtype, knobs, paged, verify)
     nb, hq, hkv, sq, skv, hd = (dims[key] for key in PREFILL_SHAPE_KEYS)
     causal = bool(dims["causal"])
     mask_rows = dims["mask_rows"]
@@ -522,7 +588,11 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
     # Padded tiles (seq_q or seq_kv no multiple of its tile): a tile's TMA copy runs on into the
     # next head's rows (or zeros past the tensor's end); those keys are masked, those query rows
     # computed and not stored. Python bools, so the divisible shapes' kernels are unchanged.
-    pad_q, pad_kv = sq % bm != 0, skv % bn != 0
+    is_verify = verify is not None
+    drafts, cache_len = verify or (0, 0)
+    n_cache = verify_key_tiles(cache_len, bn)
+    tail = cache_len % bn  # verify: the last cache tile's rows from here on are past the cache
+    pad_q, pad_kv = sq % bm != 0, skv % bn != 0 and not is_verify
     padded = pad_q or pad_kv
     q_tiles, kv_tiles = -(-sq // bm), -(-skv // bn)
     c = dims["scale"] * LOG2E
@@ -541,6 +611,8 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         tma_q = _tensor_map_args(nb * sq, hq * hd, bm)
         tma_kv = _tensor_map_args(num_pages * hkv * page_size, hd, box_kv)
         padded = True  # the sequence's length is a run-time value
+    if is_verify:
+        tma_kd = _tensor_map_args(nb * hkv * drafts, hd, bn)
     kv_tile_bytes = 2 * bn * hd * 2
     v_box_units = bn * 64 * 2 // 16    # one 64-column box of the V tile, in 16-byte units
     tiles = q_tiles * nb * hq          # (query tile, batch x head) work items
@@ -564,7 +636,10 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
 
     def item_keys(q_first, length):
         """(key tiles visited, of which unmasked (causal), the causal offset) of a work item whose
-        query tile starts at row q_first; paged, ``length`` holds its sequence's seq_lens entry."""
+        query tile starts at row q_first; paged, ``length`` holds its sequence's seq_lens entry;
+        verify: the cache's tiles, then the drafts'."""
+        if is_verify:
+            return n_cache + 1, 0, 0
         key_offset = offset if length is None else length[0] - sq
         n_kv = kv_tiles if length is None else (length[0] + bn - 1) // bn
         visit = causal_key_tiles(q_first, key_offset, bn, padded, n_kv)[0] if causal else kv_tiles
@@ -572,7 +647,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
 
     @T.macro
     def key_tile_softmax(s, m, l, m_new, alpha, tile_sum, j, n_tiles, n_unmasked, key_offset, first_row, head, lane,
-                         q_empty, M_words, mask_pair, mask_word):
+                         q_empty, M_words, mask_pair, mask_word, TR):
         """After key tile j's scores landed: release the query tile after the item's last one, mask,
         and the online softmax's update (``_softmax_tile``)."""
         if j == n_tiles - 1:
@@ -581,6 +656,12 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         if causal:
             if j >= n_unmasked:
                 _mask_above_diagonal(s, n_s, j * bn, first_row, key_offset, lane)
+        elif is_verify:
+            if tail > 0:
+                if j == n_cache - 1:
+                    _mask_keys_from(s, n_s, j * bn, cache_len, lane, T.min_value("float32"))
+            if j == n_cache:
+                _mask_draft_keys(s, n_s, TR, first_row, lane, drafts)
         elif pad_kv and not masked:
             if j == n_tiles - 1:
                 _mask_keys_from(s, n_s, j * bn, skv, lane, T.min_value("float32"))
@@ -592,15 +673,34 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                     _mask_keys_from(s, n_s, j * bn, skv, lane, T.float32(-math.inf))
         _softmax_tile(s, n_s, m, l, m_new, alpha, tile_sum, c, masked)
 
-    # One body for both signatures (with and without the mask), spliced into each.
     @T.macro
-    def body(Q, K, V, Mk, BT, SL, O):
+    def zero_cache_tail(Vs, slot, j, wg, lane):
+        """Verify: the last cache tile's V rows past cache_len (rows of the cache nobody wrote, maybe
+        NaN, which P = 0 would not cancel) set to 0 in the landed slot, before its P V; each consumer
+        warpgroup zeroes them all for itself (the other's stores write the same zeros)."""
+        if is_verify and tail > 0:
+            if j == n_cache - 1:
+                for t in T.serial(-(-(bn - tail) * boxes * 64 // 128)):
+                    if t * 128 + lane < (bn - tail) * boxes * 64:
+                        Vs[slot, (t * 128 + lane) // 64 % boxes, tail + (t * 128 + lane) // (64 * boxes),
+                           (t * 128 + lane) % 64] = T.Cast(dtype, 0)
+                T.ptx.fence.proxy.async_.shared__cta()  # to wgmma's async proxy
+                T.cuda.warpgroup_sync(1 + wg)
+
+    # One body for every signature, spliced into each.
+    @T.macro
+    def body(Q, K, V, Mk, BT, SL, O, KD, VD, TR):
         Q_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", Q_map, dtype, 2, Q.data, *tma_q)
         K_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", K_map, dtype, 2, K.data, *tma_kv)
         V_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", V_map, dtype, 2, V.data, *tma_kv)
+        if is_verify:
+            KD_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            T.call_packed("runtime.cuTensorMapEncodeTiled", KD_map, dtype, 2, KD.data, *tma_kd)
+            VD_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            T.call_packed("runtime.cuTensorMapEncodeTiled", VD_map, dtype, 2, VD.data, *tma_kd)
         T.device_entry()
         cta = T.cta_id([grid])
         tx = T.thread_id([384])  # warpgroup 0: TMA producer (one thread); 1 and 2: consumers
@@ -685,7 +785,20 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                         st = T.meta_var(g % stages)
                         if g >= stages:  # wait until both consumers released the slot's previous tile
                             T.cuda.mbarrier_wait(T.address_of(empty[st]), (g // stages + 1) % 2)
-                        if is_paged:
+                        if is_verify:
+                            if j < n_cache:
+                                for h in T.unroll(boxes):
+                                    T.ptx[_TMA_LOAD](Ks.ptr_to([st, h, 0, 0]), T.address_of(K_map), h * 64,
+                                                     kv_row0 + j * bn, T.address_of(full[st]))
+                                    T.ptx[_TMA_LOAD](Vs.ptr_to([st, h, 0, 0]), T.address_of(V_map), h * 64,
+                                                     kv_row0 + j * bn, T.address_of(full[st]))
+                            else:  # the drafts' own keys: one box from the item's first draft row
+                                for h in T.unroll(boxes):
+                                    T.ptx[_TMA_LOAD](Ks.ptr_to([st, h, 0, 0]), T.address_of(KD_map), h * 64,
+                                                     head * drafts, T.address_of(full[st]))
+                                    T.ptx[_TMA_LOAD](Vs.ptr_to([st, h, 0, 0]), T.address_of(VD_map), h * 64,
+                                                     head * drafts, T.address_of(full[st]))
+                        elif is_paged:
                             for e in T.unroll(bn // box_kv):
                                 page_row[0] = paged_key_row(BT, head // hq, head % hq // group, j * bn + e * box_kv,
                                                             page_size, max_pages, hkv)
@@ -733,21 +846,23 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                     # tensor cores while tile j's softmax does (FlashAttention-3's intra-warpgroup
                     # pipelining). The first tile is peeled, so no wgmma is issued under a branch.
                     T.cuda.mbarrier_wait(T.address_of(full[ring[0] % stages]), ring[0] // stages % 2)
+                    zero_cache_tail(Vs, ring[0] % stages, 0, wg, lane)
                     _issue_scores(s, n_s, Qs, Ks, ring[0] % stages, wg, hd, mma_s, desc_a, desc_b)
                     T.ptx.wgmma.wait_group.sync.aligned(0)
                     pin_registers(s, n_s, "float32")
                     key_tile_softmax(s, m, l, m_new, alpha, tile_sum, 0, n_tiles, n_unmasked, key_offset, q_first + wg * 64,
-                                     head, lane, q_empty, M_words, mask_pair, mask_word)
+                                     head, lane, q_empty, M_words, mask_pair, mask_word, TR)
                     _rescale_cast(s, p, n_s, o, n_o, alpha, dtype)
                     for j1 in T.serial(n_tiles - 1):
                         g = T.meta_var(ring[0] + j1 + 1)
                         T.cuda.mbarrier_wait(T.address_of(full[g % stages]), g // stages % 2)
+                        zero_cache_tail(Vs, g % stages, j1 + 1, wg, lane)
                         _issue_scores(s, n_s, Qs, Ks, g % stages, wg, hd, mma_s, desc_a, desc_b)
                         _issue_pv(o, n_o, p_regs, Vs, (g - 1) % stages, bn, mma_o, v_box_units, desc_b)
                         T.ptx.wgmma.wait_group.sync.aligned(1)
                         pin_registers(s, n_s, "float32")
                         key_tile_softmax(s, m, l, m_new, alpha, tile_sum, j1 + 1, n_tiles, n_unmasked, key_offset,
-                                         q_first + wg * 64, head, lane, q_empty, M_words, mask_pair, mask_word)
+                                         q_first + wg * 64, head, lane, q_empty, M_words, mask_pair, mask_word, TR)
                         T.ptx.wgmma.wait_group.sync.aligned(0)
                         pin_registers(o, n_o, "float32")
                         pin_registers(p_regs, n_s // 2, "uint32")
@@ -765,10 +880,11 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                         g = T.meta_var(ring[0] + j)
                         st = T.meta_var(g % stages)
                         T.cuda.mbarrier_wait(T.address_of(full[st]), g // stages % 2)
+                        zero_cache_tail(Vs, st, j, wg, lane)
                         _issue_scores(s, n_s, Qs, Ks, st, wg, hd, mma_s, desc_a, desc_b)
                         T.ptx.wgmma.wait_group.sync.aligned(0)
                         key_tile_softmax(s, m, l, m_new, alpha, tile_sum, j, n_tiles, n_unmasked, key_offset,
-                                         q_first + wg * 64, head, lane, q_empty, M_words, mask_pair, mask_word)
+                                         q_first + wg * 64, head, lane, q_empty, M_words, mask_pair, mask_word, TR)
                         _rescale_cast(s, p, n_s, o, n_o, alpha, dtype)
                         _issue_pv(o, n_o, p_regs, Vs, st, bn, mma_o, v_box_units, desc_b)
                         T.ptx.wgmma.wait_group.sync.aligned(0)
@@ -808,7 +924,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
             V = T.match_buffer(v, (nb, hkv, skv, hd), dtype, align=16)
             Mk = T.match_buffer(mask, (nb, 1, mask_rows, skv), dtype, align=16)
             O = T.match_buffer(out, (nb, hq, sq, hd), dtype, align=16)
-            body(Q, K, V, Mk, None, None, O)
+            body(Q, K, V, Mk, None, None, O, None, None, None)
 
         return _mark(attention_masked, "attention_prefill_masked")
 
@@ -822,9 +938,26 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
             BT = T.match_buffer(block_table, (nb, max_pages), "int32")
             SL = T.match_buffer(seq_lens, (nb,), "int32")
             O = T.match_buffer(out, (nb, sq, hq, hd), dtype, align=16)
-            body(Q, K, V, None, BT, SL, O)
+            body(Q, K, V, None, BT, SL, O, None, None, None)
 
         return _mark(attention_paged, "attention_prefill_paged")
+
+    if is_verify:
+        heads = sq // drafts * hkv  # the query heads: a K/V head's group x drafts rows are one item's queries
+
+        @T.prim_func
+        def attention_verify(q: T.handle, k_cache: T.handle, v_cache: T.handle, k_new: T.handle, v_new: T.handle,
+                             tree: T.handle, out: T.handle):
+            Q = T.match_buffer(q, (nb, heads, drafts, hd), dtype, align=16)
+            K = T.match_buffer(k_cache, (nb, hkv, skv, hd), dtype, align=16)
+            V = T.match_buffer(v_cache, (nb, hkv, skv, hd), dtype, align=16)
+            KD = T.match_buffer(k_new, (nb, hkv, drafts, hd), dtype, align=16)
+            VD = T.match_buffer(v_new, (nb, hkv, drafts, hd), dtype, align=16)
+            TR = T.match_buffer(tree, (drafts, drafts), "int32")
+            O = T.match_buffer(out, (nb, heads, drafts, hd), dtype, align=16)
+            body(Q, K, V, None, None, None, O, KD, VD, TR)
+
+        return _mark(attention_verify, "attention_prefill_verify")
 
     @T.prim_func
     def attention(q: T.handle, k: T.handle, v: T.handle, out: T.handle):
@@ -832,7 +965,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         K = T.match_buffer(k, (nb, hkv, skv, hd), dtype, align=16)
         V = T.match_buffer(v, (nb, hkv, skv, hd), dtype, align=16)
         O = T.match_buffer(out, (nb, hq, sq, hd), dtype, align=16)
-        body(Q, K, V, None, None, None, O)
+        body(Q, K, V, None, None, None, O, None, None, None)
 
     return _mark(attention, "attention_prefill")
 

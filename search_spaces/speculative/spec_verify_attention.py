@@ -15,9 +15,11 @@ tile the draft block (masked by the tree) is folded into the same state. Each (b
 group * k_draft query rows, the vector axis of ``kv_head_tiles`` (CPU), so a K/V tile is loaded
 once for the whole group; ``cuda_verify_rows`` follows ``cuda_flash`` (a block per (batch, K/V
 head, row tile), K/V tiles in shared memory, the running state in registers). On an sm_90 GPU in
-float16/bfloat16 the kernel template ``cuda_split_kv`` comes first: flash-decoding's split kernel
-over the cache (``lib.cuda_attention``, its query rows the group's drafts), one more split for the
-draft block under the tree, and the combine, at any cache length.
+float16/bfloat16 the kernel templates come first: with VERIFY_MIN_ITEMS (batch, K/V head) pairs or
+more ``cuda_wgmma_verify``, the tensor-core prefill (``lib.cuda_attention``) with a K/V head's group
+x drafts rows as one query tile, the cache's tiles then the drafts' under the tree; else
+``cuda_split_kv``, flash-decoding's split kernel over the cache (its query rows the group's drafts),
+one more split for the draft block under the tree, and the combine, at any cache length.
 """
 
 import math
@@ -594,6 +596,30 @@ cuda_split_kv = KernelTemplate("cuda_split_kv", _split_kv, cuda_attention.SPLIT_
                                cuda_attention.SPLIT_KV_DEFAULT_KNOBS, _split_kv_check, **HOPPER)
 
 
+def _verify_prefill(shape):
+    return cuda_attention.verify_prefill_shape(_decode_shape(shape), shape["k_draft"]), \
+        (shape["k_draft"], shape["cache_len"])
+
+
+def _wgmma_verify_check(shape, dtype, knobs):
+    prefill, verify = _verify_prefill(shape)
+    cuda_attention.check_prefill(prefill, dtype, knobs, verify=verify)
+
+
+def _wgmma_verify(shape, dtype, knobs):
+    """FlashAttention on Hopper tensor cores (``lib.cuda_attention.prefill_attention`` with
+    ``verify``): a work item per (batch, K/V head), its group x drafts query rows one wgmma tile,
+    the cache's first cache_len keys in TMA-loaded tiles, then the drafts' own keys as one more tile
+    under the tree; float16/bfloat16, head_dim 64 or 128, from VERIFY_MIN_ITEMS (batch, K/V head)
+    pairs on (fewer leave the SMs idle: ``cuda_split_kv`` then)."""
+    prefill, verify = _verify_prefill(shape)
+    return cuda_attention.prefill_attention(prefill, dtype, knobs, verify=verify)
+
+
+cuda_wgmma_verify = KernelTemplate("cuda_wgmma_verify", _wgmma_verify, cuda_attention.PREFILL_KNOBS,
+                                   cuda_attention.PREFILL_DEFAULT_KNOBS, _wgmma_verify_check, **HOPPER)
+
+
 def onnx_graph(shape, dtype):
     """As exporters write tree verification: Slice the cache to cache_len and Concat the drafts'
     K/V, repeat K/V heads over their group (Unsqueeze, Expand, Reshape), MatMul, Mul by the scale,
@@ -664,7 +690,7 @@ PATTERN = Pattern.from_module(
                   ShapeParam("cache_len", 200, 13, "valid cache positions, the same for every sequence",
                              minimum=0),
                   ShapeParam("k_draft", 8, 5, "draft tokens (tree nodes) verified in this pass")],
-    templates=[kv_head_tiles, cuda_split_kv, cuda_verify_rows],
+    templates=[kv_head_tiles, cuda_wgmma_verify, cuda_split_kv, cuda_verify_rows],
     more_work={"onnx_graph": "the graph concatenates the cache prefix with the drafts' K/V (a copy of the "
                              "cache) and repeats K/V over each query group; the kernel reads the cache in place",
                "torch-sdpa": lambda shape: None if _drafts_fit(shape) else (

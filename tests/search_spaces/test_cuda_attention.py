@@ -25,6 +25,13 @@ VERIFY = dict(DECODE, cache_len=700)  # with drafts: spec_verify_attention's spl
 # paged_attention's chunk of 200 tokens over 16-key pages (a 512-key table: 32 pages)
 PAGED_CHUNK = dict(batch=2, heads=8, kv_heads=2, seq_q=200, seq_kv=512, head_dim=128, causal=1)
 PAGES = (16, 32, 80)  # page_size, max_pages, num_pages
+# spec_verify_attention on the tensor-core prefill: 16 sequences, 8 drafts of 4 heads per K/V head
+VERIFY_PREFILL = dict(batch=16, num_heads=32, num_kv_heads=8, head_dim=128, max_seq=4096)
+
+
+def _verify_prefill(drafts=8, cache_len=4000, knobs=None, dtype="float16", **change):
+    shape = dict(VERIFY_PREFILL, **change)
+    return ca.prefill_attention(ca.verify_prefill_shape(shape, drafts), dtype, knobs, verify=(drafts, cache_len))
 
 
 def _source(func) -> str:
@@ -345,6 +352,32 @@ def test_rope_scores_rotate_chunk_pairs_in_shared_memory_then_one_wgmma_chain(he
     assert len(stores) == block_n // 2 // 2
 
 
+@pytest.mark.parametrize("cache_len,tail", [(4000, True), (3968, False), (0, False)])
+def test_verify_prefill_reads_the_drafts_after_the_cache_under_the_tree(cache_len, tail):
+    source = _source(_verify_prefill(cache_len=cache_len))
+    loads = re.findall(r"cp_async_bulk_tensor\w*\(.*?&\((\w+_map)\)", source)
+    assert {"Q_map", "KD_map", "VD_map"} <= set(loads) and ("K_map" in loads) == (cache_len > 0)
+    assert "TR_ptr[" in source
+    # the last cache tile's V rows past cache_len zeroed by each consumer warpgroup, fenced for wgmma
+    assert source.count("tvm_builtin_cuda_warpgroup_sync((") == int(tail)
+    assert ("__float2half_rn(0x0p+0f" in source) == tail
+
+
+@pytest.mark.parametrize("change,fragment", [
+    (dict(batch=1), "fewer than 16"), (dict(drafts=129), "do not fit one key tile"),
+    (dict(cache_len=4097), "cache_len=4097"), (dict(batch=2, drafts=4, num_heads=16), "shorter than one TMA box")])
+def test_verify_prefill_errors(change, fragment):
+    change = dict(change)
+    drafts, cache_len = change.pop("drafts", 8), change.pop("cache_len", 4000)
+    shape = dict(VERIFY_PREFILL, **change)
+    with pytest.raises(ca.AttentionShapeError, match=re.escape(fragment)):
+        ca.check_prefill(ca.verify_prefill_shape(shape, drafts), "float16", verify=(drafts, cache_len))
+    with pytest.raises(ca.AttentionShapeError, match="neither causal"):
+        ca.check_prefill(dict(ca.verify_prefill_shape(VERIFY_PREFILL, 8), causal=1), "float16", verify=(8, 10))
+    with pytest.raises(ca.AttentionShapeError, match="heads are its K/V heads"):
+        ca.check_prefill(dict(ca.verify_prefill_shape(VERIFY_PREFILL, 8), heads=32), "float16", verify=(8, 10))
+
+
 def test_rope_scores_shape_errors():
     for change, fragment in ((dict(seq_k=335), "seq_k=335 is odd"), (dict(seq_q=400), "seq_q=400 must be <="),
                              (dict(head_dim=96), "head_dim=96")):
@@ -433,6 +466,13 @@ def test_nvcc_compiles_prefill_defaults(tmp_path, shape):
     # 384 threads: at most 168 registers each, or the CTA does not fit the register file
     pages = PAGES if shape is PAGED_CHUNK else None
     [(regs, spills)] = _ptxas(_source(ca.prefill_attention(shape, "float16", None, pages)), tmp_path)
+    assert regs <= 168 and spills == 0
+
+
+@needs_nvcc
+@pytest.mark.parametrize("knobs", [None, dict(block_n=64, stages=2, persistent=0, overlap=0)])
+def test_nvcc_compiles_verify_prefill(tmp_path, knobs):
+    [(regs, spills)] = _ptxas(_source(_verify_prefill(knobs=knobs)), tmp_path)
     assert regs <= 168 and spills == 0
 
 
@@ -720,6 +760,59 @@ def test_verify_splits_and_draft_split_match_the_pattern_reference(cache_len, dr
                                 1 / math.sqrt(64), (kn[0, kvh], vn[0, kvh], visible))
     want = sv.reference(q, kc, vc, kn, vn, tree, shape)[0].reshape(8 * drafts, 64)
     np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+
+
+def _box(rows, first, n):
+    """TMA's box of n rows from row ``first`` of a row-major matrix: zeros past its end."""
+    out = np.zeros((n, rows.shape[1]), rows.dtype)
+    part = rows[first:first + n]
+    out[:len(part)] = part
+    return out
+
+
+@pytest.mark.parametrize("cache_len,drafts,block_n", [(300, 8, 128), (256, 8, 128), (0, 5, 64), (1000, 16, 64)])
+def test_verify_prefill_tiles_match_the_pattern_reference(cache_len, drafts, block_n):
+    # The verify prefill's work items in float64: a (batch, K/V head) item's group x drafts query
+    # rows are q's rows in memory order, in BLOCK_M-row tiles (rows past the item's are the next
+    # item's or zeros, not stored); its cache tiles (verify_key_tiles) with keys from cache_len on
+    # hidden and their V rows zeroed (the cache past cache_len is NaN here: nobody wrote it), then
+    # one block_n-row box of the drafts' K/V from the item's first draft (running on into the next
+    # item's), keys past the drafts hidden and the rest under the tree by row % drafts
+    from search_spaces.speculative import spec_verify_attention as sv
+    shape = dict(batch=8, heads=8, kv_heads=2, head_dim=64, max_seq=1024, cache_len=cache_len, k_draft=drafts)
+    nb, hq, hkv, hd, smax = 8, 8, 2, 64, 1024
+    prefill, verify = sv._verify_prefill(shape)
+    dims, _ = ca.check_prefill(prefill, "float16", dict(block_n=block_n, stages=2), verify=verify)
+    q, kc, vc, kn, vn, tree = sv.make_inputs(shape, "float32", 3)
+    kc[:, :, cache_len:] = np.nan
+    vc[:, :, cache_len:] = np.nan
+    want = sv.reference(q, kc, vc, kn, vn, tree, shape)
+    rows_q, sq = q.astype(np.float64).reshape(-1, hd), dims["seq_q"]
+    k_rows, v_rows = (x.astype(np.float64).reshape(-1, hd) for x in (kc, vc))
+    kd_rows, vd_rows = (x.astype(np.float64).reshape(-1, hd) for x in (kn, vn))
+    n_cache = ca.verify_key_tiles(cache_len, block_n)
+    got = np.full_like(rows_q, np.nan)
+    for head in range(nb * hkv):
+        for q_first in range(0, sq, ca.BLOCK_M):
+            r = q_first + np.arange(ca.BLOCK_M)                      # the item's rows (and on)
+            qt = _box(rows_q, head * sq + q_first, ca.BLOCK_M)
+            ks, vs, hidden = [], [], []
+            for j in range(n_cache):
+                key = j * block_n + np.arange(block_n)
+                ks.append(_box(k_rows, head * smax + j * block_n, block_n))
+                vs.append(np.where((key < cache_len)[:, None], _box(v_rows, head * smax + j * block_n, block_n), 0))
+                hidden.append(np.broadcast_to(key >= cache_len, (ca.BLOCK_M, block_n)))
+            col = np.arange(block_n)
+            ks.append(_box(kd_rows, head * drafts, block_n))
+            vs.append(_box(vd_rows, head * drafts, block_n))
+            seen = (col[None, :] < drafts) & (tree[r[:, None] % drafts, np.minimum(col, drafts - 1)[None, :]] != 0)
+            hidden.append(~seen)
+            s = np.where(np.concatenate(hidden, axis=1), -np.inf, qt @ np.concatenate(ks).T / math.sqrt(hd))
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            o = (p / p.sum(axis=1, keepdims=True)) @ np.concatenate(vs)
+            stored = r < sq
+            got[head * sq + r[stored]] = o[stored]
+    np.testing.assert_allclose(got, want.astype(np.float64).reshape(-1, hd), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("length,queries,knobs", [(300, 3, dict(warps=8, keys=2)), (16, 16, dict(warps=4, keys=1)),

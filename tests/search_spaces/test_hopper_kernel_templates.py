@@ -43,6 +43,9 @@ CASES = {
     "rope_qk": ({"batch": 2, "heads": 4, "seq_q": 200, "seq_k": 334, "head_dim": 128}, 1, F16_MMA + "m64n128k16"),
     "spec_verify_attention": ({"batch": 2, "heads": 8, "kv_heads": 2, "head_dim": 128, "max_seq": 512, "cache_len": 300,
                                "k_draft": 8}, 2, None),
+    # 32 (batch, K/V head) items: the tensor-core prefill first, a K/V head's 4 x 8 rows one query tile
+    "spec_verify_attention:wgmma": ({"batch": 16, "heads": 8, "kv_heads": 2, "head_dim": 128, "max_seq": 512,
+                                     "cache_len": 300, "k_draft": 8}, 1, F16_MMA + "m64n128k16"),
     # BN 256: two m64n128k32 per k step (TVM 0.27's s8 wgmma stops at N 224)
     "int8_matmul_dequant": ({"m": 2048, "n": 2048, "k": 1024, "relu": 1}, 1, S8_MMA + "m64n128k32_s32_s8_s8"),
     # W dequantised is wgmma's A (features), the 64 tokens its N
@@ -65,6 +68,7 @@ REFUSED = {
     "paged_attention": [({"q_len": 17, "page_size": 24}, "float16"), ({"head_dim": 80}, "float16"), ({}, "float32")],
     "paged_attention:prefill": [({"page_size": 24}, "float16"), ({"head_dim": 80}, "bfloat16"), ({}, "float32")],
     "spec_verify_attention": [({"head_dim": 80}, "float16"), ({"head_dim": 256}, "bfloat16"), ({}, "float32")],
+    "spec_verify_attention:wgmma": [({"head_dim": 80}, "float16"), ({}, "float32")],
     "rope_qk": [({"seq_k": 335}, "float16"), ({"head_dim": 96}, "bfloat16"), ({}, "float32")],
     "masked_attention": [({"seq_kv": 201}, "float16"),
                          ({"head_dim": 96}, "float16"), ({"mask_rows": 2}, "float16"), ({}, "float32")],
@@ -99,7 +103,8 @@ def _dtypes(name):
 
 
 # The kernel template a case names where its pattern has several (the default: its only one)
-TEMPLATE = {"paged_attention": "cuda_split_kv", "paged_attention:prefill": "cuda_wgmma_prefill"}
+TEMPLATE = {"paged_attention": "cuda_split_kv", "paged_attention:prefill": "cuda_wgmma_prefill",
+            "spec_verify_attention": "cuda_split_kv", "spec_verify_attention:wgmma": "cuda_wgmma_verify"}
 
 
 def _pattern(name):
@@ -139,8 +144,8 @@ def _kernels(source: str) -> list[str]:
 def test_where_it_applies_and_where_the_schedule_rules_take_over(name):
     pattern, template = _pattern(name), _template(name)
     shape = CASES[name][0]
-    for dtype in _dtypes(name):
-        assert K.kernel_templates_for(pattern, shape, dtype, H200) == [template]
+    for dtype in _dtypes(name):  # the first tried (spec_verify's split kernel stays behind the prefill)
+        assert K.kernel_templates_for(pattern, shape, dtype, H200)[:1] == [template]
     for target in (A100, LLVM):
         assert K.kernel_templates_for(pattern, shape, _dtypes(name)[0], target) == []
     for overrides, dtype in REFUSED[name]:
@@ -246,6 +251,15 @@ def test_verify_attends_the_cache_then_the_drafts_under_the_tree():
         f"length = {shape['cache_len']}" in text, text[:3000]
     body = _source(_default("spec_verify_attention")).split('extern "C" __global__')[-2]
     assert "TR_ptr[" in body and "((uint4*)k_new_ptr)[" in body and "((uint4*)v_new_ptr)[" in body
+
+
+def test_verify_takes_the_prefill_with_enough_items_and_the_split_kernel_with_few():
+    pattern, shape = _pattern("spec_verify_attention"), CASES["spec_verify_attention:wgmma"][0]
+    names = [t.name for t in K.kernel_templates_for(pattern, shape, "float16", H200)]
+    assert names == ["cuda_wgmma_verify", "cuda_split_kv"]  # both searched; the prefill's default first
+    few = dict(shape, batch=cuda_attention.VERIFY_MIN_ITEMS // shape["kv_heads"] - 1)
+    assert [t.name for t in K.kernel_templates_for(pattern, few, "float16", H200)] == ["cuda_split_kv"]
+    assert "attention_prefill_verify_kernel" in _source(_default("spec_verify_attention:wgmma"))
 
 
 def test_decode_appends_while_it_attends_over_cache_len_plus_one():
