@@ -37,7 +37,8 @@
 #             4096, 16384, 32768 through `autofuse compare` against torch SDPA (torch.compile with
 #             DECODE_BASELINES=torch-sdpa,torch-compile; its compiles cost minutes). Lands in
 #             $OUT/decode-grid.tar.gz, one report per shape (DECODE_TIMEOUT seconds each, default 150)
-#   verify    issue 23: spec_verify_attention's split-KV kernel: its and paged_attention's GPU tests
+#   verify    issue 23: spec_verify_attention's kernels (the split kernel at batch 1, the tensor-core
+#             prefill from 16 (batch, K/V head) pairs): its and paged_attention's GPU tests
 #             (VERIFY_TESTS=0: none), then compare (float16, GQA 32/8, D128) at VERIFY_SPECS
 #             batch:cache_len:drafts against torch SDPA over the caches with the drafts written into
 #             their free rows and torch eager on its ONNX graph (labelled: it copies the cache).
