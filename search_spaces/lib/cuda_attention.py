@@ -674,6 +674,13 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
         _softmax_tile(s, n_s, m, l, m_new, alpha, tile_sum, c, masked)
 
     @T.macro
+    def load_key_tile(Ks, Vs, st, k_map, v_map, row, full):
+        """TMA copies of the K and V rows row .. row + BN into ring slot st, completing on its barrier."""
+        for h in T.unroll(boxes):
+            T.ptx[_TMA_LOAD](Ks.ptr_to([st, h, 0, 0]), T.address_of(k_map), h * 64, row, T.address_of(full[st]))
+            T.ptx[_TMA_LOAD](Vs.ptr_to([st, h, 0, 0]), T.address_of(v_map), h * 64, row, T.address_of(full[st]))
+
+    @T.macro
     def zero_cache_tail(Vs, slot, j, wg, lane):
         """Verify: the last cache tile's V rows past cache_len (rows of the cache nobody wrote, maybe
         NaN, which P = 0 would not cancel) set to 0 in the landed slot, before its P V; each consumer
@@ -787,17 +794,9 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                             T.cuda.mbarrier_wait(T.address_of(empty[st]), (g // stages + 1) % 2)
                         if is_verify:
                             if j < n_cache:
-                                for h in T.unroll(boxes):
-                                    T.ptx[_TMA_LOAD](Ks.ptr_to([st, h, 0, 0]), T.address_of(K_map), h * 64,
-                                                     kv_row0 + j * bn, T.address_of(full[st]))
-                                    T.ptx[_TMA_LOAD](Vs.ptr_to([st, h, 0, 0]), T.address_of(V_map), h * 64,
-                                                     kv_row0 + j * bn, T.address_of(full[st]))
+                                load_key_tile(Ks, Vs, st, K_map, V_map, kv_row0 + j * bn, full)
                             else:  # the drafts' own keys: one box from the item's first draft row
-                                for h in T.unroll(boxes):
-                                    T.ptx[_TMA_LOAD](Ks.ptr_to([st, h, 0, 0]), T.address_of(KD_map), h * 64,
-                                                     head * drafts, T.address_of(full[st]))
-                                    T.ptx[_TMA_LOAD](Vs.ptr_to([st, h, 0, 0]), T.address_of(VD_map), h * 64,
-                                                     head * drafts, T.address_of(full[st]))
+                                load_key_tile(Ks, Vs, st, KD_map, VD_map, head * drafts, full)
                         elif is_paged:
                             for e in T.unroll(bn // box_kv):
                                 page_row[0] = paged_key_row(BT, head // hq, head % hq // group, j * bn + e * box_kv,
@@ -808,11 +807,7 @@ def prefill_attention(shape: dict, dtype: str = "float16", knobs: dict | None = 
                                     T.ptx[_TMA_LOAD](Vs.ptr_to([st, h, e * box_kv, 0]), T.address_of(V_map), h * 64,
                                                      page_row[0], T.address_of(full[st]))
                         else:
-                            for h in T.unroll(boxes):
-                                T.ptx[_TMA_LOAD](Ks.ptr_to([st, h, 0, 0]), T.address_of(K_map), h * 64,
-                                                 kv_row0 + j * bn, T.address_of(full[st]))
-                                T.ptx[_TMA_LOAD](Vs.ptr_to([st, h, 0, 0]), T.address_of(V_map), h * 64,
-                                                 kv_row0 + j * bn, T.address_of(full[st]))
+                            load_key_tile(Ks, Vs, st, K_map, V_map, kv_row0 + j * bn, full)
                         T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[st]), T.uint32(kv_tile_bytes))
                     ring[0] = ring[0] + n_tiles
         else:
