@@ -86,11 +86,15 @@ def reference(q, k_pages, v_pages, block_table, seq_lens):
     return np.einsum("bthj,bhjd->bthd", p, v).astype(q.dtype)
 
 
+def _draw_seq_lens(rng, shape):
+    B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
+    return rng.integers(Q, MP * PS + 1, size=B).astype("int32")
+
+
 def seeded_seq_lens(shape, seed=0):
     """The sequence lengths ``make_inputs(shape, dtype, seed)`` draws first: uniform in [q_len, max
     context]. At seed 0, compare's inputs, they also count the work (``flops``, ``nbytes``)."""
-    B, Q, H, KVH, D, PS, MP, NP = _dims(shape)
-    return np.random.default_rng(seed).integers(Q, MP * PS + 1, size=B).astype("int32")
+    return _draw_seq_lens(np.random.default_rng(seed), shape)
 
 
 def make_inputs(shape, dtype, seed):
@@ -101,7 +105,7 @@ def make_inputs(shape, dtype, seed):
     if NP < B * MP:
         raise ValueError(f"num_pages ({NP}) must hold batch*max_pages ({B * MP}) pages")
     rng = np.random.default_rng(seed)
-    seq_lens = rng.integers(Q, MP * PS + 1, size=B).astype("int32")  # as seeded_seq_lens
+    seq_lens = _draw_seq_lens(rng, shape)
     # Drawn as float32 and cast: a half-precision run gets the float32 run's inputs, rounded.
     q, k_pages, v_pages = (rng.standard_normal(s).astype(np.float32).astype(dtype)
                            for s in ((B, Q, H, D), (NP, KVH, PS, D), (NP, KVH, PS, D)))
