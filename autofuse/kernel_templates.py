@@ -384,16 +384,20 @@ class _Crashed(Exception):
 
 
 def tune_kernels(jobs: Sequence, target: Target, db, *, trials: int, dev, measure: Measure,
-                 on_phase: Callable[[str], None] | None = None) -> dict[int, KernelTuneStats]:
+                 on_phase: Callable[[str], None] | None = None,
+                 templates: Sequence[str] = ()) -> dict[int, KernelTuneStats]:
     """Measure up to ``trials`` not yet recorded configurations of each job's kernel templates
-    (``tune_patterns.Job``s) on ``dev``, in ``configs`` order, each stored as a record as soon as it
-    is measured. Returns what was done per job index."""
+    (``tune_patterns.Job``s; only those named in ``templates`` when given) on ``dev``, in
+    ``configs`` order, each stored as a record as soon as it is measured. Returns what was done per
+    job index."""
     phase = on_phase or (lambda _msg: None)
     commit, dirty = _commit()
     stats: dict[int, KernelTuneStats] = {}
     for index, job in enumerate(jobs):
         todo = []
         for template in kernel_templates_for(job.pattern, job.shape, job.dtype, target):
+            if templates and template.name not in templates:
+                continue
             done = _recorded(db, job, template)
             todo += [(template, knobs) for knobs in template.configs(job.shape, job.dtype)
                      if _knobs_key(knobs) not in done]

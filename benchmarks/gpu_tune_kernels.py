@@ -2,7 +2,8 @@
 and write what every configuration measured to one JSON file.
 
     source /opt/autofuse-gpu/env.sh && python3 benchmarks/gpu_tune_kernels.py --pattern linear_bias_relu \
-        --shape m=4096,n=4096,k=4096 --dtype float16 --trials 48 --db /tmp/db --out tune.json [--commit SHA]
+        --shape m=4096,n=4096,k=4096 --dtype float16 --trials 48 --db /tmp/db --out tune.json [--commit SHA] \
+        [--templates NAME,...]
 
 ``autofuse tune --space template`` searches the schedule-rule templates through MetaSchedule
 before the kernel templates; this runs only the second part (``kernel_templates.tune_kernels``):
@@ -39,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trials", type=int, default=48, help="configurations to add (default 48)")
     parser.add_argument("--budget-secs", type=float, default=float("inf"),
                         help="no configuration starts after this many seconds (default: no limit)")
+    parser.add_argument("--templates", default="",
+                        help="only these kernel templates, names separated by commas (default: every one that applies)")
     parser.add_argument("--out", required=True, help="results JSON")
     parser.add_argument("--commit", help="the commit of the code that runs (the GPU copy has no .git)")
     args = parser.parse_args(argv)
@@ -63,8 +66,14 @@ def run(args, argv: list[str]) -> int:
     if len(jobs) != 1:
         raise AutofuseError("--pattern names one pattern")
     (job,) = jobs
-    if not K.kernel_templates_for(job.pattern, job.shape, job.dtype, target):
+    applicable = [t.name for t in K.kernel_templates_for(job.pattern, job.shape, job.dtype, target)]
+    if not applicable:
         raise AutofuseError(f"{job.label} in {job.dtype} has no kernel template on {args.target}")
+    templates = [name for name in args.templates.split(",") if name]
+    unknown = [name for name in templates if name not in applicable]
+    if unknown:
+        raise AutofuseError(f"--templates {','.join(unknown)}: not among {job.label}'s kernel templates that apply "
+                            f"here ({', '.join(applicable)})")
     if args.db == "none":
         raise AutofuseError("--db none keeps no records; name a folder")
     if args.trials < 0:
@@ -81,7 +90,7 @@ def run(args, argv: list[str]) -> int:
     # One configuration per call, so the JSON follows every one and the budget is checked between them.
     while added < args.trials and time.perf_counter() - start < args.budget_secs:
         done = K.tune_kernels([job], target, db, trials=1, dev=dev, measure=measure,
-                              on_phase=lambda text: print(text, flush=True)).get(0)
+                              on_phase=lambda text: print(text, flush=True), templates=templates).get(0)
         if done is None:  # every configuration of the space is recorded
             break
         added, failed = added + done.trials, failed + done.failed

@@ -1,8 +1,10 @@
-"""benchmarks/gpu_tune_kernels.py off a GPU: one line and exit 2, before any work."""
+"""benchmarks/gpu_tune_kernels.py off a GPU: one line and exit 2, before any work; with a stand-in GPU,
+what it records, its budget and its template filter."""
 
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -38,10 +40,12 @@ def script(monkeypatch):
     monkeypatch.setattr(target, "device_for", lambda _t: object())
     monkeypatch.setattr(report, "gpu_info", lambda _dev: {"name": "stand-in"})
     monkeypatch.setattr(verify, "device_measure", lambda _dev: None)
-    monkeypatch.setattr(K, "kernel_templates_for", lambda *_: ["cuda_wgmma"])
-    space = {"value": []}
+    monkeypatch.setattr(K, "kernel_templates_for", lambda *_: [types.SimpleNamespace(name="cuda_wgmma"),
+                                                               types.SimpleNamespace(name="cuda_other")])
+    space = {"value": [], "templates": []}
 
-    def tune_kernels(jobs, _target, db, *, trials, **_):
+    def tune_kernels(jobs, _target, db, *, trials, templates=(), **_):
+        space["templates"].append(list(templates))
         (job,) = jobs
         done = len(db.kernels.of(job.pattern.name, job.shape, job.dtype))
         if done == len(space["value"]):
@@ -92,3 +96,13 @@ def test_no_configuration_starts_once_the_budget_is_spent(script, tmp_path):
     assert module.main(_args(tmp_path, "--budget-secs", "0")) == 0
     out = json.loads((tmp_path / "out.json").read_text())
     assert (out["trials_added"], out["records"], out["best"]) == (0, 0, None)
+
+
+def test_templates_limits_the_search_and_an_unknown_name_is_one_line(script, tmp_path, capsys):
+    module, space = script
+    space["value"] = [0.3]
+    assert module.main(_args(tmp_path, "--templates", "cuda_other")) == 0
+    assert space["templates"] and all(names == ["cuda_other"] for names in space["templates"])
+    assert module.main(_args(tmp_path, "--templates", "cuda_other,cuda_nope")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cuda_nope" in err[0] and "cuda_wgmma, cuda_other" in err[0]

@@ -5,9 +5,10 @@ the last seq_q of the seq_k key positions; scale = 1/sqrt(head_dim). The rotated
 indexed by (half, index in the half), so the partner element is an affine index (no modulo) and the
 rotation vectorises; rotated K is stored transposed for the GEMM's key axis. Unfused, rope(q) and
 rope(k) go to memory and back; fused, each tile's rotation is computed once, into a small buffer
-(``key_tiles``) or shared memory (``cuda_score_tiles``; on an sm_90 GPU in float16/bfloat16 first
-``cuda_wgmma_scores``, the tiles rotated in place after their TMA copy, then wgmma), and reused by
-the whole tile.
+(``key_tiles``) or shared memory (``cuda_score_tiles``), and reused by the whole tile. On an sm_90
+GPU in float16/bfloat16, ``cuda_rotate_then_gemm`` rotates every row once into a workspace, then
+one batched wgmma GEMM computes every head's scores (seq_q and seq_k whole tiles of it); else
+``cuda_wgmma_scores``, the tiles rotated in place after their TMA copy, then wgmma.
 """
 
 import math
@@ -17,11 +18,12 @@ from tvm.script import tirx as T
 
 from autofuse.kernel_templates import KernelTemplate
 from autofuse.pattern import Pattern, ShapeParam, onnx_model, template
-from search_spaces.lib import cuda_attention
+from search_spaces.lib import cuda_attention, cuda_wgmma
 from search_spaces.lib.attention import BATCH, HEADS
 from search_spaces.lib.cuda_wgmma import HOPPER
 from search_spaces.lib.cuda_gemm import cuda_tile_output, cuda_unroll, cuda_vector_lanes
 from search_spaces.lib.tiling import unroll
+from search_spaces.lib.tirx_sequence import buffer, sequence, workspace
 
 BASE = 10000.0
 
@@ -225,6 +227,42 @@ cuda_wgmma_scores = KernelTemplate("cuda_wgmma_scores", _wgmma_scores, cuda_atte
                                    cuda_attention.ROPE_DEFAULT_KNOBS, cuda_attention.check_rope_scores, **HOPPER)
 
 
+def _rotate_then_gemm(shape, dtype, knobs):
+    """The scores on Hopper tensor cores in two kernels (``lib.tirx_sequence``): every row of q and
+    k rotated once into a workspace (``lib.cuda_attention.rope_rotate``), then every head's scores
+    as one batched wgmma GEMM, scaled in its epilogue (``lib.cuda_wgmma.batched_gemm``); seq_q and
+    seq_k whole tiles of it. Where the scores are large, storing them is the work: rotating each
+    row once, instead of once per tile that reads it, leaves the GEMM nothing else to do."""
+    b, heads, sq, sk, d = _dims(shape)
+    gemm_shape, batches = cuda_attention.rope_gemm_shape(shape)
+    rotate = cuda_attention.rope_rotate(shape, dtype)
+    gemm = cuda_wgmma.batched_gemm(gemm_shape, batches, dtype, knobs, 1.0 / math.sqrt(d),
+                                   cuda_attention.ROPE_GEMM_KNOBS, cuda_attention.ROPE_GEMM_DEFAULT_KNOBS)
+    q, k = buffer("q", (b, heads, sq, d), dtype), buffer("k", (b, heads, sk, d), dtype)
+    cos, sin = buffer("cos", (sk, d), dtype), buffer("sin", (sk, d), dtype)
+    scores = buffer("scores", (b, heads, sq, sk), dtype)
+    q_rot, k_rot = workspace("q_rot", (b, heads, sq, d), dtype), workspace("k_rot", (b, heads, sk, d), dtype)
+    return sequence("rope_qk", [q, k, cos, sin, scores],
+                    [(rotate, [q, k, cos, sin, q_rot, k_rot]), (gemm, [q_rot, k_rot, scores])], [q_rot, k_rot])
+
+
+def _rotate_then_gemm_default(shape, dtype):
+    """The default tile, or the first smaller one whose rows and columns divide seq_q and seq_k."""
+    default = cuda_attention.ROPE_GEMM_DEFAULT_KNOBS
+    for change in ({}, {"warpgroups": 1}, {"block_n": 64}, {"warpgroups": 1, "block_n": 64}):
+        try:
+            cuda_attention.check_rope_gemm(shape, dtype, {**default, **change})
+        except ValueError:
+            continue
+        return {**default, **change}
+    return dict(default)
+
+
+cuda_rotate_then_gemm = KernelTemplate("cuda_rotate_then_gemm", _rotate_then_gemm, cuda_attention.ROPE_GEMM_KNOBS,
+                                       cuda_attention.ROPE_GEMM_DEFAULT_KNOBS, cuda_attention.check_rope_gemm,
+                                       shape_default=_rotate_then_gemm_default, **HOPPER)
+
+
 def onnx_graph(shape, dtype):
     """Rotate-half as Slice/Neg/Concat, Mul/Add with the tables (the queries' rows Sliced out),
     Transpose, MatMul, Mul by the scale."""
@@ -260,5 +298,5 @@ PATTERN = Pattern.from_module(
     shape_params=[BATCH, HEADS, ShapeParam("seq_q", 256, 8, "queries (the last seq_q positions)"),
                   ShapeParam("seq_k", 256, 12, "keys (positions 0..seq_k-1), >= seq_q"),
                   ShapeParam("head_dim", 64, 8, "head dimension D (even)", minimum=2)],
-    templates=[key_tiles, cuda_wgmma_scores, cuda_score_tiles],
+    templates=[key_tiles, cuda_rotate_then_gemm, cuda_wgmma_scores, cuda_score_tiles],
 )

@@ -130,7 +130,7 @@ import math
 
 from tvm.script import tirx as T
 
-from search_spaces.lib.cuda_wgmma import DTYPES, SHARED_MEMORY_LIMIT, SM_COUNT, TARGET, pin_registers
+from search_spaces.lib.cuda_wgmma import DTYPES, SHARED_MEMORY_LIMIT, SM_COUNT, TARGET, batched_check, pin_registers
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
@@ -1136,6 +1136,110 @@ def rope_scores(shape: dict, dtype: str = "float16", knobs: dict | None = None):
                 O_words[head * sq + row, key // 2] = out_word[0]
 
     return _mark(rope_qk, "rope_scores")
+
+
+# rope_qk as two kernels: every row rotated once (``rope_rotate``), then every head's scores as a
+# batched wgmma GEMM (``cuda_wgmma.batched_gemm``). The GEMM's K is head_dim, so a tile is two k
+# slices at most and storing the scores is the work: its default is the one-role kernel with two
+# slots, whose CTAs (several per SM) overlap one tile's stores with the next tile's loads.
+ROPE_GEMM_KNOBS = {"block_n": (64, 128, 256), "warpgroups": (1, 2), "stages": (2,), "block_k": (64,),
+                   "wait_depth": (0, 1), "specialised": (0, 1), "raster": (1, 8)}
+ROPE_GEMM_DEFAULT_KNOBS = {"block_n": 128, "warpgroups": 2, "stages": 2, "block_k": 64, "wait_depth": 1,
+                           "specialised": 0, "raster": 1}
+_ROTATE_THREADS = 256
+
+
+def rope_gemm_shape(shape: dict) -> tuple[dict, int]:
+    """(the batched GEMM's {m, n, k}, its batches) of rope_qk's ``shape``: a head's seq_q rotated
+    query rows against its seq_k rotated keys, batch x heads of them."""
+    nb, hq, sq, sk, hd = _ints(shape, ROPE_SHAPE_KEYS)
+    return {"m": nb * hq * sq, "n": sk, "k": hd}, nb * hq
+
+
+def check_rope_gemm(shape: dict, dtype: str, knobs: dict | None = None) -> dict:
+    """The batched GEMM's constants when ``rope_rotate`` + ``batched_gemm`` take ``shape``, ``dtype``
+    and ``knobs``; AttentionShapeError otherwise (seq_q a multiple of the tile's rows, seq_k of its
+    columns)."""
+    nb, hq, sq, sk, hd = _ints(shape, ROPE_SHAPE_KEYS)
+    _check_dtype_heads(dtype, hq, hq, hd)
+    if sq > sk:
+        raise AttentionShapeError(f"seq_q={sq} must be <= seq_k={sk}: queries are the last seq_q positions")
+    if nb * hq * max(sq, sk) * max(hd, sk) >= 1 << 31:
+        raise AttentionShapeError("q, k or the scores have 2^31 elements or more (int32 indices)")
+    gemm, batches = rope_gemm_shape(shape)
+    try:
+        return batched_check(gemm, batches, dtype, knobs, ROPE_GEMM_KNOBS, ROPE_GEMM_DEFAULT_KNOBS)
+    except AttentionShapeError:
+        raise
+    except ValueError as err:
+        raise AttentionShapeError(f"the scores' batched GEMM: {err}") from None
+
+
+def rope_rotate(shape: dict, dtype: str = "float16"):
+    """The tirx PrimFunc ``(q, k, cos, sin, q_rot, k_rot)``: rotate-half RoPE of every row of q
+    (batch, heads, seq_q, head_dim), at the last seq_q of the seq_k positions, and of k (batch,
+    heads, seq_k, head_dim) into q_rot and k_rot (their shapes), in float32 and rounded to the dtype
+    as a framework's RoPE before its matmul (``rope_scores`` rotates the same way). A thread per
+    16-byte chunk of a row's first half and its partner half a row on; global symbol
+    ``rope_rotate``."""
+    nb, hq, sq, sk, hd = _ints(shape, ROPE_SHAPE_KEYS)
+    _check_dtype_heads(dtype, hq, hq, hd)
+    cpr = hd // 16                             # 16-byte chunks in half a row
+    q_rows, k_rows = nb * hq * sq, nb * hq * sk
+    pairs = (q_rows + k_rows) * cpr
+    grid = -(-pairs // _ROTATE_THREADS)
+    off = sk - sq
+
+    @T.prim_func
+    def rotate(q: T.handle, k: T.handle, cos: T.handle, sin: T.handle, q_rot: T.handle, k_rot: T.handle):
+        Q = T.match_buffer(q, (q_rows, hd), dtype, align=16)
+        K = T.match_buffer(k, (k_rows, hd), dtype, align=16)
+        C = T.match_buffer(cos, (sk, hd), dtype, align=16)
+        S = T.match_buffer(sin, (sk, hd), dtype, align=16)
+        QR = T.match_buffer(q_rot, (q_rows, hd), dtype, align=16)
+        KR = T.match_buffer(k_rot, (k_rows, hd), dtype, align=16)
+        T.device_entry()
+        cta = T.cta_id([grid])
+        tx = T.thread_id([_ROTATE_THREADS])
+        Q16 = T.decl_buffer((q_rows, hd // 8), "uint32x4", data=Q.data)
+        K16 = T.decl_buffer((k_rows, hd // 8), "uint32x4", data=K.data)
+        QR16 = T.decl_buffer((q_rows, hd // 8), "uint32x4", data=QR.data)
+        KR16 = T.decl_buffer((k_rows, hd // 8), "uint32x4", data=KR.data)
+        C16 = T.decl_buffer((sk, hd // 8), "uint32x4", data=C.data)
+        S16 = T.decl_buffer((sk, hd // 8), "uint32x4", data=S.data)
+        x16 = T.alloc_buffer((6,), "uint32x4", scope="local")  # the pair, then cos and sin of each
+        x = T.decl_buffer((48,), dtype, data=x16.data, scope="local")
+        r = T.alloc_buffer((2,), "float32", scope="local")
+        t = T.meta_var(cta * _ROTATE_THREADS + tx)
+        row = T.meta_var(t // cpr)
+        c = T.meta_var(t % cpr)
+        pos = T.meta_var(T.if_then_else(row < q_rows, row % sq + off, (row - q_rows) % sk))
+        if t < pairs:
+            if row < q_rows:
+                x16[0] = Q16[row, c]
+                x16[1] = Q16[row, c + cpr]
+            else:
+                x16[0] = K16[row - q_rows, c]
+                x16[1] = K16[row - q_rows, c + cpr]
+            x16[2] = C16[pos, c]
+            x16[3] = S16[pos, c]
+            x16[4] = C16[pos, c + cpr]
+            x16[5] = S16[pos, c + cpr]
+            for e in T.unroll(8):
+                a = T.meta_var(T.Cast("float32", x[e]))
+                b = T.meta_var(T.Cast("float32", x[8 + e]))
+                r[0] = a * T.Cast("float32", x[16 + e]) - b * T.Cast("float32", x[24 + e])
+                r[1] = b * T.Cast("float32", x[32 + e]) + a * T.Cast("float32", x[40 + e])
+                x[e] = T.Cast(dtype, r[0])
+                x[8 + e] = T.Cast(dtype, r[1])
+            if row < q_rows:
+                QR16[row, c] = x16[0]
+                QR16[row, c + cpr] = x16[1]
+            else:
+                KR16[row - q_rows, c] = x16[0]
+                KR16[row - q_rows, c + cpr] = x16[1]
+
+    return _mark(rotate, "rope_rotate")
 
 
 def rope_flops(shape: dict) -> float:

@@ -60,7 +60,9 @@ and its barrier, and each warpgroup issues two wgmmas per k step into two accumu
 
 ``grouped_gemm_act`` is a grouped GEMM (a mixture of experts' expert GEMMs): B is several weights
 stacked, A's rows come in groups of whole row tiles, and a table names each tile's group, whose
-weight its TMA copies of B start at; a tile of no group (-1) does nothing.
+weight its TMA copies of B start at; a tile of no group (-1) does nothing. ``batched_gemm`` is the
+same with groups of equal size (batches, every head's scores), a tile's batch its row over the
+batch's rows, and the product scaled.
 
 ``gemm_residual`` computes C = epilogue(A @ B^T, R) elementwise with R (M, N): a residual add by
 default, or any float32 expression of the accumulator, R's element and its (row, column) (a down
@@ -500,11 +502,13 @@ def _mark(func, name: str):
 
 
 def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout: str, out_dtype: str | None = None,
-            space: dict | None = None, default: dict | None = None, dtypes: dict = DTYPES, groups: int = 0) -> dict:
+            space: dict | None = None, default: dict | None = None, dtypes: dict = DTYPES, groups: int = 0,
+            batch_rows: int = 0) -> dict:
     """The constants a kernel binds before expanding ``_main_loop``, checked (``check``): operands
     A and B in ``dtype``, one of ``dtypes`` (float16/bfloat16 of ``DTYPES`` with a float32
     accumulator; int8 of ``INT8_DTYPES`` with an int32 one), C in ``out_dtype`` (``dtype`` when
-    None); with ``groups`` G, B is G weights stacked (``grouped_gemm_act``)."""
+    None); with ``groups`` G, B is G weights stacked (``grouped_gemm_act``), the group of a row
+    tile read from a table, or with ``batch_rows`` its row // batch_rows (``batched_gemm``)."""
     if space is None:
         space, default = (KNOBS, DEFAULT_KNOBS) if weights == 1 else (SWIGLU_KNOBS, SWIGLU_DEFAULT_KNOBS)
     m, n, k, knobs = check(shape, dtype, knobs, space=space, default=default, weights=weights, dtypes=dtypes)
@@ -541,6 +545,7 @@ def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout:
             "a_box": _tensor_map_args(m, k, bm, bk, itemsize), "b_box": b_box, "b_smem": b_smem,
             "b_leading": b_leading, "trans_b": trans_b, "b_kn": b_layout == "kn",
             "b_shape": (n * stacked, k) if b_layout == "nk" else (k * stacked, n), "groups": groups,
+            "batch_rows": batch_rows,
             "stage_bytes": slot_bytes(knobs, dtype, weights)}
 
 
@@ -570,7 +575,8 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
     pair_dtype = "uint64" if out_dtype == "float32" else "uint32"
     tiles_m, tiles_n = m // bm, n // bn
     raster, specialised = cfg["raster"], bool(cfg["specialised"])
-    grouped, b_row_step = bool(cfg["groups"]), (k if cfg["b_kn"] else n)
+    grouped, b_row_step, batch_rows = bool(cfg["groups"]), (k if cfg["b_kn"] else n), cfg["batch_rows"]
+    batched = batch_rows > 0
     registers = SPECIALISED_REGISTERS.get(cfg["consumers"]) if specialised else None
     share_registers = registers is not None
 
@@ -638,11 +644,13 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
         MMA_NACC, ACC_ZERO, ACC_DTYPE = T.meta_var((cfg["mma_n"] // 2, tvm.tirx.const(0, acc_dtype), acc_dtype))
         B_KN, B_LEADING, TRANS_B = T.meta_var((cfg["b_kn"], cfg["b_leading"], cfg["trans_b"]))
         TWO_WEIGHTS = T.meta_var(two_weights)
-        if grouped:
+        if batched:
+            grp: T.let[T.int32] = by * bm // batch_rows  # the row tile's batch: whole tiles each
+        elif grouped:
             # the row tile's group (whose weight B is), -1 past the last group's rows: no work there
             grp: T.let[T.int32] = XS[0][by * (bm // GROUP_ROWS)]
         B_ROW0 = T.meta_var(grp * b_row_step if grouped else 0)
-        LIVE = T.meta_var(grp >= 0 if grouped else True)
+        LIVE = T.meta_var(grp >= 0 if grouped and not batched else True)
         if LIVE:
             if specialised:
                 _init_specialised_barriers()
@@ -731,6 +739,35 @@ def grouped_gemm_act(shape: dict, groups: int, dtype: str = "float16", knobs: di
     cfg = grouped_check(shape, groups, dtype, knobs, b_layout, out_dtype)
     return _gemm(cfg, f"grouped_gemm_{act}", [("G", (cfg["m"] // GROUP_ROWS,), "int32")],
                  lambda acc, _up, _operands, _row, _col: activation(acc), False)
+
+
+def batched_check(shape: dict, batches: int, dtype: str, knobs: dict | None = None, space: dict = KNOBS,
+                  default: dict = DEFAULT_KNOBS) -> dict:
+    """The constants of ``batched_gemm``'s kernel for ``shape`` in ``batches`` in ``dtype`` with
+    ``knobs``; ValueError saying why it cannot compute that."""
+    if batches < 1:
+        raise ValueError(f"batches={batches}: at least one")
+    m = int(shape.get("m", 0))
+    if m % batches:
+        raise ValueError(f"m={m} rows do not split into {batches} batches")
+    cfg = _config(shape, dtype, knobs, 1, "nk", space=space, default=default, groups=batches,
+                  batch_rows=m // batches)
+    if cfg["batch_rows"] % cfg["bm"]:
+        raise ValueError(f"a batch's {cfg['batch_rows']} rows are no whole {cfg['bm']}-row tiles "
+                         f"(warpgroups={cfg['consumers']})")
+    return cfg
+
+
+def batched_gemm(shape: dict, batches: int, dtype: str = "float16", knobs: dict | None = None, scale: float = 1.0,
+                 space: dict = KNOBS, default: dict = DEFAULT_KNOBS):
+    """The tirx PrimFunc ``(A, B, C)`` of ``batches`` GEMMs of one shape stacked (every head's
+    attention scores, say): C[r] = scale * (A[r] @ B[g]^T) for row r of batch g = r // (m /
+    batches), for ``shape`` {"m", "n", "k"}: A (m, k) the batches' rows one after another, B
+    (batches * n, k) (B[g] is rows g n .. (g + 1) n), C (m, n). Global symbol ``batched_gemm``.
+    ValueError when a batch's rows are no whole row tiles, or the shape, dtype or knobs do not fit
+    (``check``)."""
+    cfg = batched_check(shape, batches, dtype, knobs, space, default)
+    return _gemm(cfg, "batched_gemm", [], lambda acc, _up, _operands, _row, _col: acc * T.float32(scale), False)
 
 
 def swiglu(shape: dict, dtype: str = "float16", knobs: dict | None = None, b_layout: str = "nk"):

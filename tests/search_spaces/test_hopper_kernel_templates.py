@@ -40,7 +40,10 @@ CASES = {
                                  "page_size": 16, "max_pages": 32, "num_pages": 80}, 1, F16_MMA + "m64n128k16"),
     "masked_attention": ({"batch": 2, "heads": 4, "kv_heads": 2, "seq_q": 128, "seq_kv": 256, "head_dim": 64,
                           "mask_rows": 1}, 1, F16_MMA + "m64n128k16"),
+    # padded tiles: the kernel that rotates its tiles in shared memory
     "rope_qk": ({"batch": 2, "heads": 4, "seq_q": 200, "seq_k": 334, "head_dim": 128}, 1, F16_MMA + "m64n128k16"),
+    # whole tiles: every row rotated once, then every head's scores as one batched GEMM
+    "rope_qk:gemm": ({"batch": 2, "heads": 4, "seq_q": 256, "seq_k": 384, "head_dim": 128}, 2, F16_MMA + "m64n128k16"),
     "spec_verify_attention": ({"batch": 2, "heads": 8, "kv_heads": 2, "head_dim": 128, "max_seq": 512, "cache_len": 300,
                                "k_draft": 8}, 2, None),
     # 32 (batch, K/V head) items: the tensor-core prefill first, a K/V head's 4 x 8 rows one query tile
@@ -70,6 +73,7 @@ REFUSED = {
     "spec_verify_attention": [({"head_dim": 80}, "float16"), ({"head_dim": 256}, "bfloat16"), ({}, "float32")],
     "spec_verify_attention:wgmma": [({"head_dim": 80}, "float16"), ({}, "float32")],
     "rope_qk": [({"seq_k": 335}, "float16"), ({"head_dim": 96}, "bfloat16"), ({}, "float32")],
+    "rope_qk:gemm": [({"seq_k": 335}, "float16"), ({"head_dim": 96}, "bfloat16"), ({}, "float32")],
     "masked_attention": [({"seq_kv": 201}, "float16"),
                          ({"head_dim": 96}, "float16"), ({"mask_rows": 2}, "float16"), ({}, "float32")],
     "int8_matmul_dequant": [({"m": 500}, "float32"), ({"n": 600}, "float32"), ({"k": 1000}, "float32"),
@@ -90,7 +94,8 @@ LARGE = {
     "masked_attention": {"batch": 8, "heads": 16, "kv_heads": 16, "seq_q": 2048, "seq_kv": 2048, "head_dim": 128,
                          "mask_rows": 2048},
     # not in the session: Llama's 32 heads' scores over 2048 positions
-    "rope_qk": {"batch": 1, "heads": 32, "seq_q": 2048, "seq_k": 2048, "head_dim": 128},
+    "rope_qk": {"batch": 1, "heads": 32, "seq_q": 2000, "seq_k": 2000, "head_dim": 128},
+    "rope_qk:gemm": {"batch": 1, "heads": 32, "seq_q": 2048, "seq_k": 2048, "head_dim": 128},
     # not in the session: a batch of 16 tokens through a 4096^2 int4 layer
     "woq_matmul": {"m": 16, "n": 4096, "k": 4096, "group": 128, "bits": 4},
     # not in the session: Mixtral's expert FFNs (ReLU for SwiGLU) over 4096 tokens
@@ -104,7 +109,8 @@ def _dtypes(name):
 
 # The kernel template a case names where its pattern has several (the default: its only one)
 TEMPLATE = {"paged_attention": "cuda_split_kv", "paged_attention:prefill": "cuda_wgmma_prefill",
-            "spec_verify_attention": "cuda_split_kv", "spec_verify_attention:wgmma": "cuda_wgmma_verify"}
+            "spec_verify_attention": "cuda_split_kv", "spec_verify_attention:wgmma": "cuda_wgmma_verify",
+            "rope_qk": "cuda_wgmma_scores", "rope_qk:gemm": "cuda_rotate_then_gemm"}
 
 
 def _pattern(name):
@@ -260,6 +266,22 @@ def test_verify_takes_the_prefill_with_enough_items_and_the_split_kernel_with_fe
     few = dict(shape, batch=cuda_attention.VERIFY_MIN_ITEMS // shape["kv_heads"] - 1)
     assert [t.name for t in K.kernel_templates_for(pattern, few, "float16", H200)] == ["cuda_split_kv"]
     assert "attention_prefill_verify_kernel" in _source(_default("spec_verify_attention:wgmma"))
+
+
+def test_rope_rotates_each_row_once_then_one_batched_gemm_scales_every_heads_scores():
+    pattern, shape = _pattern("rope_qk"), CASES["rope_qk:gemm"][0]
+    rotate, gemm = _source(_default("rope_qk:gemm")).split('extern "C" __global__')[-2:]
+    assert "sin_ptr" in rotate and "wgmma" not in rotate and "A_map" not in rotate
+    # a row tile's head: its rows over seq_q (256 rows = 2 tiles of 128), B's rows from head x seq_k
+    assert "A_map" in gemm and ">> 1)" in gemm and "* 384)" in gemm
+    stores = _epilogue(gemm)
+    assert stores and all("8.838835e-02" in line for line in stores)  # 1 / sqrt(128)
+    # seq_q a multiple of 64, not of 128: one consumer warpgroup; of no tile: the tiles rotated in place
+    odd = dict(shape, seq_q=320)
+    assert _template("rope_qk:gemm").default_for(odd, "float16")["warpgroups"] == 1
+    assert [t.name for t in K.kernel_templates_for(pattern, odd, "float16", H200)][:1] == ["cuda_rotate_then_gemm"]
+    names = [t.name for t in K.kernel_templates_for(pattern, dict(shape, seq_q=200), "float16", H200)]
+    assert names == ["cuda_wgmma_scores"]
 
 
 def test_decode_appends_while_it_attends_over_cache_len_plus_one():
