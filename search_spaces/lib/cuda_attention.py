@@ -1143,9 +1143,9 @@ def rope_scores(shape: dict, dtype: str = "float16", knobs: dict | None = None):
 # slices at most and storing the scores is the work: its default is the one-role kernel with two
 # slots, whose CTAs (several per SM) overlap one tile's stores with the next tile's loads.
 ROPE_GEMM_KNOBS = {"block_n": (64, 128, 256), "warpgroups": (1, 2), "stages": (2,), "block_k": (64,),
-                   "wait_depth": (0, 1), "specialised": (0, 1), "raster": (1, 8)}
+                   "wait_depth": (0, 1), "specialised": (0, 1), "raster": (1, 8), "tma_store": (0, 1)}
 ROPE_GEMM_DEFAULT_KNOBS = {"block_n": 128, "warpgroups": 2, "stages": 2, "block_k": 64, "wait_depth": 1,
-                           "specialised": 0, "raster": 1}
+                           "specialised": 0, "raster": 1, "tma_store": 1}
 _ROTATE_THREADS = 256
 
 

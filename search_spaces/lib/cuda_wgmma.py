@@ -196,6 +196,7 @@ SPECIALISED_REGISTERS = {2: (40, 232)}
 
 _SWIZZLE_128B = 3  # CUtensorMapSwizzle and the wgmma descriptor's layout code for 128-byte swizzle
 _TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+_TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group"
 
 
 def resolve_knobs(knobs: dict | None, space: dict = KNOBS, default: dict = DEFAULT_KNOBS) -> dict:
@@ -224,9 +225,12 @@ def slot_bytes(knobs: dict, dtype: str = "float16", weights: int = 1) -> int:
 
 def shared_memory_bytes(knobs: dict, dtype: str = "float16", weights: int = 1) -> int:
     """Dynamic shared memory of a configuration: the ring of slots, plus a barrier per slot ("full"),
-    and with ``specialised`` a second one ("empty")."""
+    and with ``specialised`` a second one ("empty"); with ``tma_store`` the C tile (2-byte
+    elements) staged for its bulk copy out."""
     barriers = 2 if knobs.get("specialised", 0) else 1
-    return knobs["stages"] * (slot_bytes(knobs, dtype, weights) + 8 * barriers)
+    bm, bn, _ = tile_shape(knobs)
+    staged = bm * bn * 2 if knobs.get("tma_store", 0) else 0
+    return knobs["stages"] * (slot_bytes(knobs, dtype, weights) + 8 * barriers) + staged
 
 
 def check(shape: dict, dtype: str, knobs: dict | None = None, *, space: dict = KNOBS,
@@ -537,7 +541,11 @@ def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout:
         mma = f"wgmma.mma_async.sync.aligned.m64n{mma_n}k16.f32.{kind}.{kind}"
         flags, acc_dtype = (True, 1, 1, 0, trans_b), "float32"
     specialised = knobs["specialised"]
-    return {"m": m, "n": n, "k": k, "bm": bm, "bn": bn, "bk": bk, "stages": knobs["stages"],
+    tma_store = knobs.get("tma_store", 0)
+    if tma_store and _ITEMSIZE.get(out_dtype or dtype) != 2:
+        raise ValueError(f"tma_store stages 2-byte C tiles, not {out_dtype or dtype}")
+    return {"m": m, "n": n, "k": k, "tma_store": tma_store,
+            "c_box": _tensor_map_args(m, n, 64, 64) if tma_store else None, "bm": bm, "bn": bn, "bk": bk, "stages": knobs["stages"],
             "threads": 128 * (knobs["warpgroups"] + specialised), "wait_depth": knobs["wait_depth"],
             "specialised": specialised, "consumers": knobs["warpgroups"], "raster": knobs["raster"],
             "dtype": dtype, "out_dtype": out_dtype or dtype, "acc_dtype": acc_dtype,
@@ -577,6 +585,7 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
     raster, specialised = cfg["raster"], bool(cfg["specialised"])
     grouped, b_row_step, batch_rows = bool(cfg["groups"]), (k if cfg["b_kn"] else n), cfg["batch_rows"]
     batched = batch_rows > 0
+    tma_store = bool(cfg["tma_store"])
     registers = SPECIALISED_REGISTERS.get(cfg["consumers"]) if specialised else None
     share_registers = registers is not None
 
@@ -594,6 +603,32 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
                 C_pairs[row, _col(bx, bn, j, tx, 0) // 2] = out_word[0]
 
     @T.macro
+    def stage_tile(Cs_words, out_pair, out_word, acc, acc_up, XS, bx, by, wg, tx):
+        """The epilogue of this warpgroup's accumulators into its 64 x BN staging tile: BN/64 boxes
+        of 64 x 64, 16-byte chunks swizzled as TMA's 128-byte swizzle reads them (chunk ^ row % 8,
+        so the 8 rows of a store instruction hit 8 different banks)."""
+        for j in T.unroll(bn // 8):
+            for half in T.unroll(2):
+                r = T.meta_var(tx % 128 // 32 * 16 + tx % 32 // 4 + half * 8)
+                for pair in T.unroll(2):
+                    i = T.meta_var(j * 4 + half * 2 + pair)
+                    out_pair[pair] = store(epilogue(accumulator(acc[i]), acc_up[i] if two_weights else None, XS,
+                                                    _row(by, bm, wg, tx, half), _col(bx, bn, j, tx, pair)))
+                Cs_words[wg, j // 8, r, T.bitwise_xor(j % 8, r % 8) * 4 + tx % 4] = out_word[0]
+
+    @T.macro
+    def store_staged(C_map, Cs, bx, by, wg, tx):
+        """This warpgroup's staged tile to C by TMA, once every thread's writes are visible to the
+        copy engine; its shared memory is read before the CTA may exit."""
+        T.ptx.fence.proxy.async_.shared__cta()
+        T.cuda.warpgroup_sync(1 + wg)
+        if tx % 128 == 0:
+            for box in T.unroll(bn // 64):
+                T.ptx[_TMA_STORE](T.address_of(C_map), bx * bn + box * 64, by * bm + wg * 64, Cs.ptr_to([wg, box, 0, 0]))
+            T.ptx["cp.async.bulk.commit_group"]()
+            T.ptx["cp.async.bulk.wait_group.read"](0)
+
+    @T.macro
     def kernel(A, B, XS, C):
         A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
         T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, dtype, 2, A.data, *cfg["a_box"])
@@ -602,6 +637,9 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
         if two_weights:
             U_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
             T.call_packed("runtime.cuTensorMapEncodeTiled", U_map, dtype, 2, XS[0].data, *cfg["b_box"])
+        if tma_store:
+            C_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
+            T.call_packed("runtime.cuTensorMapEncodeTiled", C_map, out_dtype, 2, C.data, *cfg["c_box"])
         T.device_entry()
         if share_registers:
             # launch bounds (threads, 1): ptxas then knows the registers a thread starts with (65536 /
@@ -625,7 +663,12 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
         bars = pool.alloc((stages,), "uint64", align=8)
         if specialised:
             empty = pool.alloc((stages,), "uint64", align=8)
+        if tma_store:
+            Cs = pool.alloc((cfg["consumers"], bn // 64, 64, 64), out_dtype, align=1024)
         pool.commit()
+        if tma_store:
+            Cs_words = T.decl_buffer((cfg["consumers"], bn // 64, 64, 32), "uint32", data=Cs.data,
+                                     elem_offset=Cs.elem_offset // 2, scope="shared.dyn")
         desc_a: T.uint64
         desc_b: T.uint64
         acc = T.alloc_buffer((bn // 2,), acc_dtype, scope="local")
@@ -664,10 +707,20 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
                     if share_registers:
                         T.ptx["setmaxnreg.inc.sync.aligned.u32"](registers[1])
                     _consumer_loop()
-                    store_tile(C_pairs, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by, wg, tx)
+                    if tma_store:
+                        stage_tile(Cs_words, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by,
+                                   wg, tx)
+                        store_staged(C_map, Cs, bx, by, wg, tx)
+                    else:
+                        store_tile(C_pairs, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by,
+                                   wg, tx)
             else:
                 _main_loop()
-                store_tile(C_pairs, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by, wg, tx)
+                if tma_store:
+                    stage_tile(Cs_words, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by, wg, tx)
+                    store_staged(C_map, Cs, bx, by, wg, tx)
+                else:
+                    store_tile(C_pairs, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by, wg, tx)
 
     names = [op_name for op_name, _, _ in operands]
     # The parameter list varies with the operands, which the script's signatures cannot: the

@@ -276,6 +276,12 @@ def test_rope_rotates_each_row_once_then_one_batched_gemm_scales_every_heads_sco
     assert "A_map" in gemm and ">> 1)" in gemm and "* 384)" in gemm
     stores = _epilogue(gemm)
     assert stores and all("8.838835e-02" in line for line in stores)  # 1 / sqrt(128)
+    # the scaled tile staged in shared memory (swizzled), then TMA stores of its 64 x 64 boxes
+    assert gemm.count("global_shared__cta_tile_bulk_group(") == 128 // 64
+    assert "wait_group_read_0()" in gemm
+    direct = _source(_template("rope_qk:gemm").build(shape, "float16", {**_template("rope_qk:gemm").default,
+                                                                        "tma_store": 0}))
+    assert "tile_bulk_group(" not in direct and "C_map" not in direct
     # seq_q a multiple of 64, not of 128: one consumer warpgroup; of no tile: the tiles rotated in place
     odd = dict(shape, seq_q=320)
     assert _template("rope_qk:gemm").default_for(odd, "float16")["warpgroups"] == 1
