@@ -48,9 +48,9 @@
 #             against torch eager and torch.compile of its ONNX graph (PAGED_BASELINES), and
 #             flash_attention causal at q_len x the sequence's seeded length against torch SDPA (the
 #             same attention over a contiguous cache). Lands in $OUT/paged.tar.gz
-#   rope      issue 23: rope_qk's and masked_attention's GPU tests (ROPE_TESTS=0: none), then rope_qk (float16, head_dim 128,
-#             seq_q = seq_k) at ROPE_SPECS batch:heads:seq through `autofuse compare` against torch
-#             eager and torch.compile of its ONNX graph (ROPE_BASELINES). Lands in $OUT/rope.tar.gz
+#   rope      issue 23: rope_qk's and masked_attention's GPU tests (ROPE_TESTS=0: none), then rope_qk (float16)
+#             at ROPE_SPECS batch:heads:seq_k[:head_dim (128)[:seq_q (seq_k)]] through `autofuse compare`
+#             against torch eager and torch.compile of its ONNX graph (ROPE_BASELINES). Lands in $OUT/rope.tar.gz
 #   prefill-grid  issue 23: flash_attention (float16, 16 heads, D128) at seq 1024 (batch 8), 2048
 #             (batch 8) and 4096 (batch 2), causal and not (PREFILL_SPECS: batch:seq:causal[:head_dim[:heads]] ...),
 #             through `autofuse compare` against torch SDPA (numpy's float64 reference bounds the
@@ -245,12 +245,14 @@ rope)
   commit=(${AUTOFUSE_COMMIT:+--commit "$AUTOFUSE_COMMIT"})
   [[ ${ROPE_TESTS:-1} == 1 ]] && timeout 150 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/test_kernel_templates_gpu.py -k "rope or masked" \
     --junitxml="$work/rope-masked-gpu-tests.xml"
-  # batch:heads:seq (seq_q = seq_k, head_dim 128)
+  # batch:heads:seq_k[:head_dim (default 128)[:seq_q (default seq_k)]]
   for spec in ${ROPE_SPECS:-1:32:2048 1:32:4096}; do
-    IFS=: read -r batch heads seq <<< "$spec"
+    IFS=: read -r batch heads seq dim queries <<< "$spec"
+    dim=${dim:-128} queries=${queries:-$seq}
+    name=rope-b$batch-h$heads-s$seq$([[ $dim == 128 ]] || echo "-d$dim")$([[ $queries == "$seq" ]] || echo "-q$queries")
     timeout 150 "${COMPARE[@]}" "${commit[@]}" --db none --dtype float16 --pattern rope_qk \
-      --shape batch=$batch,heads=$heads,seq_q=$seq,seq_k=$seq,head_dim=128 \
-      --baselines "${ROPE_BASELINES:-torch-eager,torch-compile}" --repeat 20 --no-plots --report "$work/rope-b$batch-h$heads-s$seq"
+      --shape batch=$batch,heads=$heads,seq_q=$queries,seq_k=$seq,head_dim=$dim \
+      --baselines "${ROPE_BASELINES:-torch-eager,torch-compile}" --repeat 20 --no-plots --report "$work/$name"
     tar -C "$work" -czf "$OUT/rope.tar.gz" .  # kept if the call is cut
   done
   ;;
