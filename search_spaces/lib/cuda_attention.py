@@ -999,6 +999,20 @@ def check_rope_scores(shape: dict, dtype: str, knobs: dict | None = None) -> tup
     return dict(zip(ROPE_SHAPE_KEYS, (nb, hq, sq, sk, hd))), knobs
 
 
+@T.macro(hygienic=False)
+def _rotate_pair():
+    # A rotate-half pair of 8-value chunks, xa of the first half and xb of the second: xa cos - xb
+    # sin and xb cos' + xa sin' in float32, rounded to the dtype (as a framework's RoPE before its
+    # matmul). The caller's registers xa, xb, ca, sa, cb, sb, r and its dtype.
+    for e in T.unroll(8):
+        a = T.meta_var(T.Cast("float32", xa[e]))
+        b = T.meta_var(T.Cast("float32", xb[e]))
+        r[0] = a * T.Cast("float32", ca[e]) - b * T.Cast("float32", sa[e])
+        r[1] = b * T.Cast("float32", cb[e]) + a * T.Cast("float32", sb[e])
+        xa[e] = T.Cast(dtype, r[0])
+        xb[e] = T.Cast(dtype, r[1])
+
+
 def rope_scores(shape: dict, dtype: str = "float16", knobs: dict | None = None):
     """The tirx PrimFunc ``(q, k, cos, sin, scores)`` of rope_qk on tensor cores: scores = rope(q)
     rope(k)^T / sqrt(head_dim), q (batch, heads, seq_q, head_dim) at the last seq_q of the seq_k
@@ -1042,13 +1056,7 @@ def rope_scores(shape: dict, dtype: str = "float16", knobs: dict | None = None):
         sa16[0] = S16[pos, c]
         cb16[0] = C16[pos, c + cpr]
         sb16[0] = S16[pos, c + cpr]
-        for e in T.unroll(8):
-            a = T.meta_var(T.Cast("float32", xa[e]))
-            b = T.meta_var(T.Cast("float32", xb[e]))
-            r[0] = a * T.Cast("float32", ca[e]) - b * T.Cast("float32", sa[e])
-            r[1] = b * T.Cast("float32", cb[e]) + a * T.Cast("float32", sb[e])
-            xa[e] = T.Cast(dtype, r[0])
-            xb[e] = T.Cast(dtype, r[1])
+        _rotate_pair()
         X16[0, row, T.bitwise_xor(c, row % 8)] = xa16[0]
         X16[(c + cpr) * 8 // 64, row, T.bitwise_xor((c + cpr) % 8, row % 8)] = xb16[0]
 
@@ -1207,8 +1215,18 @@ def rope_rotate(shape: dict, dtype: str = "float16"):
         KR16 = T.decl_buffer((k_rows, hd // 8), "uint32x4", data=KR.data)
         C16 = T.decl_buffer((sk, hd // 8), "uint32x4", data=C.data)
         S16 = T.decl_buffer((sk, hd // 8), "uint32x4", data=S.data)
-        x16 = T.alloc_buffer((6,), "uint32x4", scope="local")  # the pair, then cos and sin of each
-        x = T.decl_buffer((48,), dtype, data=x16.data, scope="local")
+        xa16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        xb16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        ca16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        sa16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        cb16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        sb16 = T.alloc_buffer((1,), "uint32x4", scope="local")
+        xa = T.decl_buffer((8,), dtype, data=xa16.data, scope="local")
+        xb = T.decl_buffer((8,), dtype, data=xb16.data, scope="local")
+        ca = T.decl_buffer((8,), dtype, data=ca16.data, scope="local")
+        sa = T.decl_buffer((8,), dtype, data=sa16.data, scope="local")
+        cb = T.decl_buffer((8,), dtype, data=cb16.data, scope="local")
+        sb = T.decl_buffer((8,), dtype, data=sb16.data, scope="local")
         r = T.alloc_buffer((2,), "float32", scope="local")
         t = T.meta_var(cta * _ROTATE_THREADS + tx)
         row = T.meta_var(t // cpr)
@@ -1216,28 +1234,22 @@ def rope_rotate(shape: dict, dtype: str = "float16"):
         pos = T.meta_var(T.if_then_else(row < q_rows, row % sq + off, (row - q_rows) % sk))
         if t < pairs:
             if row < q_rows:
-                x16[0] = Q16[row, c]
-                x16[1] = Q16[row, c + cpr]
+                xa16[0] = Q16[row, c]
+                xb16[0] = Q16[row, c + cpr]
             else:
-                x16[0] = K16[row - q_rows, c]
-                x16[1] = K16[row - q_rows, c + cpr]
-            x16[2] = C16[pos, c]
-            x16[3] = S16[pos, c]
-            x16[4] = C16[pos, c + cpr]
-            x16[5] = S16[pos, c + cpr]
-            for e in T.unroll(8):
-                a = T.meta_var(T.Cast("float32", x[e]))
-                b = T.meta_var(T.Cast("float32", x[8 + e]))
-                r[0] = a * T.Cast("float32", x[16 + e]) - b * T.Cast("float32", x[24 + e])
-                r[1] = b * T.Cast("float32", x[32 + e]) + a * T.Cast("float32", x[40 + e])
-                x[e] = T.Cast(dtype, r[0])
-                x[8 + e] = T.Cast(dtype, r[1])
+                xa16[0] = K16[row - q_rows, c]
+                xb16[0] = K16[row - q_rows, c + cpr]
+            ca16[0] = C16[pos, c]
+            sa16[0] = S16[pos, c]
+            cb16[0] = C16[pos, c + cpr]
+            sb16[0] = S16[pos, c + cpr]
+            _rotate_pair()
             if row < q_rows:
-                QR16[row, c] = x16[0]
-                QR16[row, c + cpr] = x16[1]
+                QR16[row, c] = xa16[0]
+                QR16[row, c + cpr] = xb16[0]
             else:
-                KR16[row - q_rows, c] = x16[0]
-                KR16[row - q_rows, c + cpr] = x16[1]
+                KR16[row - q_rows, c] = xa16[0]
+                KR16[row - q_rows, c + cpr] = xb16[0]
 
     return _mark(rotate, "rope_rotate")
 
