@@ -230,9 +230,10 @@ cuda_wgmma_scores = KernelTemplate("cuda_wgmma_scores", _wgmma_scores, cuda_atte
 def _rotate_then_gemm(shape, dtype, knobs):
     """The scores on Hopper tensor cores in two kernels (``lib.tirx_sequence``): every row of q and
     k rotated once into a workspace (``lib.cuda_attention.rope_rotate``), then every head's scores
-    as one batched wgmma GEMM, scaled in its epilogue (``lib.cuda_wgmma.batched_gemm``); seq_q and
-    seq_k whole tiles of it. Where the scores are large, storing them is the work: rotating each
-    row once, instead of once per tile that reads it, leaves the GEMM nothing else to do."""
+    as one batched wgmma GEMM, scaled in its epilogue and written by TMA stores
+    (``lib.cuda_wgmma.batched_gemm``); seq_q and seq_k whole tiles of it. Storing the scores is
+    the work, so the GEMM does nothing else: each row is rotated once, not once per tile that
+    reads it."""
     b, heads, sq, sk, d = _dims(shape)
     gemm_shape, batches = cuda_attention.rope_gemm_shape(shape)
     rotate = cuda_attention.rope_rotate(shape, dtype)
