@@ -93,11 +93,13 @@ CASES = [
                           "mask_rows": 1}, "bfloat16"),
     ("cross_attention", {"batch": 2, "heads": 4, "seq_q": 256, "seq_kv": 384, "head_dim": 128}, "float16"),
     # rotary scores: padded query and key tiles (queries at the last positions), the tiles rotated in
-    # shared memory; whole tiles, rotated once then a batched GEMM: D64 (pairs in one box), and
-    # 320 queries (one consumer warpgroup's 64-row tiles)
+    # shared memory; rotated once then a batched GEMM: D64 (pairs in one box), 320 queries (one
+    # consumer warpgroup's 64-row tiles)
     ("rope_qk", {"batch": 2, "heads": 4, "seq_q": 200, "seq_k": 334, "head_dim": 128}, "float16"),
     ("rope_qk", {"batch": 1, "heads": 8, "seq_q": 256, "seq_k": 512, "head_dim": 64}, "bfloat16"),
     ("rope_qk", {"batch": 2, "heads": 4, "seq_q": 320, "seq_k": 384, "head_dim": 128}, "float16"),
+    # padded tiles of the batched GEMM: its TMA copies zero-filled and its stores clipped per head
+    ("rope_qk", {"batch": 3, "heads": 4, "seq_q": 200, "seq_k": 1000, "head_dim": 64}, "bfloat16"),
     # sequences of seeded lengths over scattered pages; a block table whose unused entries point anywhere
     ("paged_attention", {"batch": 4, "q_len": 1, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
                          "page_size": 16, "max_pages": 64, "num_pages": 300}, "float16"),

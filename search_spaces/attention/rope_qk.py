@@ -7,7 +7,7 @@ rotation vectorises; rotated K is stored transposed for the GEMM's key axis. Unf
 rope(k) go to memory and back; fused, each tile's rotation is computed once, into a small buffer
 (``key_tiles``) or shared memory (``cuda_score_tiles``), and reused by the whole tile. On an sm_90
 GPU in float16/bfloat16, ``cuda_rotate_then_gemm`` rotates every row once into a workspace, then
-one batched wgmma GEMM computes every head's scores (seq_q and seq_k whole tiles of it); else
+one batched wgmma GEMM computes every head's scores (seq_k a multiple of 8); else
 ``cuda_wgmma_scores``, the tiles rotated in place after their TMA copy, then wgmma.
 """
 
@@ -230,10 +230,10 @@ cuda_wgmma_scores = KernelTemplate("cuda_wgmma_scores", _wgmma_scores, cuda_atte
 def _rotate_then_gemm(shape, dtype, knobs):
     """The scores on Hopper tensor cores in two kernels (``lib.tirx_sequence``): every row of q and
     k rotated once into a workspace (``lib.cuda_attention.rope_rotate``), then every head's scores
-    as one batched wgmma GEMM, scaled in its epilogue and written by TMA stores
-    (``lib.cuda_wgmma.batched_gemm``); seq_q and seq_k whole tiles of it. Storing the scores is
-    the work, so the GEMM does nothing else: each row is rotated once, not once per tile that
-    reads it."""
+    as one batched wgmma GEMM, scaled in its epilogue and written by TMA stores, which clip the
+    tiles at seq_q and seq_k (``lib.cuda_wgmma.batched_gemm``); seq_k a multiple of 8. Storing the
+    scores is the work, so the GEMM does nothing else: each row is rotated once, not once per tile
+    that reads it."""
     b, heads, sq, sk, d = _dims(shape)
     gemm_shape, batches = cuda_attention.rope_gemm_shape(shape)
     rotate = cuda_attention.rope_rotate(shape, dtype)
@@ -248,14 +248,17 @@ def _rotate_then_gemm(shape, dtype, knobs):
 
 
 def _rotate_then_gemm_default(shape, dtype):
-    """The default tile, or the first smaller one whose rows and columns divide seq_q and seq_k."""
+    """The default tile, or the first smaller one that tiles seq_q x seq_k without padding; the
+    default where none does."""
     default = cuda_attention.ROPE_GEMM_DEFAULT_KNOBS
     for change in ({}, {"warpgroups": 1}, {"block_n": 64}, {"warpgroups": 1, "block_n": 64}):
-        try:
-            cuda_attention.check_rope_gemm(shape, dtype, {**default, **change})
-        except ValueError:
-            continue
-        return {**default, **change}
+        knobs = {**default, **change}
+        if shape["seq_q"] % (64 * knobs["warpgroups"]) == 0 and shape["seq_k"] % knobs["block_n"] == 0:
+            try:
+                cuda_attention.check_rope_gemm(shape, dtype, knobs)
+            except ValueError:
+                continue
+            return knobs
     return dict(default)
 
 

@@ -1167,8 +1167,8 @@ def rope_gemm_shape(shape: dict) -> tuple[dict, int]:
 
 def check_rope_gemm(shape: dict, dtype: str, knobs: dict | None = None) -> dict:
     """The batched GEMM's constants when ``rope_rotate`` + ``batched_gemm`` take ``shape``, ``dtype``
-    and ``knobs``; AttentionShapeError otherwise (seq_q a multiple of the tile's rows, seq_k of its
-    columns)."""
+    and ``knobs``; AttentionShapeError otherwise (with ``tma_store`` 0, seq_q and seq_k whole
+    tiles; with it, seq_k a multiple of 8)."""
     nb, hq, sq, sk, hd = _ints(shape, ROPE_SHAPE_KEYS)
     _check_dtype_heads(dtype, hq, hq, hd)
     if sq > sk:

@@ -60,9 +60,10 @@ and its barrier, and each warpgroup issues two wgmmas per k step into two accumu
 
 ``grouped_gemm_act`` is a grouped GEMM (a mixture of experts' expert GEMMs): B is several weights
 stacked, A's rows come in groups of whole row tiles, and a table names each tile's group, whose
-weight its TMA copies of B start at; a tile of no group (-1) does nothing. ``batched_gemm`` is the
-same with groups of equal size (batches, every head's scores), a tile's batch its row over the
-batch's rows, and the product scaled.
+weight its TMA copies of B start at; a tile of no group (-1) does nothing. ``batched_gemm`` is
+GEMMs of one shape stacked (every head's scores): three-dimensional tensor maps (batch, row,
+column), so a batch's rows and columns need not be whole tiles (TMA fills the copies past them
+with zeros and clips the stores), and the product scaled.
 
 ``gemm_residual`` computes C = epilogue(A @ B^T, R) elementwise with R (M, N): a residual add by
 default, or any float32 expression of the accumulator, R's element and its (row, column) (a down
@@ -197,6 +198,8 @@ SPECIALISED_REGISTERS = {2: (40, 232)}
 _SWIZZLE_128B = 3  # CUtensorMapSwizzle and the wgmma descriptor's layout code for 128-byte swizzle
 _TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
 _TMA_STORE = "cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group"
+_TMA_LOAD_3D = "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes"
+_TMA_STORE_3D = "cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group"
 
 
 def resolve_knobs(knobs: dict | None, space: dict = KNOBS, default: dict = DEFAULT_KNOBS) -> dict:
@@ -321,6 +324,12 @@ def _tensor_map_args(rows: int, cols: int, box_rows: int, box_cols: int, itemsiz
     (rows, cols) matrix of ``itemsize``-byte elements read in (box_rows, box_cols) boxes: dims and
     box innermost first."""
     return [cols, rows, cols * itemsize, box_cols, box_rows, 1, 1, 0, _SWIZZLE_128B, 0, 0]
+
+
+def _batched_map_args(batches: int, rows: int, cols: int, box_rows: int, box_cols: int) -> list[int]:
+    """``_tensor_map_args`` of ``batches`` row-major (rows, cols) matrices of 2-byte elements stacked,
+    read in (1, box_rows, box_cols) boxes."""
+    return [cols, rows, batches, cols * 2, rows * cols * 2, box_cols, box_rows, 1, 1, 1, 1, 0, _SWIZZLE_128B, 0, 0]
 
 
 def _b_operand(n: int, k: int, knobs: dict, weights: int, b_layout: str, itemsize: int = 2):
@@ -461,7 +470,20 @@ def _b_descriptor(slot, weight, kk, row=0):
 def _load_slice(slot, kslice):
     # TMA copies of K slice `kslice` of the CTA's A rows and B (and Wu) tiles into ring slot `slot`;
     # the slot's barrier completes when all STAGE_BYTES have arrived
-    # (a grouped GEMM's B is its group's block of rows: B_ROW0 = group * K or group * N, else 0)
+    # (a grouped GEMM's B is its group's block of rows: B_ROW0 = group * K or group * N, else 0;
+    # a batched GEMM's copies are of its batch GRP's matrices, from row TILE_ROW0)
+    if BATCHED:
+        T.ptx[_TMA_LOAD_3D](As.ptr_to([slot, 0, 0]), T.address_of(A_map), kslice * BK, TILE_ROW0, GRP,
+                            T.address_of(bars[slot]))
+        T.ptx[_TMA_LOAD_3D](Bs.ptr_to([slot, 0, 0]), T.address_of(B_map), kslice * BK, bx * BN, GRP,
+                            T.address_of(bars[slot]))
+    else:
+        _load_operands(slot, kslice)
+    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[slot]), T.uint32(STAGE_BYTES))
+
+
+@T.macro(hygienic=False)
+def _load_operands(slot, kslice):
     T.ptx[TMA](As.ptr_to([slot, 0, 0]), T.address_of(A_map), kslice * BK, by * BM, T.address_of(bars[slot]))
     if B_KN:
         for box in T.unroll(BN // 64):
@@ -472,7 +494,6 @@ def _load_slice(slot, kslice):
         T.ptx[TMA](Bs.ptr_to([slot, 0, 0]), T.address_of(B_map), kslice * BK, B_ROW0 + bx * BN, T.address_of(bars[slot]))
         if TWO_WEIGHTS:
             T.ptx[TMA](Bs.ptr_to([slot, BN, 0]), T.address_of(U_map), kslice * BK, B_ROW0 + bx * BN, T.address_of(bars[slot]))
-    T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(bars[slot]), T.uint32(STAGE_BYTES))
 
 
 def raster_rows(cta, tiles_m: int, tiles_n: int, raster: int, minimum=min):
@@ -506,13 +527,11 @@ def _mark(func, name: str):
 
 
 def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout: str, out_dtype: str | None = None,
-            space: dict | None = None, default: dict | None = None, dtypes: dict = DTYPES, groups: int = 0,
-            batch_rows: int = 0) -> dict:
+            space: dict | None = None, default: dict | None = None, dtypes: dict = DTYPES, groups: int = 0) -> dict:
     """The constants a kernel binds before expanding ``_main_loop``, checked (``check``): operands
     A and B in ``dtype``, one of ``dtypes`` (float16/bfloat16 of ``DTYPES`` with a float32
     accumulator; int8 of ``INT8_DTYPES`` with an int32 one), C in ``out_dtype`` (``dtype`` when
-    None); with ``groups`` G, B is G weights stacked (``grouped_gemm_act``), the group of a row
-    tile read from a table, or with ``batch_rows`` its row // batch_rows (``batched_gemm``)."""
+    None); with ``groups`` G, B is G weights stacked (``grouped_gemm_act``)."""
     if space is None:
         space, default = (KNOBS, DEFAULT_KNOBS) if weights == 1 else (SWIGLU_KNOBS, SWIGLU_DEFAULT_KNOBS)
     m, n, k, knobs = check(shape, dtype, knobs, space=space, default=default, weights=weights, dtypes=dtypes)
@@ -553,7 +572,6 @@ def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout:
             "a_box": _tensor_map_args(m, k, bm, bk, itemsize), "b_box": b_box, "b_smem": b_smem,
             "b_leading": b_leading, "trans_b": trans_b, "b_kn": b_layout == "kn",
             "b_shape": (n * stacked, k) if b_layout == "nk" else (k * stacked, n), "groups": groups,
-            "batch_rows": batch_rows,
             "stage_bytes": slot_bytes(knobs, dtype, weights)}
 
 
@@ -581,10 +599,10 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
     # C as pairs of adjacent columns: a thread's accumulators i, i + 1 are (row, col), (row, col + 1),
     # stored as one 4-byte word (two halves) or 8 bytes (two float32)
     pair_dtype = "uint64" if out_dtype == "float32" else "uint32"
-    tiles_m, tiles_n = m // bm, n // bn
+    tiles_m, tiles_n = cfg.get("tiles", (m // bm, n // bn))
     raster, specialised = cfg["raster"], bool(cfg["specialised"])
-    grouped, b_row_step, batch_rows = bool(cfg["groups"]), (k if cfg["b_kn"] else n), cfg["batch_rows"]
-    batched = batch_rows > 0
+    grouped, b_row_step = bool(cfg["groups"]), (k if cfg["b_kn"] else n)
+    batched, q_tiles, rank = "batches" in cfg, cfg.get("q_tiles", 0), cfg.get("rank", 2)
     tma_store = bool(cfg["tma_store"])
     registers = SPECIALISED_REGISTERS.get(cfg["consumers"]) if specialised else None
     share_registers = registers is not None
@@ -617,29 +635,34 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
                 Cs_words[wg, j // 8, r, T.bitwise_xor(j % 8, r % 8) * 4 + tx % 4] = out_word[0]
 
     @T.macro
-    def store_staged(C_map, Cs, bx, by, wg, tx):
-        """This warpgroup's staged tile to C by TMA, once every thread's writes are visible to the
-        copy engine; its shared memory is read before the CTA may exit."""
+    def store_staged(C_map, Cs, bx, row0, grp, wg, tx):
+        """This warpgroup's staged tile to C by TMA (rows from ``row0``, of batch ``grp`` when
+        batched; TMA clips what lies past C), once every thread's writes are visible to the copy
+        engine; its shared memory is read before the CTA may exit."""
         T.ptx.fence.proxy.async_.shared__cta()
         T.cuda.warpgroup_sync(1 + wg)
         if tx % 128 == 0:
             for box in T.unroll(bn // 64):
-                T.ptx[_TMA_STORE](T.address_of(C_map), bx * bn + box * 64, by * bm + wg * 64, Cs.ptr_to([wg, box, 0, 0]))
+                if batched:
+                    T.ptx[_TMA_STORE_3D](T.address_of(C_map), bx * bn + box * 64, row0 + wg * 64, grp,
+                                         Cs.ptr_to([wg, box, 0, 0]))
+                else:
+                    T.ptx[_TMA_STORE](T.address_of(C_map), bx * bn + box * 64, row0 + wg * 64, Cs.ptr_to([wg, box, 0, 0]))
             T.ptx["cp.async.bulk.commit_group"]()
             T.ptx["cp.async.bulk.wait_group.read"](0)
 
     @T.macro
     def kernel(A, B, XS, C):
         A_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, dtype, 2, A.data, *cfg["a_box"])
+        T.call_packed("runtime.cuTensorMapEncodeTiled", A_map, dtype, rank, A.data, *cfg["a_box"])
         B_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, dtype, 2, B.data, *cfg["b_box"])
+        T.call_packed("runtime.cuTensorMapEncodeTiled", B_map, dtype, rank, B.data, *cfg["b_box"])
         if two_weights:
             U_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
             T.call_packed("runtime.cuTensorMapEncodeTiled", U_map, dtype, 2, XS[0].data, *cfg["b_box"])
         if tma_store:
             C_map: T.let[T.handle("tensormap")] = T.tvm_stack_alloca("tensormap", 1)
-            T.call_packed("runtime.cuTensorMapEncodeTiled", C_map, out_dtype, 2, C.data, *cfg["c_box"])
+            T.call_packed("runtime.cuTensorMapEncodeTiled", C_map, out_dtype, rank, C.data, *cfg["c_box"])
         T.device_entry()
         if share_registers:
             # launch bounds (threads, 1): ptxas then knows the registers a thread starts with (65536 /
@@ -688,11 +711,13 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
         B_KN, B_LEADING, TRANS_B = T.meta_var((cfg["b_kn"], cfg["b_leading"], cfg["trans_b"]))
         TWO_WEIGHTS = T.meta_var(two_weights)
         if batched:
-            grp: T.let[T.int32] = by * bm // batch_rows  # the row tile's batch: whole tiles each
+            grp: T.let[T.int32] = by // q_tiles  # the row tile's batch, then its first row in the batch
+            tile_row0: T.let[T.int32] = by % q_tiles * bm
         elif grouped:
             # the row tile's group (whose weight B is), -1 past the last group's rows: no work there
             grp: T.let[T.int32] = XS[0][by * (bm // GROUP_ROWS)]
-        B_ROW0 = T.meta_var(grp * b_row_step if grouped else 0)
+        B_ROW0 = T.meta_var(grp * b_row_step if grouped and not batched else 0)
+        BATCHED, GRP, TILE_ROW0 = T.meta_var((batched, grp if batched else 0, tile_row0 if batched else 0))
         LIVE = T.meta_var(grp >= 0 if grouped and not batched else True)
         if LIVE:
             if specialised:
@@ -710,7 +735,7 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
                     if tma_store:
                         stage_tile(Cs_words, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by,
                                    wg, tx)
-                        store_staged(C_map, Cs, bx, by, wg, tx)
+                        store_staged(C_map, Cs, bx, TILE_ROW0 if batched else by * bm, GRP, wg, tx)
                     else:
                         store_tile(C_pairs, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by,
                                    wg, tx)
@@ -718,7 +743,7 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
                 _main_loop()
                 if tma_store:
                     stage_tile(Cs_words, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by, wg, tx)
-                    store_staged(C_map, Cs, bx, by, wg, tx)
+                    store_staged(C_map, Cs, bx, TILE_ROW0 if batched else by * bm, GRP, wg, tx)
                 else:
                     store_tile(C_pairs, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by, wg, tx)
 
@@ -800,14 +825,26 @@ def batched_check(shape: dict, batches: int, dtype: str, knobs: dict | None = No
     ``knobs``; ValueError saying why it cannot compute that."""
     if batches < 1:
         raise ValueError(f"batches={batches}: at least one")
-    m = int(shape.get("m", 0))
-    if m % batches:
+    try:
+        m, n, k = (int(shape[key]) for key in ("m", "n", "k"))
+    except (KeyError, TypeError):
+        raise ValueError(f"shape needs integer m, n, k; got {shape!r}") from None
+    if m <= 0 or n <= 0 or m % batches:
         raise ValueError(f"m={m} rows do not split into {batches} batches")
-    cfg = _config(shape, dtype, knobs, 1, "nk", space=space, default=default, groups=batches,
-                  batch_rows=m // batches)
-    if cfg["batch_rows"] % cfg["bm"]:
-        raise ValueError(f"a batch's {cfg['batch_rows']} rows are no whole {cfg['bm']}-row tiles "
-                         f"(warpgroups={cfg['consumers']})")
+    rows = m // batches
+    bm, bn, bk = tile_shape(resolve_knobs(knobs, space, default))
+    q_tiles, n_tiles = -(-rows // bm), -(-n // bn)
+    # the tiles cover each batch's padded matrix; checked as one GEMM of that size
+    cfg = _config({"m": batches * q_tiles * bm, "n": n_tiles * bn, "k": k}, dtype, knobs, 1, "nk", space=space,
+                  default=default)
+    tma_store = cfg["tma_store"]
+    if (q_tiles * bm != rows or n_tiles * bn != n) and not tma_store:
+        raise ValueError(f"{rows} x {n} is no whole {bm} x {bn} tiles: storing a padded tile needs tma_store")
+    if tma_store and n % 8:
+        raise ValueError(f"n={n}: C's rows are {2 * n} bytes, no multiple of the 16 a TMA copy needs")
+    cfg.update(m=m, n=n, batches=batches, q_tiles=q_tiles, tiles=(batches * q_tiles, n_tiles), rank=3,
+               a_box=_batched_map_args(batches, rows, k, bm, bk), b_box=_batched_map_args(batches, n, k, bn, bk),
+               c_box=_batched_map_args(batches, rows, n, 64, 64) if tma_store else None, b_shape=(batches * n, k))
     return cfg
 
 
@@ -816,9 +853,9 @@ def batched_gemm(shape: dict, batches: int, dtype: str = "float16", knobs: dict 
     """The tirx PrimFunc ``(A, B, C)`` of ``batches`` GEMMs of one shape stacked (every head's
     attention scores, say): C[r] = scale * (A[r] @ B[g]^T) for row r of batch g = r // (m /
     batches), for ``shape`` {"m", "n", "k"}: A (m, k) the batches' rows one after another, B
-    (batches * n, k) (B[g] is rows g n .. (g + 1) n), C (m, n). Global symbol ``batched_gemm``.
-    ValueError when a batch's rows are no whole row tiles, or the shape, dtype or knobs do not fit
-    (``check``)."""
+    (batches * n, k) (B[g] is rows g n .. (g + 1) n), C (m, n). A batch's rows and n need not be
+    whole tiles with ``tma_store`` (n a multiple of 8). Global symbol ``batched_gemm``. ValueError
+    when the shape, dtype or knobs do not fit (``check``)."""
     cfg = batched_check(shape, batches, dtype, knobs, space, default)
     return _gemm(cfg, "batched_gemm", [], lambda acc, _up, _operands, _row, _col: acc * T.float32(scale), False)
 

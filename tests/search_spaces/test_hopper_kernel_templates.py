@@ -272,21 +272,27 @@ def test_rope_rotates_each_row_once_then_one_batched_gemm_scales_every_heads_sco
     pattern, shape = _pattern("rope_qk"), CASES["rope_qk:gemm"][0]
     rotate, gemm = _source(_default("rope_qk:gemm")).split('extern "C" __global__')[-2:]
     assert "sin_ptr" in rotate and "wgmma" not in rotate and "A_map" not in rotate
-    # a row tile's head: its rows over seq_q (256 rows = 2 tiles of 128), B's rows from head x seq_k
-    assert "A_map" in gemm and ">> 1)" in gemm and "* 384)" in gemm
+    # a row tile's head (256 rows = 2 tiles of 128), the third coordinate of 3-D tensor maps
+    assert "A_map" in gemm and ">> 1)" in gemm
+    assert "tensor_3d_shared__cluster_global" in gemm and "tensor_2d_shared__cluster_global" not in gemm
     stores = _epilogue(gemm)
     assert stores and all("8.838835e-02" in line for line in stores)  # 1 / sqrt(128)
     # the scaled tile staged in shared memory (swizzled), then TMA stores of its 64 x 64 boxes
-    assert gemm.count("global_shared__cta_tile_bulk_group(") == 128 // 64
+    assert gemm.count("tensor_3d_global_shared__cta_tile_bulk_group(") == 128 // 64
     assert "wait_group_read_0()" in gemm
     direct = _source(_template("rope_qk:gemm").build(shape, "float16", {**_template("rope_qk:gemm").default,
                                                                         "tma_store": 0}))
     assert "tile_bulk_group(" not in direct and "C_map" not in direct
-    # seq_q a multiple of 64, not of 128: one consumer warpgroup; of no tile: the tiles rotated in place
-    odd = dict(shape, seq_q=320)
-    assert _template("rope_qk:gemm").default_for(odd, "float16")["warpgroups"] == 1
-    assert [t.name for t in K.kernel_templates_for(pattern, odd, "float16", H200)][:1] == ["cuda_rotate_then_gemm"]
-    names = [t.name for t in K.kernel_templates_for(pattern, dict(shape, seq_q=200), "float16", H200)]
+    # seq_q a multiple of 64, not of 128: one consumer warpgroup's tiles; of no tile: padded tiles
+    # (the direct store refused there); seq_k no multiple of 8: the tiles rotated in place
+    template = _template("rope_qk:gemm")
+    assert template.default_for(dict(shape, seq_q=320), "float16")["warpgroups"] == 1
+    padded = dict(shape, seq_q=200, seq_k=1000)
+    assert template.default_for(padded, "float16") == template.default
+    assert [t.name for t in K.kernel_templates_for(pattern, padded, "float16", H200)][:1] == ["cuda_rotate_then_gemm"]
+    with pytest.raises(ValueError, match="needs tma_store"):
+        template.build(padded, "float16", {**template.default, "tma_store": 0})
+    names = [t.name for t in K.kernel_templates_for(pattern, dict(shape, seq_k=334), "float16", H200)]
     assert names == ["cuda_wgmma_scores"]
 
 
