@@ -563,8 +563,8 @@ def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout:
     tma_store = knobs.get("tma_store", 0)
     if tma_store and _ITEMSIZE.get(out_dtype or dtype) != 2:
         raise ValueError(f"tma_store stages 2-byte C tiles, not {out_dtype or dtype}")
-    return {"m": m, "n": n, "k": k, "tma_store": tma_store,
-            "c_box": _tensor_map_args(m, n, 64, 64) if tma_store else None, "bm": bm, "bn": bn, "bk": bk, "stages": knobs["stages"],
+    return {"m": m, "n": n, "k": k, "bm": bm, "bn": bn, "bk": bk, "stages": knobs["stages"], "tma_store": tma_store,
+            "c_box": _tensor_map_args(m, n, 64, 64) if tma_store else None,
             "threads": 128 * (knobs["warpgroups"] + specialised), "wait_depth": knobs["wait_depth"],
             "specialised": specialised, "consumers": knobs["warpgroups"], "raster": knobs["raster"],
             "dtype": dtype, "out_dtype": out_dtype or dtype, "acc_dtype": acc_dtype,
@@ -716,9 +716,9 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
         elif grouped:
             # the row tile's group (whose weight B is), -1 past the last group's rows: no work there
             grp: T.let[T.int32] = XS[0][by * (bm // GROUP_ROWS)]
-        B_ROW0 = T.meta_var(grp * b_row_step if grouped and not batched else 0)
+        B_ROW0 = T.meta_var(grp * b_row_step if grouped else 0)
         BATCHED, GRP, TILE_ROW0 = T.meta_var((batched, grp if batched else 0, tile_row0 if batched else 0))
-        LIVE = T.meta_var(grp >= 0 if grouped and not batched else True)
+        LIVE = T.meta_var(grp >= 0 if grouped else True)
         if LIVE:
             if specialised:
                 _init_specialised_barriers()
