@@ -608,8 +608,11 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
     share_registers = registers is not None
 
     @T.macro
-    def store_tile(C_pairs, out_pair, out_word, acc, acc_up, XS, bx, by, wg, tx):
-        """The epilogue of this warpgroup's accumulators, a pair of adjacent columns per store."""
+    def store_tile(C_pairs, Cs_words, out_pair, out_word, acc, acc_up, XS, bx, by, wg, tx):
+        """The epilogue of this warpgroup's accumulators, a pair of adjacent columns per store: to C,
+        or with ``tma_store`` into its 64 x BN staging tile, BN/64 boxes of 64 x 64 whose 16-byte
+        chunks are swizzled as TMA's 128-byte swizzle reads them (chunk ^ row % 8, so the 8 rows of
+        a store instruction hit 8 different banks)."""
         for j in T.unroll(bn // 8):
             for half in T.unroll(2):
                 row = T.meta_var(_row(by, bm, wg, tx, half))
@@ -618,21 +621,11 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
                     i = T.meta_var(j * 4 + half * 2 + pair)
                     out_pair[pair] = store(epilogue(accumulator(acc[i]), acc_up[i] if two_weights else None, XS, row,
                                                     col))
-                C_pairs[row, _col(bx, bn, j, tx, 0) // 2] = out_word[0]
-
-    @T.macro
-    def stage_tile(Cs_words, out_pair, out_word, acc, acc_up, XS, bx, by, wg, tx):
-        """The epilogue of this warpgroup's accumulators into its 64 x BN staging tile: BN/64 boxes
-        of 64 x 64, 16-byte chunks swizzled as TMA's 128-byte swizzle reads them (chunk ^ row % 8,
-        so the 8 rows of a store instruction hit 8 different banks)."""
-        for j in T.unroll(bn // 8):
-            for half in T.unroll(2):
-                r = T.meta_var(tx % 128 // 32 * 16 + tx % 32 // 4 + half * 8)
-                for pair in T.unroll(2):
-                    i = T.meta_var(j * 4 + half * 2 + pair)
-                    out_pair[pair] = store(epilogue(accumulator(acc[i]), acc_up[i] if two_weights else None, XS,
-                                                    _row(by, bm, wg, tx, half), _col(bx, bn, j, tx, pair)))
-                Cs_words[wg, j // 8, r, T.bitwise_xor(j % 8, r % 8) * 4 + tx % 4] = out_word[0]
+                if tma_store:
+                    r = T.meta_var(tx % 128 // 32 * 16 + tx % 32 // 4 + half * 8)  # the row in the warpgroup's tile
+                    Cs_words[wg, j // 8, r, T.bitwise_xor(j % 8, r % 8) * 4 + tx % 4] = out_word[0]
+                else:
+                    C_pairs[row, _col(bx, bn, j, tx, 0) // 2] = out_word[0]
 
     @T.macro
     def store_staged(C_map, Cs, bx, row0, grp, wg, tx):
@@ -732,20 +725,16 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
                     if share_registers:
                         T.ptx["setmaxnreg.inc.sync.aligned.u32"](registers[1])
                     _consumer_loop()
+                    store_tile(C_pairs, Cs_words if tma_store else None, out_pair, out_word, acc,
+                               acc_up if two_weights else None, XS, bx, by, wg, tx)
                     if tma_store:
-                        stage_tile(Cs_words, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by,
-                                   wg, tx)
                         store_staged(C_map, Cs, bx, TILE_ROW0 if batched else by * bm, GRP, wg, tx)
-                    else:
-                        store_tile(C_pairs, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by,
-                                   wg, tx)
             else:
                 _main_loop()
+                store_tile(C_pairs, Cs_words if tma_store else None, out_pair, out_word, acc,
+                           acc_up if two_weights else None, XS, bx, by, wg, tx)
                 if tma_store:
-                    stage_tile(Cs_words, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by, wg, tx)
                     store_staged(C_map, Cs, bx, TILE_ROW0 if batched else by * bm, GRP, wg, tx)
-                else:
-                    store_tile(C_pairs, out_pair, out_word, acc, acc_up if two_weights else None, XS, bx, by, wg, tx)
 
     names = [op_name for op_name, _, _ in operands]
     # The parameter list varies with the operands, which the script's signatures cannot: the
