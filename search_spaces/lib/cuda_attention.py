@@ -981,18 +981,24 @@ ROPE_DEFAULT_KNOBS = {"block_n": 128}
 _ROPE_THREADS = 256  # two warpgroups of 64 query rows
 
 
-def check_rope_scores(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[dict, dict]:
-    """(dims, resolved knobs) when ``rope_scores`` takes ``shape`` (keys ROPE_SHAPE_KEYS), ``dtype``
-    and ``knobs``; AttentionShapeError otherwise."""
-    knobs = _resolve(knobs, ROPE_KNOBS, ROPE_DEFAULT_KNOBS)
+def _rope_dims(shape: dict, dtype: str) -> list[int]:
+    """rope_qk's (batch, heads, seq_q, seq_k, head_dim) when both its kernels could take them."""
     nb, hq, sq, sk, hd = _ints(shape, ROPE_SHAPE_KEYS)
     _check_dtype_heads(dtype, hq, hq, hd)
     if sq > sk:
         raise AttentionShapeError(f"seq_q={sq} must be <= seq_k={sk}: queries are the last seq_q positions")
-    if sk % 2:
-        raise AttentionShapeError(f"seq_k={sk} is odd: scores are stored two keys (4 bytes) at a time")
     if nb * hq * max(sq, sk) * max(hd, sk) >= 1 << 31:
         raise AttentionShapeError("q, k or the scores have 2^31 elements or more (int32 indices)")
+    return [nb, hq, sq, sk, hd]
+
+
+def check_rope_scores(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[dict, dict]:
+    """(dims, resolved knobs) when ``rope_scores`` takes ``shape`` (keys ROPE_SHAPE_KEYS), ``dtype``
+    and ``knobs``; AttentionShapeError otherwise."""
+    knobs = _resolve(knobs, ROPE_KNOBS, ROPE_DEFAULT_KNOBS)
+    nb, hq, sq, sk, hd = _rope_dims(shape, dtype)
+    if sk % 2:
+        raise AttentionShapeError(f"seq_k={sk} is odd: scores are stored two keys (4 bytes) at a time")
     smem = (BLOCK_M + knobs["block_n"]) * hd * 2 + 8 + 1024
     if smem > SHARED_MEMORY_LIMIT:
         raise AttentionShapeError(f"{smem} bytes of shared memory exceed the {SHARED_MEMORY_LIMIT} a CTA may have")
@@ -1169,12 +1175,7 @@ def check_rope_gemm(shape: dict, dtype: str, knobs: dict | None = None) -> dict:
     """The batched GEMM's constants when ``rope_rotate`` + ``batched_gemm`` take ``shape``, ``dtype``
     and ``knobs``; AttentionShapeError otherwise (with ``tma_store`` 0, seq_q and seq_k whole
     tiles; with it, seq_k a multiple of 8)."""
-    nb, hq, sq, sk, hd = _ints(shape, ROPE_SHAPE_KEYS)
-    _check_dtype_heads(dtype, hq, hq, hd)
-    if sq > sk:
-        raise AttentionShapeError(f"seq_q={sq} must be <= seq_k={sk}: queries are the last seq_q positions")
-    if nb * hq * max(sq, sk) * max(hd, sk) >= 1 << 31:
-        raise AttentionShapeError("q, k or the scores have 2^31 elements or more (int32 indices)")
+    _rope_dims(shape, dtype)
     gemm, batches = rope_gemm_shape(shape)
     try:
         return batched_check(gemm, batches, dtype, knobs, ROPE_GEMM_KNOBS, ROPE_GEMM_DEFAULT_KNOBS)
