@@ -11,7 +11,8 @@ tensor cores through TVM's WMMA intrinsics (other dtypes, and sizes not multiple
 to the former). Neither drops the function's global ``acc`` (see ``cuda_drop_acc``). On sm_90 in
 float16/bfloat16, at multiples of its tile, the kernel template ``cuda_wgmma`` comes first: Hopper
 TMA + wgmma in the tirx script (``search_spaces.lib.cuda_wgmma``), which schedule primitives cannot
-reach.
+reach; before it, at up to 256 rows, ``cuda_wgmma_split_k``, the same GEMM with K split among CTAs
+(a skinny GEMM's few tiles would leave SMs idle or read all of K through each).
 """
 
 import numpy as np
@@ -140,6 +141,17 @@ cuda_wgmma_relu = KernelTemplate("cuda_wgmma", _wgmma_gemm_bias_relu, cuda_wgmma
                                  cuda_wgmma.check, shape_default=cuda_wgmma.fill_tile, **cuda_wgmma.HOPPER)
 
 
+def _wgmma_split_k_bias_relu(shape, dtype, knobs):
+    """Hopper wgmma GEMM with K split among CTAs (``search_spaces.lib.cuda_wgmma.gemm_split_k``),
+    then a kernel summing the float32 partials with bias + ReLU; at most 256 rows."""
+    return cuda_wgmma.gemm_split_k(shape, dtype, knobs, "relu")
+
+
+cuda_wgmma_split_k_relu = KernelTemplate("cuda_wgmma_split_k", _wgmma_split_k_bias_relu, cuda_wgmma.SPLIT_K_KNOBS,
+                                         cuda_wgmma.SPLIT_K_DEFAULT_KNOBS, cuda_wgmma.split_k_check,
+                                         shape_default=cuda_wgmma.split_k_fill, **cuda_wgmma.HOPPER)
+
+
 def _relax_pattern():
     from tvm.relax.dpl import is_op, wildcard
     x, w, b = wildcard(), wildcard(), wildcard()
@@ -176,6 +188,6 @@ PATTERN = Pattern.from_module(
     globals(),
     description="relu(x @ W^T + b): GEMM with bias and ReLU fused in its epilogue",
     shape_params=gemm_shape((256, 16), (256, 32), (256, 16)),
-    templates=[packed_tile, tiled_epilogue, cuda_wgmma_relu, cuda_tiled_epilogue, cuda_wmma],
+    templates=[packed_tile, tiled_epilogue, cuda_wgmma_split_k_relu, cuda_wgmma_relu, cuda_tiled_epilogue, cuda_wmma],
     relax_rules=[RelaxRule("matmul_add_relu", _relax_pattern, _relax_rewrite)],
 )

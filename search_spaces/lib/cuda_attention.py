@@ -130,7 +130,8 @@ import math
 
 from tvm.script import tirx as T
 
-from search_spaces.lib.cuda_wgmma import DTYPES, SHARED_MEMORY_LIMIT, SM_COUNT, TARGET, batched_check, pin_registers
+from search_spaces.lib.cuda_wgmma import (DEPENDENT_LAUNCH_TAG, DTYPES, SHARED_MEMORY_LIMIT, SM_COUNT, TARGET,
+                                         batched_check, dependent_launch, pin_registers)
 
 LOG2E = 1.4426950408889634
 HEAD_DIMS = (64, 128)
@@ -156,9 +157,6 @@ VERIFY_MIN_ITEMS = 16
 _SWIZZLE_128B = 3  # CUtensorMapSwizzle and the wgmma descriptor's layout code for 128-byte swizzle
 _TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
 _INIT_MAX = -1.0e30  # running max before the first key: finite, so 2^(m - m') never sees inf - inf
-# TVM's launch tag (its spelling) for CUDA's programmatic dependent launch, set per device function
-# through "tirx.kernel_launch_params"; in a composite it reaches every kernel (``tirx_sequence``)
-DEPENDENT_LAUNCH_TAG = "tirx.use_programtic_dependent_launch"
 
 
 class AttentionShapeError(ValueError):
@@ -168,13 +166,6 @@ class AttentionShapeError(ValueError):
 def _mark(func, name: str):
     return (func.with_attr("global_symbol", name).with_attr("autofuse.tirx", True)
             .with_attr("tirx.is_scheduled", True))
-
-
-def dependent_launch(func):
-    """``func`` launched with programmatic dependent launch: it may start while the kernel before it
-    on the stream finishes, so it must execute griddepcontrol.wait before reading that kernel's
-    results (the decode kernels do, first thing)."""
-    return func.with_attr("tirx.kernel_launch_params", [DEPENDENT_LAUNCH_TAG])
 
 
 def _resolve(knobs: dict | None, space: dict, default: dict) -> dict:

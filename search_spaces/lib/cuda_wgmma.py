@@ -484,16 +484,17 @@ def _load_slice(slot, kslice):
 
 @T.macro(hygienic=False)
 def _load_operands(slot, kslice):
-    T.ptx[TMA](As.ptr_to([slot, 0, 0]), T.address_of(A_map), kslice * BK, by * BM, T.address_of(bars[slot]))
+    # slice `kslice` of the CTA's share of K, which starts at slice K_FIRST (split-K; else 0)
+    T.ptx[TMA](As.ptr_to([slot, 0, 0]), T.address_of(A_map), (K_FIRST + kslice) * BK, by * BM, T.address_of(bars[slot]))
     if B_KN:
         for box in T.unroll(BN // 64):
-            T.ptx[TMA](Bs.ptr_to([slot, box, 0, 0]), T.address_of(B_map), bx * BN + box * 64, B_ROW0 + kslice * BK, T.address_of(bars[slot]))
+            T.ptx[TMA](Bs.ptr_to([slot, box, 0, 0]), T.address_of(B_map), bx * BN + box * 64, B_ROW0 + (K_FIRST + kslice) * BK, T.address_of(bars[slot]))
             if TWO_WEIGHTS:
-                T.ptx[TMA](Bs.ptr_to([slot, BN // 64 + box, 0, 0]), T.address_of(U_map), bx * BN + box * 64, B_ROW0 + kslice * BK, T.address_of(bars[slot]))
+                T.ptx[TMA](Bs.ptr_to([slot, BN // 64 + box, 0, 0]), T.address_of(U_map), bx * BN + box * 64, B_ROW0 + (K_FIRST + kslice) * BK, T.address_of(bars[slot]))
     else:
-        T.ptx[TMA](Bs.ptr_to([slot, 0, 0]), T.address_of(B_map), kslice * BK, B_ROW0 + bx * BN, T.address_of(bars[slot]))
+        T.ptx[TMA](Bs.ptr_to([slot, 0, 0]), T.address_of(B_map), (K_FIRST + kslice) * BK, B_ROW0 + bx * BN, T.address_of(bars[slot]))
         if TWO_WEIGHTS:
-            T.ptx[TMA](Bs.ptr_to([slot, BN, 0]), T.address_of(U_map), kslice * BK, B_ROW0 + bx * BN, T.address_of(bars[slot]))
+            T.ptx[TMA](Bs.ptr_to([slot, BN, 0]), T.address_of(U_map), (K_FIRST + kslice) * BK, B_ROW0 + bx * BN, T.address_of(bars[slot]))
 
 
 def raster_rows(cta, tiles_m: int, tiles_n: int, raster: int, minimum=min):
@@ -524,6 +525,18 @@ def _col(bx, bn, j, tx, pair):
 def _mark(func, name: str):
     return (func.with_attr("global_symbol", name).with_attr("autofuse.tirx", True)
             .with_attr("tirx.is_scheduled", True))
+
+
+# TVM's launch tag (its spelling) for CUDA's programmatic dependent launch, set per device function
+# through "tirx.kernel_launch_params"; in a composite it reaches every kernel (``tirx_sequence``)
+DEPENDENT_LAUNCH_TAG = "tirx.use_programtic_dependent_launch"
+
+
+def dependent_launch(func):
+    """``func`` launched with programmatic dependent launch: it may start while the kernel before it
+    on the stream finishes, so it must execute griddepcontrol.wait before reading that kernel's
+    results (the decode kernels and split-K's do, first thing)."""
+    return func.with_attr("tirx.kernel_launch_params", [DEPENDENT_LAUNCH_TAG])
 
 
 def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout: str, out_dtype: str | None = None,
@@ -564,6 +577,7 @@ def _config(shape: dict, dtype: str, knobs: dict | None, weights: int, b_layout:
     if tma_store and _ITEMSIZE.get(out_dtype or dtype) != 2:
         raise ValueError(f"tma_store stages 2-byte C tiles, not {out_dtype or dtype}")
     return {"m": m, "n": n, "k": k, "bm": bm, "bn": bn, "bk": bk, "stages": knobs["stages"], "tma_store": tma_store,
+            "split_k": knobs.get("split_k", 1),
             "c_box": _tensor_map_args(m, n, 64, 64) if tma_store else None,
             "threads": 128 * (knobs["warpgroups"] + specialised), "wait_depth": knobs["wait_depth"],
             "specialised": specialised, "consumers": knobs["warpgroups"], "raster": knobs["raster"],
@@ -604,6 +618,11 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
     grouped, b_row_step = bool(cfg["groups"]), (k if cfg["b_kn"] else n)
     batched, q_tiles, rank = "batches" in cfg, cfg.get("q_tiles", 0), cfg.get("rank", 2)
     tma_store = bool(cfg["tma_store"])
+    # split-K: CTA kz of a tile takes K slices [kz KT, (kz + 1) KT) and stores its float32 partial
+    # as row tile by + kz tiles_m of C, (split m, n); ``gemm_split_k``'s second kernel sums them
+    split = cfg.get("split_k", 1)
+    if split > 1 and (raster != 1 or batched or cfg["groups"] or tma_store or out_dtype != "float32"):
+        raise ValueError("split-K partials: float32, in the 2-D grid's order, neither batched, grouped nor TMA-stored")
     registers = SPECIALISED_REGISTERS.get(cfg["consumers"]) if specialised else None
     share_registers = registers is not None
 
@@ -662,7 +681,13 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
             # threads, 168 at 384) and keeps the setmaxnreg below, balanced to that (it drops them
             # otherwise, C7508, as it did for the smaller tiles)
             T.attr({"tirx.launch_bounds_min_blocks_per_sm": 1})
-        if raster == 1:
+        if split > 1:
+            bx, by, kz = T.cta_id([tiles_n, tiles_m, split])
+            # dependent launch (``dependent_launch``): what the kernel before wrote is visible
+            # after the wait; the sum's CTAs may be scheduled from here on
+            T.ptx.griddepcontrol.wait()
+            T.ptx.griddepcontrol.launch_dependents()
+        elif raster == 1:
             bx, by = T.cta_id([tiles_n, tiles_m])
         else:
             # grouped launch order: `raster` tile-rows at a time, down the rows first, so that the
@@ -692,11 +717,13 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
             acc_up = T.alloc_buffer((bn // 2,), acc_dtype, scope="local")
         out_pair = T.alloc_buffer((2,), out_dtype, scope="local")
         out_word = T.decl_buffer((1,), pair_dtype, data=out_pair.data, scope="local")
-        C_pairs = T.decl_buffer((m, n // 2), pair_dtype, data=C.data)
+        C_pairs = T.decl_buffer((m * split, n // 2), pair_dtype, data=C.data)
         # the warpgroup's 64 rows of the tile (with ``specialised``, warpgroup 0 is the producer)
         wg = T.meta_var(tx // 128 - 1 if specialised else tx // 128)
-        BM, BN, BK, KT, STAGES, NACC = T.meta_var((bm, bn, bk, k // bk, stages, bn // 2))
-        PROLOGUE = T.meta_var(min(stages, k // bk))
+        BM, BN, BK, KT, STAGES, NACC = T.meta_var((bm, bn, bk, k // bk // split, stages, bn // 2))
+        PROLOGUE = T.meta_var(min(stages, k // bk // split))
+        K_FIRST = T.meta_var(kz * (k // bk // split) if split > 1 else 0)
+        TILE_BY = T.meta_var(by + kz * tiles_m if split > 1 else by)  # the row tile of C stored
         STAGE_BYTES, WAIT_DEPTH, CONSUMERS = T.meta_var((cfg["stage_bytes"], cfg["wait_depth"], cfg["consumers"]))
         MMA, TMA, SWIZZLE = T.meta_var((cfg["mma"], _TMA_LOAD, _SWIZZLE_128B))
         MMA_FLAGS, MMA_N, PARTS, KSTEP = T.meta_var((cfg["mma_flags"], cfg["mma_n"], cfg["parts"], cfg["k_step"]))
@@ -726,13 +753,13 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
                         T.ptx["setmaxnreg.inc.sync.aligned.u32"](registers[1])
                     _consumer_loop()
                     store_tile(C_pairs, Cs_words if tma_store else None, out_pair, out_word, acc,
-                               acc_up if two_weights else None, XS, bx, by, wg, tx)
+                               acc_up if two_weights else None, XS, bx, TILE_BY, wg, tx)
                     if tma_store:
                         store_staged(C_map, Cs, bx, TILE_ROW0 if batched else by * bm, GRP, wg, tx)
             else:
                 _main_loop()
                 store_tile(C_pairs, Cs_words if tma_store else None, out_pair, out_word, acc,
-                           acc_up if two_weights else None, XS, bx, by, wg, tx)
+                           acc_up if two_weights else None, XS, bx, TILE_BY, wg, tx)
                 if tma_store:
                     store_staged(C_map, Cs, bx, TILE_ROW0 if batched else by * bm, GRP, wg, tx)
 
@@ -746,10 +773,10 @@ def _gemm(cfg: dict, name: str, operands: list, epilogue, two_weights: bool):
         "    B = T.match_buffer(b, B_SHAPE, DTYPE, align=16)",
         *[f"    {x} = T.match_buffer({x.lower()}, OPERANDS[{i}][1], OPERANDS[{i}][2], align=16)"
           for i, x in enumerate(names)],
-        "    C = T.match_buffer(c, (M, N), OUT_DTYPE, align=16)",
+        "    C = T.match_buffer(c, (M * SPLIT, N), OUT_DTYPE, align=16)",
         f"    kernel(A, B, [{', '.join(names)}], C)", ""])
     func = tvm.script.parse(source, extra_vars={
-        "T": T, "kernel": kernel, "M": m, "N": n, "K": k, "DTYPE": dtype, "OUT_DTYPE": out_dtype,
+        "T": T, "kernel": kernel, "M": m, "N": n, "K": k, "SPLIT": split, "DTYPE": dtype, "OUT_DTYPE": out_dtype,
         "B_SHAPE": cfg["b_shape"], "OPERANDS": operands})
     return _mark(func, name)
 
@@ -776,6 +803,125 @@ def gemm_act(shape: dict, dtype: str = "float16", knobs: dict | None = None, act
     activation = _activation(act)
     cfg = _config(shape, dtype, knobs, 1, b_layout)
     return _gemm(cfg, f"gemm_{act}", [], lambda acc, _up, _operands, _row, _col: activation(acc), False)
+
+
+# Split-K (``gemm_split_k``): a skinny GEMM has few tiles, and each of its CTAs streams all of K's A
+# and B through one SM. Its K is split among ``split_k`` CTAs per tile, each storing a float32
+# partial; a second kernel sums them and applies the epilogue. One wave of CTAs at most: the split
+# is for filling the SMs with large tiles, not for more waves.
+SPLIT_K_KNOBS = {**KNOBS, "raster": (1,), "split_k": (2, 3, 4, 6, 8)}
+SPLIT_K_DEFAULT_KNOBS = {**DEFAULT_KNOBS, "block_n": 128, "raster": 1, "split_k": 4}
+SPLIT_K_MAX_M = 256      # rows up to which K is split (two 128-row tiles)
+SPLIT_K_MIN_SLICES = 4   # K slices a split keeps at least (fewer: the ring's fill dominates)
+_SUM_THREADS = 256
+
+
+def split_k_check(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[int, int, int, dict]:
+    """(m, n, k, resolved knobs) when ``gemm_split_k`` can compute ``shape`` in ``dtype`` with
+    ``knobs`` (``SPLIT_K_KNOBS``); ValueError saying why not otherwise."""
+    m, n, k, knobs = check(shape, dtype, knobs, space=SPLIT_K_KNOBS, default=SPLIT_K_DEFAULT_KNOBS)
+    if m > SPLIT_K_MAX_M:
+        raise ValueError(f"m={m}: over {SPLIT_K_MAX_M} rows the tiles fill the SMs without splitting K")
+    bm, bn, bk = tile_shape(knobs)
+    splits, slices = knobs["split_k"], k // bk
+    if slices % splits or slices // splits < SPLIT_K_MIN_SLICES:
+        raise ValueError(f"split_k={splits}: k={k} is {slices} slices of {bk}, not {splits} shares of "
+                         f"{SPLIT_K_MIN_SLICES} or more")
+    ctas = m // bm * (n // bn) * splits
+    if ctas > SM_COUNT:
+        raise ValueError(f"{ctas} CTAs ({m // bm * (n // bn)} tiles of {bm} x {bn}, split_k={splits}) are more "
+                         f"than one wave of {SM_COUNT}")
+    return m, n, k, knobs
+
+
+def split_k_fill(shape: dict, dtype: str) -> dict:
+    """Knobs over ``SPLIT_K_DEFAULT_KNOBS`` for ``shape``: the first tile of 128 x 128, 128 x 256,
+    128 x 64, then the same with 64 rows (one consumer warpgroup, the one-role kernel) that
+    ``split_k_check`` takes, with the most splits; the default where none does."""
+    for warpgroups, block_n in itertools.product((2, 1), (128, 256, 64)):
+        for splits in sorted(SPLIT_K_KNOBS["split_k"], reverse=True):
+            knobs = {**SPLIT_K_DEFAULT_KNOBS, "warpgroups": warpgroups, "block_n": block_n, "split_k": splits}
+            if warpgroups not in SPECIALISED_REGISTERS:
+                knobs["specialised"] = 0
+            try:
+                return split_k_check(shape, dtype, knobs)[3]
+            except ValueError:
+                continue
+    return dict(SPLIT_K_DEFAULT_KNOBS)
+
+
+def split_k_sum(m: int, n: int, splits: int, dtype: str, epilogue, operands: list, name: str):
+    """The tirx PrimFunc ``(P, *X, C)``: C[r, c] = epilogue(sum over s of P[s m + r, c], None, [X...],
+    r, c) rounded once into ``dtype``, P (splits m, n) float32, the splits added in order; a thread
+    per 4 columns (one 16-byte load per split, issued before the adds; one 8-byte store).
+    ``operands`` as ``_gemm``'s. It waits on the kernel before (dependent launch)."""
+    chunks = m * n // 4
+    blocks = -(-chunks // _SUM_THREADS)
+
+    @T.macro
+    def kernel(P, XS, C):
+        T.device_entry()
+        bx = T.cta_id([blocks])
+        tx = T.thread_id([_SUM_THREADS])
+        T.ptx.griddepcontrol.wait()  # the partials, complete and visible
+        P4 = T.decl_buffer((splits * chunks,), "float32x4", data=P.data)
+        C4 = T.decl_buffer((chunks,), "uint32x2", data=C.data)
+        part = T.alloc_buffer((splits * 4,), "float32", scope="local")
+        part4 = T.decl_buffer((splits,), "float32x4", data=part.data, scope="local")
+        total = T.alloc_buffer((4,), "float32", scope="local")
+        out = T.alloc_buffer((4,), dtype, scope="local")
+        out4 = T.decl_buffer((1,), "uint32x2", data=out.data, scope="local")
+        chunk = T.meta_var(bx * _SUM_THREADS + tx)
+        if chunk < chunks:
+            for s in T.unroll(splits):
+                part4[s] = P4[s * chunks + chunk]
+            for e in T.unroll(4):
+                total[e] = part[e]
+                for s in T.unroll(1, splits):
+                    total[e] = total[e] + part[s * 4 + e]
+                out[e] = T.Cast(dtype, epilogue(total[e], None, XS, chunk * 4 // n, chunk * 4 % n + e))
+            C4[chunk] = out4[0]
+
+    names = [op_name for op_name, _, _ in operands]
+    source = "\n".join([
+        "@T.prim_func",
+        f"def split_k_sum(p: T.handle, {''.join(f'{x.lower()}: T.handle, ' for x in names)}c: T.handle):",
+        "    P = T.match_buffer(p, (SPLITS * M, N), 'float32', align=16)",
+        *[f"    {x} = T.match_buffer({x.lower()}, OPERANDS[{i}][1], OPERANDS[{i}][2], align=16)"
+          for i, x in enumerate(names)],
+        "    C = T.match_buffer(c, (M, N), DTYPE, align=16)",
+        f"    kernel(P, [{', '.join(names)}], C)", ""])
+    func = tvm.script.parse(source, extra_vars={"T": T, "kernel": kernel, "M": m, "N": n, "SPLITS": splits,
+                                                "DTYPE": dtype, "OPERANDS": operands})
+    return _mark(func, name)
+
+
+def gemm_split_k(shape: dict, dtype: str = "float16", knobs: dict | None = None, act: str = "relu",
+                 b_layout: str = "nk", bias: bool = True):
+    """``gemm_bias_act`` (``gemm_act`` without ``bias``) with K split: the PrimFunc ``(A, B, [bias,]
+    C)`` of two kernels (``tirx_sequence``), both launched dependent (``dependent_launch``): the
+    GEMM over ``split_k`` shares of K, each CTA storing its tile's float32 partial into a workspace
+    (split_k m, n), then ``split_k_sum`` adding the partials, the bias and the activation. Knobs
+    from ``SPLIT_K_KNOBS``; global symbol ``gemm_split_k_<act>``. ValueError when the shape, dtype
+    or knobs do not fit (``split_k_check``)."""
+    from .tirx_sequence import buffer, sequence, workspace
+
+    activation = _activation(act)
+    m, n, k, knobs = split_k_check(shape, dtype, knobs)
+    cfg = _config(shape, dtype, knobs, 1, b_layout, "float32", SPLIT_K_KNOBS, SPLIT_K_DEFAULT_KNOBS)
+    splits = cfg["split_k"]
+    partials = _gemm(cfg, "gemm_split_k_partials", [], lambda acc, _up, _operands, _row, _col: acc, False)
+    operands = [("X", (n,), dtype)] if bias else []
+
+    def bias_act(acc, _up, xs, _row, col):
+        return activation(acc + T.Cast("float32", xs[0][col]) if bias else acc)
+
+    summed = split_k_sum(m, n, splits, dtype, bias_act, operands, "gemm_split_k_sum")
+    a, b, c = buffer("a", (m, k), dtype), buffer("b", cfg["b_shape"], dtype), buffer("c", (m, n), dtype)
+    x = [buffer("x", (n,), dtype)] if bias else []
+    p = workspace("partials", (splits * m, n), "float32")
+    return sequence(f"gemm_split_k_{act}", [a, b, *x, c],
+                    [(dependent_launch(partials), [a, b, p]), (summed, [p, *x, c])], [p])
 
 
 # A grouped GEMM's rows come in groups of whole row tiles; its table names the group of every

@@ -19,7 +19,8 @@ Templates: ``packed_tile`` (``cpu_gemm``: W in panels, or as stored for a few ro
 the register tile) and ``tiled_epilogue`` on a CPU; ``cuda_tiled_epilogue`` (SIMT register tiles
 over x and W k-tiles staged through shared memory) and ``cuda_wmma`` (float16 tensor cores) on a
 GPU; on sm_90 in float16/bfloat16 the kernel template ``cuda_wgmma`` first (``cuda_wgmma``'s TMA +
-wgmma GEMM, B read N-major).
+wgmma GEMM, B read N-major), and before it at up to 256 rows ``cuda_wgmma_split_k`` (K split among
+CTAs, the partials summed with the epilogue by a second kernel).
 
 Relax rule: ``matmul(x, W)`` with W a parameter of the model (a constant, or a graph input where an
 exporter keeps weights as inputs; possibly transposed, as a Gemm's transB), so attention's
@@ -207,9 +208,23 @@ class Linear:
         return KernelTemplate("cuda_wgmma", wgmma, cuda_wgmma.KNOBS, cuda_wgmma.DEFAULT_KNOBS, cuda_wgmma.check,
                               shape_default=cuda_wgmma.fill_tile, **cuda_wgmma.HOPPER)
 
+    def split_k_template(self) -> KernelTemplate:
+        """The Hopper kernel template with K split among CTAs (at most 256 rows)."""
+        act, bias = self.act, self.bias
+
+        def wgmma_split_k(shape, dtype, knobs):
+            """Hopper wgmma GEMM with K split among CTAs (``search_spaces.lib.cuda_wgmma.gemm_split_k``),
+            W read N-major as stored, then a kernel summing the float32 partials with the epilogue."""
+            return cuda_wgmma.gemm_split_k(shape, dtype, knobs, act, b_layout="kn", bias=bias)
+
+        return KernelTemplate("cuda_wgmma_split_k", wgmma_split_k, cuda_wgmma.SPLIT_K_KNOBS,
+                              cuda_wgmma.SPLIT_K_DEFAULT_KNOBS, cuda_wgmma.split_k_check,
+                              shape_default=cuda_wgmma.split_k_fill, **cuda_wgmma.HOPPER)
+
     def templates(self) -> list:
         """Every template, in the order tried."""
-        return [packed_tile, tiled_epilogue, self.wgmma_template(), cuda_tiled_epilogue, cuda_wmma]
+        return [packed_tile, tiled_epilogue, self.split_k_template(), self.wgmma_template(), cuda_tiled_epilogue,
+                cuda_wmma]
 
 
 def activation_nodes(act: str, src: str, dst: str, dtype: str):

@@ -607,3 +607,48 @@ def test_a_grouped_gemm_needs_groups_and_one_weight():
         W.grouped_gemm_act({"m": 512, "n": 256, "k": 128}, 0)
     with pytest.raises(ValueError, match="2\\^31"):
         W.grouped_gemm_act({"m": 512, "n": 16384, "k": 16384}, 16)
+
+
+# --- split-K (gemm_split_k) -----------------------------------------------------------------------
+
+SKINNY = {"m": 128, "n": 4096, "k": 4096}
+
+
+@pytest.mark.parametrize("shape, knobs, message", [
+    ({**SKINNY, "m": 512}, {}, "fill the SMs without splitting K"),
+    ({**SKINNY, "k": 512}, {}, "not 4 shares of 4 or more"),          # 8 slices
+    ({**SKINNY, "k": 4160}, {}, "not 4 shares"),                       # 65 slices
+    (SKINNY, {"split_k": 8}, "more than one wave of 132"),             # 32 tiles x 8
+    (SKINNY, {"raster": 8}, "raster=8 is not one of"),
+])
+def test_what_split_k_cannot_compute_raises(shape, knobs, message):
+    with pytest.raises(ValueError, match=message):
+        W.gemm_split_k(shape, "float16", knobs)
+
+
+@pytest.mark.parametrize("shape, tile, splits", [
+    (SKINNY, (128, 128, 1), 4),                        # 32 tiles x 4
+    ({**SKINNY, "n": 11008}, (128, 256, 1), 2),       # 43 tiles x 2 (x 3: 64 slices)
+    ({**SKINNY, "m": 64}, (64, 128, 0), 4),           # one consumer warpgroup: the one-role kernel
+    ({**SKINNY, "m": 256}, (128, 128, 1), 2),
+])
+def test_the_split_k_default_fills_one_wave_with_large_tiles(shape, tile, splits):
+    knobs = W.split_k_fill(shape, "float16")
+    assert (*W.tile_shape(knobs)[:2], knobs["specialised"]) == tile and knobs["split_k"] == splits
+    ctas = shape["m"] // tile[0] * (shape["n"] // tile[1]) * splits
+    assert W.SM_COUNT // 2 < ctas <= W.SM_COUNT
+
+
+def test_split_k_partials_are_float32_per_split_and_the_sum_rounds_once():
+    func = W.gemm_split_k({"m": 128, "n": 512, "k": 1024}, "bfloat16", {"split_k": 2}, "gelu_tanh", bias=False)
+    assert [str(b.dtype) for b in param_buffers(func)] == ["bfloat16"] * 3  # (A, B, C): no bias
+    gemm, total = _source(func).split('extern "C" __global__')[-2:]
+    # the partials: C's stores, two float32 columns at once, into the workspace
+    assert _packed_stores(gemm.replace("partials_ptr", "C_ptr"), "uint64_t") == 128 // 4
+    assert "(((int)blockIdx.z) * 512)" in gemm  # the second split's 8 slices of 64 start at column 512
+    assert "tanhf(" in total and "tanhf(" not in gemm and total.count("((float4*)partials_ptr)[") == 2
+    assert total.count("(nv_bfloat16)") == 4  # each of the 4 columns rounded once
+    with pytest.raises(ValueError, match="split-K partials"):
+        cfg = W._config({"m": 128, "n": 512, "k": 1024}, "float16", {"split_k": 2}, 1, "nk", None,
+                        W.SPLIT_K_KNOBS, W.SPLIT_K_DEFAULT_KNOBS)
+        W._gemm(cfg, "bad", [], lambda acc, *_: acc, False)  # partials in float16

@@ -26,6 +26,8 @@ S8_MMA = "wgmma_int_ss_mma_async_sync_aligned_"
 # pattern -> (a shape its kernel template takes, the kernels its PrimFunc launches, a wgmma marker)
 CASES = {
     "linear_bias_relu": ({"m": 2048, "n": 2048, "k": 256}, 1, F16_MMA + "m64n256k16"),
+    # 128 rows: K split among 4 CTAs a 128 x 128 tile, then the sum with bias and ReLU
+    "linear_bias_relu:split_k": ({"m": 128, "n": 2048, "k": 1024}, 2, F16_MMA + "m64n128k16"),
     "swiglu_ffn": ({"tokens": 5632, "hidden": 256, "inter": 384, "p_permille": 100}, 2, F16_MMA + "m64n128k16"),
     "flash_attention": ({"batch": 1, "heads": 4, "kv_heads": 2, "seq_q": 128, "seq_kv": 256, "head_dim": 64,
                          "causal": 1}, 1, F16_MMA + "m64n128k16"),
@@ -62,6 +64,8 @@ DTYPES = {"int8_matmul_dequant": ("float32",)}
 # What each cannot take: (shape overrides, dtype)
 REFUSED = {
     "linear_bias_relu": [({"m": 100}, "float16"), ({}, "float32")],
+    # (over 256 rows or with too short a K the unsplit kernel's: test_split_k_sums_the_partials...)
+    "linear_bias_relu:split_k": [({"m": 100}, "float16"), ({}, "float32")],
     "swiglu_ffn": [({"inter": 200}, "float16"), ({"tokens": 100}, "bfloat16"), ({}, "float32")],
     "cross_attention": [({"head_dim": 96}, "float16"), ({}, "float32")],
     "flash_attention": [({"head_dim": 96}, "float16"), ({}, "float32"), ({"seq_q": 300, "causal": 1}, "float16")],
@@ -96,6 +100,8 @@ LARGE = {
     # not in the session: Llama's 32 heads' scores over 2048 positions
     "rope_qk": {"batch": 1, "heads": 32, "seq_q": 2000, "seq_k": 2000, "head_dim": 128},
     "rope_qk:gemm": {"batch": 1, "heads": 32, "seq_q": 2048, "seq_k": 2048, "head_dim": 128},
+    # the GEMM sweep's skinny shape: 4 K splits of 128 x 128 tiles, 128 CTAs
+    "linear_bias_relu:split_k": {"m": 128, "n": 4096, "k": 4096},
     # not in the session: a batch of 16 tokens through a 4096^2 int4 layer
     "woq_matmul": {"m": 16, "n": 4096, "k": 4096, "group": 128, "bits": 4},
     # not in the session: Mixtral's expert FFNs (ReLU for SwiGLU) over 4096 tokens
@@ -108,7 +114,8 @@ def _dtypes(name):
 
 
 # The kernel template a case names where its pattern has several (the default: its only one)
-TEMPLATE = {"paged_attention": "cuda_split_kv", "paged_attention:prefill": "cuda_wgmma_prefill",
+TEMPLATE = {"linear_bias_relu": "cuda_wgmma", "linear_bias_relu:split_k": "cuda_wgmma_split_k",
+            "paged_attention": "cuda_split_kv", "paged_attention:prefill": "cuda_wgmma_prefill",
             "spec_verify_attention": "cuda_split_kv", "spec_verify_attention:wgmma": "cuda_wgmma_verify",
             "rope_qk": "cuda_wgmma_scores", "rope_qk:gemm": "cuda_rotate_then_gemm"}
 
@@ -294,6 +301,34 @@ def test_rope_rotates_each_row_once_then_one_batched_gemm_scales_every_heads_sco
         template.build(padded, "float16", {**template.default, "tma_store": 0})
     names = [t.name for t in K.kernel_templates_for(pattern, dict(shape, seq_k=334), "float16", H200)]
     assert names == ["cuda_wgmma_scores"]
+
+
+def test_split_k_sums_the_partials_with_the_bias_and_relu():
+    """The skinny GEMM's split: CTA z of a tile loads K slices from z x (its share), stores float32
+    partials at row tile y + z; the second kernel waits for them (dependent launch), adds the
+    splits, the bias and ReLU, and stores 4 columns at once."""
+    pattern, shape = _pattern("linear_bias_relu"), CASES["linear_bias_relu:split_k"][0]
+    template = _template("linear_bias_relu:split_k")
+    assert [t.name for t in K.kernel_templates_for(pattern, shape, "float16", H200)] == [
+        "cuda_wgmma_split_k", "cuda_wgmma"]  # both searched, the split's default first
+    assert template.default_for(shape, "float16")["split_k"] == 4
+    func = _default("linear_bias_relu:split_k")
+    assert cuda_attention.DEPENDENT_LAUNCH_TAG in func.attrs["tirx.kernel_launch_params"]
+    gemm, total = _source(func).split('extern "C" __global__')[-2:]
+    assert "int kz = ((int)blockIdx.z);" in gemm and "griddepcontrol_wait();" in gemm
+    assert "griddepcontrol_launch_dependents();" in gemm
+    assert "(((int)blockIdx.z) * 256)" in gemm  # 1024 / 64 / 4 = 4 slices of 64 a split
+    stores = re.findall(r"\(\(uint64_t\*\)partials_ptr\)\[(.*)\] = ", gemm)
+    assert stores and all("((int)blockIdx.z) * 131072" in index for index in stores)  # 128 rows x 2048 / 2
+    assert "X_ptr" not in gemm and "max(" not in gemm.split("out_pair_ptr[0] =")[-1].split(";")[0]
+    assert "griddepcontrol_wait();" in total and total.count("((float4*)partials_ptr)[") == 4
+    assert total.count("max((total_ptr[") == 4 and "((uint2*)c_ptr)[" in total
+    # 192 rows: the one-warpgroup tile (64 rows), the one-role kernel; 512 rows: the unsplit kernel
+    rows192 = template.default_for({**shape, "m": 192}, "float16")
+    assert (rows192["warpgroups"], rows192["specialised"]) == (1, 0)
+    for unsplit in ({"m": 512}, {"k": 256}):  # tiles that fill the SMs; 4 slices of K, no 2 shares of 4
+        assert [t.name for t in K.kernel_templates_for(pattern, {**shape, **unsplit}, "float16", H200)] == [
+            "cuda_wgmma"]
 
 
 def test_decode_appends_while_it_attends_over_cache_len_plus_one():

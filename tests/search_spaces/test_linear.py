@@ -113,8 +113,8 @@ def test_small_gemms_run_on_one_thread_large_ones_in_parallel():
 WGMMA_SHAPE = {"m": 2048, "n": 2048, "k": 256}  # the default tile fills the GPU here
 
 
-def _wgmma(name):
-    (template,) = [t for t in get_pattern(name).templates if isinstance(t, K.KernelTemplate)]
+def _wgmma(name, template_name="cuda_wgmma"):
+    (template,) = [t for t in get_pattern(name).templates if getattr(t, "name", None) == template_name]
     return template
 
 
@@ -142,6 +142,23 @@ def test_the_wgmma_kernel_reads_w_n_major_and_applies_the_activation(name):
     act = GELUS.get(name)
     assert ("erff(" in source) == (act == "gelu_erf")
     assert ("tanhf(" in source) == (act == "gelu_tanh")
+
+
+SKINNY = {"m": 128, "n": 1024, "k": 1024}  # K split: 128 x 128 tiles x 4 splits = 32 CTAs
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_skinny_layers_split_k_and_sum_with_the_epilogue(name):
+    pattern, template = get_pattern(name), _wgmma(name, "cuda_wgmma_split_k")
+    assert K.kernel_templates_for(pattern, SKINNY, "bfloat16", H200) == [template, _wgmma(name)]
+    assert K.kernel_templates_for(pattern, WGMMA_SHAPE, "bfloat16", H200) == [_wgmma(name)]
+    func = template.build(SKINNY, "bfloat16")
+    assert _signature(func) == _signature(pattern.build(SKINNY, "bfloat16"))
+    gemm, total = B.build_tirx(func, H200).imports[0].inspect_source().split('extern "C" __global__')[-2:]
+    assert "m64n128k16" in gemm and "_1_1_0_1(" in gemm  # W (k, n) as stored: the transpose flag
+    act = GELUS.get(name)
+    assert ("erff(" in total) == (act == "gelu_erf") and ("tanhf(" in total) == (act == "gelu_tanh")
+    assert ("X_ptr[" in total) == (name != "linear") and "X_ptr" not in gemm
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
