@@ -65,6 +65,12 @@ GEMMs of one shape stacked (every head's scores): three-dimensional tensor maps 
 column), so a batch's rows and columns need not be whole tiles (TMA fills the copies past them
 with zeros and clips the stores), and the product scaled.
 
+``gemm_split_k`` is ``gemm_bias_act`` for skinny GEMMs (``SPLIT_K_MAX_M`` rows at most): K is split
+among ``split_k`` CTAs per tile, so that one wave of large tiles fills the SMs instead of many
+small tiles each streaming all of K; each CTA stores its float32 partial into a workspace, and a
+second kernel (launched dependent on the first) adds them in order, applies the bias and the
+activation and rounds once.
+
 ``gemm_residual`` computes C = epilogue(A @ B^T, R) elementwise with R (M, N): a residual add by
 default, or any float32 expression of the accumulator, R's element and its (row, column) (a down
 projection's dropout mask and residual, say).
