@@ -30,10 +30,12 @@ pytestmark = pytest.mark.skipif(not DEV.exist, reason="no CUDA GPU here")
 CASES = [
     ("linear_bias_relu", {"m": 2048, "n": 2048, "k": 512}, "float16"),     # the default 128 x 256 tile
     ("linear_bias_relu", {"m": 512, "n": 384, "k": 512}, "bfloat16"),       # few CTAs: 64 x 64 (fill_tile)
-    # K split: 8 tiles of 128 x 128 x 8 splits of 4 slices; 64-row tiles (the one-role kernel) x 4,
-    # the float32 partials summed with the bias and the activation (W stored (k, n))
-    ("linear_bias_relu", {"m": 128, "n": 1024, "k": 2048}, "float16"),
-    ("linear_bias_gelu", {"m": 192, "n": 512, "k": 1024}, "bfloat16"),
+    # K split: 32 tiles of 128 x 128 x 4 splits of 4 slices; 54 tiles of 64 x 128 (the one-role
+    # kernel) x 2, the float32 partials summed with the bias and the activation (W stored (k, n));
+    # 128 x 11008: the unsplit kernel's 64 x 64 tiles on a ring of 4, three CTAs a SM
+    ("linear_bias_relu", {"m": 128, "n": 4096, "k": 1024}, "float16"),
+    ("linear_bias_gelu", {"m": 192, "n": 2304, "k": 1024}, "bfloat16"),
+    ("linear_bias_relu", {"m": 128, "n": 11008, "k": 512}, "float16"),
     ("swiglu_ffn", {"tokens": 256, "hidden": 512, "inter": 1408, "p_permille": 100}, "float16"),
     ("swiglu_ffn", {"tokens": 128, "hidden": 256, "inter": 704, "p_permille": 0}, "bfloat16"),
     ("flash_attention", {"batch": 2, "heads": 8, "kv_heads": 2, "seq_q": 256, "seq_kv": 512, "head_dim": 128,

@@ -113,6 +113,7 @@ TARGET = {"kind": "cuda", "arch": "sm_90a"}
 # are compiled for sm_90a (wgmma and TMA are its arch-specific instructions).
 HOPPER = {"target_kinds": ("cuda",), "archs": ("sm_90", "sm_90a"), "build_arch": "sm_90a"}
 SHARED_MEMORY_LIMIT = 227 * 1024  # the H100/H200 per-block opt-in maximum of dynamic shared memory
+SM_SHARED_MEMORY = 228 * 1024     # an SM's shared memory, which its resident CTAs share (1 KiB each reserved)
 SM_COUNT = 132                    # streaming multiprocessors of an H100 SXM / H200
 # A wave of CTAs whose SMs are less busy than this gets smaller tiles by default (``fill_tile``)
 WAVE_FILL_MIN = 0.75
@@ -315,14 +316,21 @@ def fill_tile(shape: dict, dtype: str, space: dict = KNOBS, default: dict = DEFA
     if 2 * slot_bytes(chosen, dtype, weights) > slot_bytes(default, dtype, weights):
         return dict(chosen)
     # A slot of half the default's bytes or less: the deepest ring that fits keeps as many bytes in
-    # flight (m = 128, n = k = 4096, 64 x 64 on an H100: 5 stages 0.033 ms, 4 stages 0.036)
-    for stages in sorted(space["stages"], reverse=True):
+    # flight (m = 128, n = k = 4096, 64 x 64 on an H100: 5 stages 0.033 ms, 4 stages 0.036), among
+    # those whose CTAs take the fewest waves with as many resident per SM as their shared memory
+    # allows (m = 128, n = 11008: 344 CTAs; 5 stages, 2 a SM, two waves 0.060 ms; 4 stages, 3, one 0.048)
+    fitting = []
+    for stages in space["stages"]:
         try:
-            return check(shape, dtype, {**chosen, "stages": stages}, space=space, default=default, weights=weights,
-                         dtypes=dtypes)[3]
+            knobs = check(shape, dtype, {**chosen, "stages": stages}, space=space, default=default, weights=weights,
+                          dtypes=dtypes)[3]
         except ValueError:
             continue
-    return dict(chosen)
+        m, n = int(shape["m"]), int(shape["n"])
+        bm, bn, _ = tile_shape(knobs)
+        resident = SM_COUNT * max(1, SM_SHARED_MEMORY // (shared_memory_bytes(knobs, dtype, weights) + 1024))
+        fitting.append((-(-(m // bm * (n // bn)) // resident), -stages, knobs))
+    return dict(min(fitting, key=lambda t: t[:2])[2]) if fitting else dict(chosen)
 
 
 def _tensor_map_args(rows: int, cols: int, box_rows: int, box_cols: int, itemsize: int = 2) -> list[int]:
@@ -813,8 +821,9 @@ def gemm_act(shape: dict, dtype: str = "float16", knobs: dict | None = None, act
 
 # Split-K (``gemm_split_k``): a skinny GEMM has few tiles, and each of its CTAs streams all of K's A
 # and B through one SM. Its K is split among ``split_k`` CTAs per tile, each storing a float32
-# partial; a second kernel sums them and applies the epilogue. One wave of CTAs at most: the split
-# is for filling the SMs with large tiles, not for more waves.
+# partial; a second kernel sums them and applies the epilogue. One wave of CTAs that fills at least
+# WAVE_FILL_MIN of the SMs: the split is for filling them with large tiles, not for more waves
+# (m = 128, n = 11008: 86 CTAs of 128 x 256 x 2 splits 0.053 ms, the unsplit 64 x 64 tiles 0.048).
 SPLIT_K_KNOBS = {**KNOBS, "raster": (1,), "split_k": (2, 3, 4, 6, 8)}
 SPLIT_K_DEFAULT_KNOBS = {**DEFAULT_KNOBS, "block_n": 128, "raster": 1, "split_k": 4}
 SPLIT_K_MAX_M = 256      # rows up to which K is split (two 128-row tiles)
@@ -834,9 +843,9 @@ def split_k_check(shape: dict, dtype: str, knobs: dict | None = None) -> tuple[i
         raise ValueError(f"split_k={splits}: k={k} is {slices} slices of {bk}, not {splits} shares of "
                          f"{SPLIT_K_MIN_SLICES} or more")
     ctas = m // bm * (n // bn) * splits
-    if ctas > SM_COUNT:
-        raise ValueError(f"{ctas} CTAs ({m // bm * (n // bn)} tiles of {bm} x {bn}, split_k={splits}) are more "
-                         f"than one wave of {SM_COUNT}")
+    if not WAVE_FILL_MIN * SM_COUNT <= ctas <= SM_COUNT:
+        raise ValueError(f"{ctas} CTAs ({m // bm * (n // bn)} tiles of {bm} x {bn}, split_k={splits}): not one wave "
+                         f"of {WAVE_FILL_MIN:.0%} to 100% of the {SM_COUNT} SMs")
     return m, n, k, knobs
 
 

@@ -618,7 +618,9 @@ SKINNY = {"m": 128, "n": 4096, "k": 4096}
     ({**SKINNY, "m": 512}, {}, "fill the SMs without splitting K"),
     ({**SKINNY, "k": 512}, {}, "not 4 shares of 4 or more"),          # 8 slices
     ({**SKINNY, "k": 4160}, {}, "not 4 shares"),                       # 65 slices
-    (SKINNY, {"split_k": 8}, "more than one wave of 132"),             # 32 tiles x 8
+    (SKINNY, {"split_k": 8}, "not one wave of 75% to 100% of the 132"),  # 32 tiles x 8
+    (SKINNY, {"split_k": 2}, "not one wave of 75% to 100%"),              # 32 tiles x 2: SMs idle
+    ({**SKINNY, "n": 11008}, {"block_n": 256, "split_k": 2}, "not one wave"),  # 43 tiles x 2
     (SKINNY, {"raster": 8}, "raster=8 is not one of"),
 ])
 def test_what_split_k_cannot_compute_raises(shape, knobs, message):
@@ -628,7 +630,6 @@ def test_what_split_k_cannot_compute_raises(shape, knobs, message):
 
 @pytest.mark.parametrize("shape, tile, splits", [
     (SKINNY, (128, 128, 1), 4),                        # 32 tiles x 4
-    ({**SKINNY, "n": 11008}, (128, 256, 1), 2),       # 43 tiles x 2 (x 3: 64 slices)
     ({**SKINNY, "m": 64}, (64, 128, 0), 4),           # one consumer warpgroup: the one-role kernel
     ({**SKINNY, "m": 256}, (128, 128, 1), 2),
 ])
@@ -636,19 +637,27 @@ def test_the_split_k_default_fills_one_wave_with_large_tiles(shape, tile, splits
     knobs = W.split_k_fill(shape, "float16")
     assert (*W.tile_shape(knobs)[:2], knobs["specialised"]) == tile and knobs["split_k"] == splits
     ctas = shape["m"] // tile[0] * (shape["n"] // tile[1]) * splits
-    assert W.SM_COUNT // 2 < ctas <= W.SM_COUNT
+    assert W.WAVE_FILL_MIN * W.SM_COUNT <= ctas <= W.SM_COUNT
+
+
+def test_the_deepest_ring_that_keeps_the_fewest_waves():
+    """fill_tile's small tiles: 5 stages where any depth is one wave (128 x 4096: 128 CTAs of 64 x
+    64), 4 where 5 (2 CTAs a SM by shared memory) would take two waves of 344 CTAs and 4 (3 a SM) one."""
+    assert W.fill_tile(SKINNY, "float16")["stages"] == 5
+    wide = W.fill_tile({**SKINNY, "n": 11008}, "float16")
+    assert (W.tile_shape(wide)[:2], wide["stages"]) == ((64, 64), 4)
 
 
 def test_split_k_partials_are_float32_per_split_and_the_sum_rounds_once():
-    func = W.gemm_split_k({"m": 128, "n": 512, "k": 1024}, "bfloat16", {"split_k": 2}, "gelu_tanh", bias=False)
+    func = W.gemm_split_k({"m": 128, "n": 4096, "k": 1024}, "bfloat16", {"split_k": 4}, "gelu_tanh", bias=False)
     assert [str(b.dtype) for b in param_buffers(func)] == ["bfloat16"] * 3  # (A, B, C): no bias
     gemm, total = _source(func).split('extern "C" __global__')[-2:]
     # the partials: C's stores, two float32 columns at once, into the workspace
     assert _packed_stores(gemm.replace("partials_ptr", "C_ptr"), "uint64_t") == 128 // 4
-    assert "(((int)blockIdx.z) * 512)" in gemm  # the second split's 8 slices of 64 start at column 512
-    assert "tanhf(" in total and "tanhf(" not in gemm and total.count("((float4*)partials_ptr)[") == 2
+    assert "(((int)blockIdx.z) * 256)" in gemm  # the second split's 4 slices of 64 start at column 256
+    assert "tanhf(" in total and "tanhf(" not in gemm and total.count("((float4*)partials_ptr)[") == 4
     assert total.count("(nv_bfloat16)") == 4  # each of the 4 columns rounded once
     with pytest.raises(ValueError, match="split-K partials"):
-        cfg = W._config({"m": 128, "n": 512, "k": 1024}, "float16", {"split_k": 2}, 1, "nk", None,
+        cfg = W._config({"m": 128, "n": 4096, "k": 1024}, "float16", {"split_k": 4}, 1, "nk", None,
                         W.SPLIT_K_KNOBS, W.SPLIT_K_DEFAULT_KNOBS)
         W._gemm(cfg, "bad", [], lambda acc, *_: acc, False)  # partials in float16

@@ -26,8 +26,8 @@ S8_MMA = "wgmma_int_ss_mma_async_sync_aligned_"
 # pattern -> (a shape its kernel template takes, the kernels its PrimFunc launches, a wgmma marker)
 CASES = {
     "linear_bias_relu": ({"m": 2048, "n": 2048, "k": 256}, 1, F16_MMA + "m64n256k16"),
-    # 128 rows: K split among 4 CTAs a 128 x 128 tile, then the sum with bias and ReLU
-    "linear_bias_relu:split_k": ({"m": 128, "n": 2048, "k": 1024}, 2, F16_MMA + "m64n128k16"),
+    # 128 rows: K split among 4 CTAs a 128 x 128 tile (128 CTAs), then the sum with bias and ReLU
+    "linear_bias_relu:split_k": ({"m": 128, "n": 4096, "k": 1024}, 2, F16_MMA + "m64n128k16"),
     "swiglu_ffn": ({"tokens": 5632, "hidden": 256, "inter": 384, "p_permille": 100}, 2, F16_MMA + "m64n128k16"),
     "flash_attention": ({"batch": 1, "heads": 4, "kv_heads": 2, "seq_q": 128, "seq_kv": 256, "head_dim": 64,
                          "causal": 1}, 1, F16_MMA + "m64n128k16"),
@@ -319,14 +319,15 @@ def test_split_k_sums_the_partials_with_the_bias_and_relu():
     assert "griddepcontrol_launch_dependents();" in gemm
     assert "(((int)blockIdx.z) * 256)" in gemm  # 1024 / 64 / 4 = 4 slices of 64 a split
     stores = re.findall(r"\(\(uint64_t\*\)partials_ptr\)\[(.*)\] = ", gemm)
-    assert stores and all("((int)blockIdx.z) * 131072" in index for index in stores)  # 128 rows x 2048 / 2
+    assert stores and all("((int)blockIdx.z) * 262144" in index for index in stores)  # 128 rows x 4096 / 2
     assert "X_ptr" not in gemm and "max(" not in gemm.split("out_pair_ptr[0] =")[-1].split(";")[0]
     assert "griddepcontrol_wait();" in total and total.count("((float4*)partials_ptr)[") == 4
     assert total.count("max((total_ptr[") == 4 and "((uint2*)c_ptr)[" in total
-    # 192 rows: the one-warpgroup tile (64 rows), the one-role kernel; 512 rows: the unsplit kernel
-    rows192 = template.default_for({**shape, "m": 192}, "float16")
-    assert (rows192["warpgroups"], rows192["specialised"]) == (1, 0)
-    for unsplit in ({"m": 512}, {"k": 256}):  # tiles that fill the SMs; 4 slices of K, no 2 shares of 4
+    # 192 rows: the one-warpgroup tile (64 rows), the one-role kernel; the unsplit kernel at 512 rows,
+    # with 4 slices of K (no 2 shares of 4), and where the split leaves SMs idle (n 512: 16 tiles of 64 x 64)
+    rows192 = template.default_for({**shape, "m": 192, "n": 2304}, "float16")
+    assert (rows192["warpgroups"], rows192["specialised"], rows192["split_k"]) == (1, 0, 2)
+    for unsplit in ({"m": 512}, {"k": 256}, {"n": 512}):
         assert [t.name for t in K.kernel_templates_for(pattern, {**shape, **unsplit}, "float16", H200)] == [
             "cuda_wgmma"]
 

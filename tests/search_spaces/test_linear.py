@@ -144,7 +144,7 @@ def test_the_wgmma_kernel_reads_w_n_major_and_applies_the_activation(name):
     assert ("tanhf(" in source) == (act == "gelu_tanh")
 
 
-SKINNY = {"m": 128, "n": 1024, "k": 1024}  # K split: 128 x 128 tiles x 4 splits = 32 CTAs
+SKINNY = {"m": 128, "n": 4096, "k": 1024}  # K split: 32 tiles of 128 x 128 x 4 splits = 128 CTAs
 
 
 @pytest.mark.parametrize("name", NAMES)
