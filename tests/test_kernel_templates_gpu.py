@@ -165,6 +165,20 @@ def test_woq_dequantised_first_passes_its_check(shape, dtype):
     assert result.ok, result.message
 
 
+@pytest.mark.parametrize("shape, dtype", [
+    ({"tokens": 128, "hidden": 4096, "inter": 1024, "p_permille": 100}, "float16"),   # 32 tiles x 4 splits
+    ({"tokens": 64, "hidden": 4096, "inter": 2048, "p_permille": 0}, "bfloat16"),     # 64-row tiles
+])
+def test_swiglu_with_the_down_projection_split_passes_its_check(shape, dtype):
+    """swiglu_ffn's cuda_wgmma_split_k (searched, no default takes it): the gate kernel, the down
+    projection's float32 partials, their sum with dropout and the residual, checked as a trial is."""
+    pattern = get_pattern("swiglu_ffn")
+    template = [t for t in K.kernel_templates_for(pattern, shape, dtype, H200) if t.name == "cuda_wgmma_split_k"][0]
+    func = template.build(shape, dtype)
+    result = verify.check_module(pattern, B.build_tirx(func, H200), pattern.build(shape, dtype), shape, dtype, DEV)
+    assert result.ok, result.message
+
+
 MOE_CASES = [
     # 64 routed rows an expert on average: 64-row tiles, one role
     ({"tokens": 256, "hidden": 512, "inter": 1024, "experts": 8, "k": 2}, "float16", None),

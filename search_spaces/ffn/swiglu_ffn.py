@@ -222,21 +222,17 @@ def _gemm_shapes(shape):
     return {"m": tokens, "n": inter, "k": hidden}, {"m": tokens, "n": hidden, "k": inter}
 
 
-def _wgmma_check(shape, dtype, knobs):
+def _wgmma_check(shape, dtype, knobs, check_down=cuda_wgmma.check):
     gate, down = _gemm_shapes(shape)
     cuda_wgmma.check(gate, dtype, unprefixed(knobs, GATE), space=cuda_wgmma.SWIGLU_KNOBS,
                      default=cuda_wgmma.SWIGLU_DEFAULT_KNOBS, weights=2)
-    cuda_wgmma.check(down, dtype, unprefixed(knobs, DOWN))
+    check_down(down, dtype, unprefixed(knobs, DOWN))
     dropout_constants(dropout_p(shape), SEED, shape["tokens"], shape["hidden"])
 
 
-def _wgmma_two_gemms(shape, dtype, knobs):
-    """h = silu(x W1) * (x W3) by ``cuda_wgmma.swiglu`` (both weight tiles per k slice under one A
-    tile, SiLU-multiply on the two accumulators), then y = r + dropout(h W2) by
-    ``cuda_wgmma.gemm_residual`` (dropout and the residual on the accumulator); the weights are
-    read as stored, (in, out), N-major."""
-    tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
-    gate_shape, down_shape = _gemm_shapes(shape)
+def _dropout_residual(shape):
+    """The down projection's epilogue: r + dropout(acc) (``hash_keep``'s mask), float32."""
+    tokens, hidden = shape["tokens"], shape["hidden"]
     mix, thresh, keep_scale = dropout_constants(dropout_p(shape), SEED, tokens, hidden)
 
     def dropout_residual(acc, residual, row, col):
@@ -248,26 +244,71 @@ def _wgmma_two_gemms(shape, dtype, knobs):
         return residual + tirx.Let(flat, row * hidden + col, T.Select(
             hash_keep(flat, mix, thresh), acc * T.float32(keep_scale), T.float32(0)))
 
-    gate = cuda_wgmma.swiglu(gate_shape, dtype, unprefixed(knobs, GATE), b_layout="kn")
-    down = cuda_wgmma.gemm_residual(down_shape, dtype, unprefixed(knobs, DOWN), dropout_residual, b_layout="kn",
-                                    name="swiglu_down")
+    return dropout_residual
+
+
+def _ffn_buffers(shape, dtype):
+    """The composite's parameters (x, w1, w3, w2, r, y) and h, the gate kernel's output."""
+    tokens, hidden, inter = shape["tokens"], shape["hidden"], shape["inter"]
     x, r, y = (buffer(name, (tokens, hidden), dtype) for name in ("x", "r", "y"))
     w1, w3 = (buffer(name, (hidden, inter), dtype) for name in ("w1", "w3"))
-    w2 = buffer("w2", (inter, hidden), dtype)
-    h = workspace("h", (tokens, inter), dtype)
+    return x, w1, w3, buffer("w2", (inter, hidden), dtype), r, y, workspace("h", (tokens, inter), dtype)
+
+
+def _wgmma_two_gemms(shape, dtype, knobs):
+    """h = silu(x W1) * (x W3) by ``cuda_wgmma.swiglu`` (both weight tiles per k slice under one A
+    tile, SiLU-multiply on the two accumulators), then y = r + dropout(h W2) by
+    ``cuda_wgmma.gemm_residual`` (dropout and the residual on the accumulator); the weights are
+    read as stored, (in, out), N-major."""
+    gate_shape, down_shape = _gemm_shapes(shape)
+    gate = cuda_wgmma.swiglu(gate_shape, dtype, unprefixed(knobs, GATE), b_layout="kn")
+    down = cuda_wgmma.gemm_residual(down_shape, dtype, unprefixed(knobs, DOWN), _dropout_residual(shape),
+                                    b_layout="kn", name="swiglu_down")
+    x, w1, w3, w2, r, y, h = _ffn_buffers(shape, dtype)
     return sequence("swiglu_ffn", [x, w1, w3, w2, r, y], [(gate, [x, w1, w3, h]), (down, [h, w2, r, y])], [h])
 
 
-def _wgmma_fill_tiles(shape, dtype):
-    """Each GEMM's tile shrunk where its default would leave SMs idle (``cuda_wgmma.fill_tile``)."""
+def _wgmma_fill_tiles(shape, dtype, fill_down=cuda_wgmma.fill_tile):
+    """Each GEMM's tile shrunk where its default would leave SMs idle (``cuda_wgmma.fill_tile``;
+    the down projection's by ``fill_down``)."""
     gate, down = _gemm_shapes(shape)
     return {**prefixed(cuda_wgmma.fill_tile(gate, dtype, cuda_wgmma.SWIGLU_KNOBS, cuda_wgmma.SWIGLU_DEFAULT_KNOBS, 2),
                        GATE),
-            **prefixed(cuda_wgmma.fill_tile(down, dtype), DOWN)}
+            **prefixed(fill_down(down, dtype), DOWN)}
 
 
 cuda_wgmma_two_gemms = KernelTemplate("cuda_wgmma", _wgmma_two_gemms, WGMMA_KNOBS, WGMMA_DEFAULT_KNOBS, _wgmma_check,
                                       shape_default=_wgmma_fill_tiles, **cuda_wgmma.HOPPER)
+
+# The down projection of a few tokens with its K (inter) split (``cuda_wgmma.split_k_kernels``):
+# its knobs ``down_`` from SPLIT_K_KNOBS; the gate kernel as above.
+SPLIT_KNOBS = {**prefixed(cuda_wgmma.SWIGLU_KNOBS, GATE), **prefixed(cuda_wgmma.SPLIT_K_KNOBS, DOWN)}
+SPLIT_DEFAULT_KNOBS = {**prefixed(cuda_wgmma.SWIGLU_DEFAULT_KNOBS, GATE),
+                       **prefixed(cuda_wgmma.SPLIT_K_DEFAULT_KNOBS, DOWN)}
+
+
+def _wgmma_split_down(shape, dtype, knobs):
+    """``cuda_wgmma``'s gate kernel, then the down projection with K split among CTAs
+    (``cuda_wgmma.split_k_kernels``): float32 partials of h W2, summed with dropout and the residual
+    by a third kernel; for a few tokens, whose down projection has few tiles over a long K."""
+    gate_shape, down_shape = _gemm_shapes(shape)
+    gate = cuda_wgmma.swiglu(gate_shape, dtype, unprefixed(knobs, GATE), b_layout="kn")
+    dropout_residual = _dropout_residual(shape)
+    partials, summed, splits = cuda_wgmma.split_k_kernels(
+        down_shape, dtype, unprefixed(knobs, DOWN),
+        lambda acc, _up, xs, row, col: dropout_residual(acc, T.Cast("float32", xs[0][row, col]), row, col),
+        [("X", (shape["tokens"], shape["hidden"]), dtype)], "kn", "swiglu_down")
+    x, w1, w3, w2, r, y, h = _ffn_buffers(shape, dtype)
+    p = workspace("partials", (splits * shape["tokens"], shape["hidden"]), "float32")
+    return sequence("swiglu_ffn", [x, w1, w3, w2, r, y],
+                    [(gate, [x, w1, w3, h]), (partials, [h, w2, p]), (summed, [p, r, y])], [h, p])
+
+
+# after the unsplit kernel: not yet measured on a GPU, so a search weighs it, no default takes it
+cuda_wgmma_split_down = KernelTemplate(
+    "cuda_wgmma_split_k", _wgmma_split_down, SPLIT_KNOBS, SPLIT_DEFAULT_KNOBS,
+    lambda shape, dtype, knobs: _wgmma_check(shape, dtype, knobs, cuda_wgmma.split_k_check),
+    shape_default=lambda shape, dtype: _wgmma_fill_tiles(shape, dtype, cuda_wgmma.split_k_fill), **cuda_wgmma.HOPPER)
 
 
 def _relax_pattern():
@@ -353,6 +394,6 @@ PATTERN = Pattern.from_module(
     description="r + dropout((silu(x W1) * (x W3)) W2): SwiGLU FFN with hashed dropout and residual fused",
     # inter ~2.75x hidden, as in Llama.
     shape_params=[*ffn_shape((128, 8), (256, 16), (704, 24)), DROPOUT_PERMILLE],
-    templates=[packed_gemms, two_gemms, cuda_wgmma_two_gemms, cuda_two_gemms],
+    templates=[packed_gemms, two_gemms, cuda_wgmma_two_gemms, cuda_wgmma_split_down, cuda_two_gemms],
     relax_rules=[RelaxRule("swiglu_residual", _relax_pattern, _relax_rewrite)],
 )

@@ -911,28 +911,39 @@ def split_k_sum(m: int, n: int, splits: int, dtype: str, epilogue, operands: lis
     return _mark(func, name)
 
 
+def split_k_kernels(shape: dict, dtype: str, knobs: dict | None, epilogue, operands: list, b_layout: str = "nk",
+                    name: str = "gemm_split_k") -> tuple:
+    """(partials, sum, splits): the two kernels of a split-K GEMM for ``shape`` (``split_k_check``):
+    ``(A, B, P)``, each CTA storing its share of K's float32 partial tile into P (splits m, n), and
+    ``split_k_sum``'s ``(P, *X, C)`` with C = epilogue(sum, None, [X...], row, col) for ``operands``
+    X as ``_gemm``'s. The partials kernel waits on the kernel before it and lets the sum launch
+    early when the composite is launched dependent (``dependent_launch``)."""
+    m, n, _, knobs = split_k_check(shape, dtype, knobs)
+    cfg = _config(shape, dtype, knobs, 1, b_layout, "float32", SPLIT_K_KNOBS, SPLIT_K_DEFAULT_KNOBS)
+    partials = _gemm(cfg, f"{name}_partials", [], lambda acc, _up, _operands, _row, _col: acc, False)
+    return partials, split_k_sum(m, n, cfg["split_k"], dtype, epilogue, operands, f"{name}_sum"), cfg["split_k"]
+
+
 def gemm_split_k(shape: dict, dtype: str = "float16", knobs: dict | None = None, act: str = "relu",
                  b_layout: str = "nk", bias: bool = True):
     """``gemm_bias_act`` (``gemm_act`` without ``bias``) with K split: the PrimFunc ``(A, B, [bias,]
-    C)`` of two kernels (``tirx_sequence``), both launched dependent (``dependent_launch``): the
-    GEMM over ``split_k`` shares of K, each CTA storing its tile's float32 partial into a workspace
-    (split_k m, n), then ``split_k_sum`` adding the partials, the bias and the activation. Knobs
-    from ``SPLIT_K_KNOBS``; global symbol ``gemm_split_k_<act>``. ValueError when the shape, dtype
-    or knobs do not fit (``split_k_check``)."""
+    C)`` of ``split_k_kernels``' two (``tirx_sequence``), both launched dependent
+    (``dependent_launch``): the GEMM over ``split_k`` shares of K into a float32 workspace (split_k
+    m, n), then the sum adding the partials, the bias and the activation. Knobs from
+    ``SPLIT_K_KNOBS``; global symbol ``gemm_split_k_<act>``. ValueError when the shape, dtype or
+    knobs do not fit (``split_k_check``)."""
     from .tirx_sequence import buffer, sequence, workspace
 
     activation = _activation(act)
     m, n, k, knobs = split_k_check(shape, dtype, knobs)
-    cfg = _config(shape, dtype, knobs, 1, b_layout, "float32", SPLIT_K_KNOBS, SPLIT_K_DEFAULT_KNOBS)
-    splits = cfg["split_k"]
-    partials = _gemm(cfg, "gemm_split_k_partials", [], lambda acc, _up, _operands, _row, _col: acc, False)
-    operands = [("X", (n,), dtype)] if bias else []
 
     def bias_act(acc, _up, xs, _row, col):
         return activation(acc + T.Cast("float32", xs[0][col]) if bias else acc)
 
-    summed = split_k_sum(m, n, splits, dtype, bias_act, operands, "gemm_split_k_sum")
-    a, b, c = buffer("a", (m, k), dtype), buffer("b", cfg["b_shape"], dtype), buffer("c", (m, n), dtype)
+    operands = [("X", (n,), dtype)] if bias else []
+    partials, summed, splits = split_k_kernels(shape, dtype, knobs, bias_act, operands, b_layout)
+    b_rows, b_cols = (n, k) if b_layout == "nk" else (k, n)
+    a, b, c = buffer("a", (m, k), dtype), buffer("b", (b_rows, b_cols), dtype), buffer("c", (m, n), dtype)
     x = [buffer("x", (n,), dtype)] if bias else []
     p = workspace("partials", (splits * m, n), "float32")
     return sequence(f"gemm_split_k_{act}", [a, b, *x, c],

@@ -64,3 +64,30 @@ def test_large_preactivations_stay_finite():
     want = _plain_ffn(*inputs)
     assert np.all(np.isfinite(y))
     np.testing.assert_allclose(y, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+def test_a_few_tokens_may_split_the_down_projections_k():
+    """cuda_wgmma_split_k: the gate kernel, the down projection's float32 partials over shares of
+    inter, then their sum with dropout and the residual; searched after the unsplit kernel (not
+    yet measured on a GPU, so no default), for a few tokens only."""
+    from autofuse import building as B
+    from autofuse import kernel_templates as K
+    from autofuse.measure import param_buffers
+    from autofuse.registry import get_pattern
+
+    h200, pattern = parse_target("h200"), get_pattern("swiglu_ffn")
+    shape = {"tokens": 128, "hidden": 4096, "inter": 1024, "p_permille": 100}
+    names = [t.name for t in K.kernel_templates_for(pattern, shape, "float16", h200)]
+    assert names == ["cuda_wgmma", "cuda_wgmma_split_k"]
+    assert [t.name for t in K.kernel_templates_for(pattern, {**shape, "tokens": 512}, "float16", h200)] == [
+        "cuda_wgmma"]
+    template = K.kernel_templates_for(pattern, shape, "float16", h200)[1]
+    assert template.default_for(shape, "float16")["down_split_k"] == 4  # 32 tiles of 128 x 128
+    func = template.build(shape, "float16")
+    signature = [(tuple(b.shape), str(b.dtype)) for b in param_buffers(func)]
+    assert signature == [(tuple(b.shape), str(b.dtype)) for b in param_buffers(pattern.build(shape, "float16"))]
+    gate, partials, total = B.build_tirx(func, h200).imports[0].inspect_source().split('extern "C" __global__')[-3:]
+    assert "acc_up_ptr" in gate and "expf(" in gate                  # silu(g) * u, as the unsplit kernel
+    mask = "2246822507ULL"  # the dropout hash's multiplier
+    assert "blockIdx.z" in partials and "X_ptr" not in partials and mask not in partials
+    assert total.count("((float4*)partials_ptr)[") == 4 and "X_ptr[" in total and mask in total  # r, the mask
