@@ -9,7 +9,9 @@ residual run on the down accumulator tile. On CUDA (``cuda_two_gemms``) the down
 all of an h row, a grid-wide dependency, so the PrimFunc becomes two kernels with h (float32) in
 global memory between them. On an sm_90 GPU in float16/bfloat16 the kernel template ``cuda_wgmma``
 comes first where its tiles fit: the same two kernels on Hopper tensor cores (TMA + wgmma, written
-in the tirx script), h in the dtype (wgmma's operand type, as torch computes it).
+in the tirx script), h in the dtype (wgmma's operand type, as torch computes it). For up to 256
+tokens a search also weighs ``cuda_wgmma_split_k``, the down projection's K split among CTAs (its
+float32 partials summed with dropout and the residual by a third kernel).
 """
 
 import numpy as np
