@@ -115,7 +115,7 @@ def _dtypes(name):
 
 # The kernel template a case names where its pattern has several (the default: its only one)
 TEMPLATE = {"linear_bias_relu": "cuda_wgmma", "linear_bias_relu:split_k": "cuda_wgmma_split_k",
-            "paged_attention": "cuda_split_kv", "paged_attention:prefill": "cuda_wgmma_prefill",
+            "swiglu_ffn": "cuda_wgmma", "paged_attention": "cuda_split_kv", "paged_attention:prefill": "cuda_wgmma_prefill",
             "spec_verify_attention": "cuda_split_kv", "spec_verify_attention:wgmma": "cuda_wgmma_verify",
             "rope_qk": "cuda_wgmma_scores", "rope_qk:gemm": "cuda_rotate_then_gemm"}
 
