@@ -322,11 +322,10 @@ def fill_tile(shape: dict, dtype: str, space: dict = KNOBS, default: dict = DEFA
     fitting = []
     for stages in space["stages"]:
         try:
-            knobs = check(shape, dtype, {**chosen, "stages": stages}, space=space, default=default, weights=weights,
-                          dtypes=dtypes)[3]
+            m, n, _, knobs = check(shape, dtype, {**chosen, "stages": stages}, space=space, default=default,
+                                   weights=weights, dtypes=dtypes)
         except ValueError:
             continue
-        m, n = int(shape["m"]), int(shape["n"])
         bm, bn, _ = tile_shape(knobs)
         resident = SM_COUNT * max(1, SM_SHARED_MEMORY // (shared_memory_bytes(knobs, dtype, weights) + 1024))
         fitting.append((-(-(m // bm * (n // bn)) // resident), -stages, knobs))
