@@ -34,8 +34,9 @@
 #             compare`, on one card in one call. Lands in $OUT/parity.tar.gz
 #   decode-grid  issue 23: gqa_decode_attention (GQA 32/8, D128, float16, the new token at the
 #             cache's last row: cache_len = CACHE - 1 of max_seq CACHE) at batch 1, 16, 64 x cache 1024,
-#             4096, 16384, 32768 through `autofuse compare` against torch SDPA (torch.compile with
-#             DECODE_BASELINES=torch-sdpa,torch-compile; its compiles cost minutes). Lands in
+#             4096, 16384, 32768 through `autofuse compare` against torch SDPA (torch.compile and
+#             XLA-GPU with DECODE_BASELINES=torch-sdpa,torch-compile,xla; their compiles cost
+#             minutes: DECODE_BATCHES and DECODE_CACHES split the grid over calls). Lands in
 #             $OUT/decode-grid.tar.gz, one report per shape (DECODE_TIMEOUT seconds each, default 150)
 #   verify    issue 23: spec_verify_attention's kernels (the split kernel at batch 1, the tensor-core
 #             prefill from 16 (batch, K/V head) pairs): its and paged_attention's GPU tests
@@ -53,8 +54,8 @@
 #             against torch eager and torch.compile of its ONNX graph (ROPE_BASELINES). Lands in $OUT/rope.tar.gz
 #   prefill-grid  issue 23: flash_attention (float16, 16 heads, D128) at seq 1024 (batch 8), 2048
 #             (batch 8) and 4096 (batch 2), causal and not (PREFILL_SPECS: batch:seq:causal[:head_dim[:heads]] ...),
-#             through `autofuse compare` against torch SDPA (numpy's float64 reference bounds the
-#             shapes). Lands in $OUT/prefill-grid.tar.gz
+#             through `autofuse compare` against torch SDPA (PREFILL_BASELINES adds torch-compile,xla;
+#             numpy's float64 reference bounds the shapes). Lands in $OUT/prefill-grid.tar.gz
 #   gemm-sweep  issue 22: linear_bias_relu at the issue's shapes (GEMM_SHAPES m:n:k ...) in
 #             GEMM_DTYPES (default float16 bfloat16), and the linear patterns (GEMM_PATTERNS) at
 #             4096^3 in float16, through `autofuse compare` against torch eager and torch.compile
