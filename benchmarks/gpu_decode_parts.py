@@ -65,7 +65,7 @@ def main(argv=None) -> int:
         for knobs_text in [None, *args.knobs]:
             knobs = json.loads(knobs_text) if knobs_text else None
             try:
-                _, resolved = ca.check_decode(shape, "float16", knobs)
+                _, resolved = ca.check_decode(shape, "float16", knobs, append=True)
                 split_f, combine_f = ca.decode_attention(shape, "float16", knobs, append=True)
                 split, combine = (ca.build(f).mod[f.attrs["global_symbol"]] for f in (split_f, combine_f))
                 # the same kernels launched without programmatic dependent launch

@@ -179,6 +179,23 @@ def test_swiglu_with_the_down_projection_split_passes_its_check(shape, dtype):
     assert result.ok, result.message
 
 
+DECODE_CASES = [(shape, dtype) for name, shape, dtype in CASES if name == "gqa_decode_attention"]
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("shape, dtype", DECODE_CASES, ids=[f"{dtype}-{shape['max_seq']}-{shape['cache_len']}"
+                                                            for shape, dtype in DECODE_CASES])
+def test_decode_through_the_shared_memory_ring_passes_its_check(shape, dtype, stages):
+    """gqa_decode_attention's split kernel with its keys bulk-copied through a ring of ``stages``
+    steps and the append bulk-copied out of it (the new token's row patched in), checked as a
+    search's trial is: output and both caches."""
+    pattern = get_pattern("gqa_decode_attention")
+    template = [t for t in K.kernel_templates_for(pattern, shape, dtype, H200) if t.name == "cuda_split_kv"][0]
+    func = template.build(shape, dtype, {**template.default_for(shape, dtype), "stages": stages})
+    result = verify.check_module(pattern, B.build_tirx(func, H200), pattern.build(shape, dtype), shape, dtype, DEV)
+    assert result.ok, result.message
+
+
 MOE_CASES = [
     # 64 routed rows an expert on average: 64-row tiles, one role
     ({"tokens": 256, "hidden": 512, "inter": 1024, "experts": 8, "k": 2}, "float16", None),

@@ -215,20 +215,21 @@ def cuda_kv_head(sch, target, knobs):
 
 def _split_kv_check(shape, dtype, knobs):
     _dims(shape)
-    cuda_attention.check_decode(shape, dtype, knobs)
+    cuda_attention.check_decode(shape, dtype, knobs, append=True)
 
 
 def _split_kv(shape, dtype, knobs):
     """Flash-decoding on Hopper (``lib.cuda_attention``), two kernels in one PrimFunc
     (``lib.tirx_sequence``): the split kernel over the cache_len + 1 positions, which appends as it
     reads (row cache_len taken from k_new/v_new, every row it loads stored to the output caches,
-    the rows past cache_len copied by the CTAs in shares; each K/V row read once for its whole
-    query group, a partial per key split), then the combine; no cache length limit.
+    the rows past cache_len copied by the CTAs in shares; with ``stages``, the keys through a
+    shared-memory ring by bulk copies, the append as bulk copies out of it; each K/V row read once
+    for its whole query group, a partial per key split), then the combine; no cache length limit.
     float16/bfloat16, head_dim 64 or 128; a group of more than 8 query heads is shared out in row
     sets among CTAs over the same keys, the first of which appends."""
     nb, hq, hkv, _, hd, smax, length = _dims(shape)
     split, combine = cuda_attention.decode_attention(shape, dtype, knobs, append=True)
-    splits = cuda_attention.check_decode(shape, dtype, knobs)[1]["splits"]
+    splits = cuda_attention.check_decode(shape, dtype, knobs, append=True)[1]["splits"]
     q, out = buffer("q", (nb, hq, hd), dtype), buffer("out", (nb, hq, hd), dtype)
     k_new, v_new = (buffer(name, (nb, hkv, hd), dtype) for name in ("k_new", "v_new"))
     k_cache, v_cache, k_out, v_out = (buffer(name, (nb, hkv, smax, hd), dtype)
@@ -240,8 +241,8 @@ def _split_kv(shape, dtype, knobs):
                      (combine, [part_o, part_ml, out])], [part_o, part_ml])
 
 
-cuda_split_kv = KernelTemplate("cuda_split_kv", _split_kv, cuda_attention.SPLIT_KV_KNOBS,
-                               cuda_attention.SPLIT_KV_DEFAULT_KNOBS, _split_kv_check, **HOPPER)
+cuda_split_kv = KernelTemplate("cuda_split_kv", _split_kv, cuda_attention.APPEND_SPLIT_KV_KNOBS,
+                               cuda_attention.APPEND_SPLIT_KV_DEFAULT_KNOBS, _split_kv_check, **HOPPER)
 
 
 def onnx_graph(shape, dtype):

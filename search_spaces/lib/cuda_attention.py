@@ -116,7 +116,11 @@ Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new
 
     Only a split's last step checks row bounds. Knobs (``DECODE_KNOBS``): ``warps`` per CTA (4, 8);
     ``keys`` rows per lane group and step (1, 2, 4, 8); ``splits`` (None: ``default_splits``).
-    Defaults: 8 warps, 2 keys (the faster from a 4k cache on in an H100 sweep).
+    Defaults: 8 warps, 2 keys (the faster from a 4k cache on in an H100 sweep). The appending
+    kernel adds ``stages`` (APPEND_KNOBS): with 2 or 4, one thread bulk-copies each step's K and V
+    rows (contiguous in the cache) into a ring of that many shared-memory slots, so a CTA's next
+    steps are in flight while it computes, and bulk-copies each landed slot out to the output
+    caches; the lane groups read their rows from the slot. 0: loads to registers, stores from them.
 
     Both kernels are launched with programmatic dependent launch (sm_90): the split kernel waits
     for the kernel before it (griddepcontrol.wait) and at once allows its dependents, so the
@@ -148,6 +152,12 @@ SPLIT_MAX_CTAS = 4096    # split CTAs in all
 # A decode kernel template's knobs: the split count left to its heuristic (a function of the shape)
 SPLIT_KV_KNOBS = {name: values for name, values in DECODE_KNOBS.items() if values is not None}
 SPLIT_KV_DEFAULT_KNOBS = {name: DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_KNOBS}
+# appending split kernels may stream their keys through shared memory: ``stages`` slots of a step's
+# K and V rows, bulk-copied in and (the append) bulk-copied out; 0 = 16-byte loads to registers
+APPEND_KNOBS = {**DECODE_KNOBS, "stages": (0, 2, 4)}
+APPEND_DEFAULT_KNOBS = {**DECODE_DEFAULT_KNOBS, "stages": 0}
+APPEND_SPLIT_KV_KNOBS = {**SPLIT_KV_KNOBS, "stages": APPEND_KNOBS["stages"]}
+APPEND_SPLIT_KV_DEFAULT_KNOBS = {**SPLIT_KV_DEFAULT_KNOBS, "stages": APPEND_DEFAULT_KNOBS["stages"]}
 COMBINE_UNROLL = SPLIT_MAX       # splits whose partials the combine kernel loads at once
 DECODE_MAX_GROUP = 8              # query rows a split CTA keeps (q and O in registers); more: more CTAs
 # (batch, K/V head) work items below which a verify prefill leaves most SMs idle: the split kernel
@@ -156,6 +166,8 @@ VERIFY_MIN_ITEMS = 16
 
 _SWIZZLE_128B = 3  # CUtensorMapSwizzle and the wgmma descriptor's layout code for 128-byte swizzle
 _TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
+_BULK_LOAD = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"  # contiguous bytes, no tensor map
+_BULK_STORE = "cp.async.bulk.global.shared::cta.bulk_group"
 _INIT_MAX = -1.0e30  # running max before the first key: finite, so 2^(m - m') never sees inf - inf
 
 
@@ -1286,12 +1298,14 @@ def decode_rows(group: int, queries: int = 1) -> int:
 
 
 def check_decode(shape: dict, dtype: str, knobs: dict | None = None, drafts: int = 0,
-                 queries: int = 1) -> tuple[dict, dict]:
+                 queries: int = 1, append: bool = False) -> tuple[dict, dict]:
     """(dims, resolved knobs with ``splits`` set) when ``decode_attention`` takes ``shape`` (keys
     DECODE_SHAPE_KEYS, optional ``scale``; with ``drafts``, also ``cache_len``), ``dtype`` and
-    ``knobs`` (and ``drafts`` or ``queries``, as it does); AttentionShapeError otherwise. With
-    ``drafts`` the splits share cache_len keys."""
-    knobs = _resolve(knobs, DECODE_KNOBS, DECODE_DEFAULT_KNOBS)
+    ``knobs`` (and ``drafts``, ``queries`` or ``append``, as it does; ``append`` adds the knob
+    ``stages``, APPEND_KNOBS); AttentionShapeError otherwise. With ``drafts`` the splits share
+    cache_len keys."""
+    space, default = (APPEND_KNOBS, APPEND_DEFAULT_KNOBS) if append else (DECODE_KNOBS, DECODE_DEFAULT_KNOBS)
+    knobs = _resolve(knobs, space, default)
     nb, hq, hkv, hd, smax = _ints(shape, DECODE_SHAPE_KEYS)
     _check_dtype_heads(dtype, hq, hkv, hd)
     group = hq // hkv
@@ -1312,6 +1326,10 @@ def check_decode(shape: dict, dtype: str, knobs: dict | None = None, drafts: int
     if not isinstance(splits, int) or isinstance(splits, bool) or not 1 <= splits <= keys:
         raise AttentionShapeError(f"knob splits={splits!r} must be an integer in [1, {keys_name}={keys}]")
     knobs = dict(knobs, splits=splits)
+    smem = decode_split_shared_memory_bytes(hd, rows, knobs)
+    if smem > SHARED_MEMORY_LIMIT:
+        raise AttentionShapeError(f"the split kernel's {smem} bytes of shared memory (knobs {knobs}) exceed the "
+                                  f"{SHARED_MEMORY_LIMIT} a CTA may have")
     dims = dict(zip(DECODE_SHAPE_KEYS, (nb, hq, hkv, hd, smax)), group=group, scale=_scale(shape, hd),
                 rows=rows, row_ctas=row_ctas, drafts=drafts, queries=queries)
     return dims, knobs
@@ -1332,14 +1350,20 @@ def decode_tail_range(split, length, splits: int, max_seq: int):
     return length + split * share, length + split * share + share
 
 
-def decode_configs(shape: dict, dtype: str) -> list[dict]:
-    """Every (warps, keys) configuration ``check_decode`` accepts, splits left to the default."""
-    return _configs(DECODE_KNOBS, lambda knobs: check_decode(shape, dtype, knobs))
+def decode_configs(shape: dict, dtype: str, append: bool = False) -> list[dict]:
+    """Every (warps, keys[, stages]) configuration ``check_decode`` accepts, splits left to the
+    default."""
+    space = APPEND_KNOBS if append else DECODE_KNOBS
+    return _configs(space, lambda knobs: check_decode(shape, dtype, knobs, append=append))
 
 
-def decode_split_shared_memory_bytes(head_dim: int, group: int, knobs: dict) -> int:
-    groups = decode_geometry(head_dim, knobs)["groups"]
-    return 4 * groups * group * (head_dim + 2)
+def decode_split_shared_memory_bytes(head_dim: int, rows: int, knobs: dict) -> int:
+    """The lane groups' partials of ``rows`` query rows, and with ``stages`` the ring of K and V
+    steps (2-byte dtypes)."""
+    geo = decode_geometry(head_dim, knobs)
+    stages = knobs.get("stages", 0)
+    ring = stages * (2 * geo["step"] * head_dim * 2 + 8) + (256 if stages else 0)  # slots, barriers, alignment
+    return 4 * geo["groups"] * rows * (head_dim + 2) + ring
 
 
 def _paged_row(row, page_size: int, length):
@@ -1407,13 +1431,17 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     ends, instead of being launched then, a few microseconds of a short step."""
     if paged and append:
         raise ValueError("a paged decode kernel does not append")
+    if knobs and knobs.get("stages") and not append:
+        raise ValueError("only an appending decode kernel streams its keys through shared memory (stages)")
     if drafts and (paged or append):
         raise ValueError("a verifying decode kernel neither appends nor reads pages")
     if queries > 1 and not paged:
         raise ValueError("several query tokens a sequence: drafts (verifying) or a paged chunk only")
-    dims, knobs = check_decode(shape, dtype, knobs, drafts, queries)
+    dims, knobs = check_decode(shape, dtype, knobs, drafts, queries, append)
     nb, hq, hkv, hd, smax = (dims[key] for key in DECODE_SHAPE_KEYS)
     group, splits, keys, warps = dims["group"], knobs["splits"], knobs["keys"], knobs["warps"]
+    stages = knobs.get("stages", 0)
+    bulk = stages > 0                     # keys through a shared-memory ring, the append by bulk copies
     rows, row_ctas, queries = dims["rows"], dims["row_ctas"], dims["queries"]
     chunk = bool(paged) and queries > 1  # q and out (batch, queries, heads, head_dim), causal over the last keys
     partials = decode_partials(knobs, drafts)
@@ -1440,6 +1468,9 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             if draft:
                 k_vec = T.meta_var(KD16[b, kvh, row, sub])
                 v_vec = T.meta_var(VD16[b, kvh, row, sub])
+            elif bulk:  # from this step's ring slot, the new token's row patched in
+                k_vec = T.meta_var(KS16[slot, row - stage_first, sub])
+                v_vec = T.meta_var(VS16[slot, row - stage_first, sub])
             elif append:  # row length - 1 is the new token's
                 k_vec = T.meta_var(T.if_then_else(row == length - 1, KN16[b, kvh, sub], K16[b, kvh, row, sub]))
                 v_vec = T.meta_var(T.if_then_else(row == length - 1, VN16[b, kvh, sub], V16[b, kvh, row, sub]))
@@ -1456,7 +1487,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             else:
                 kv16[u] = k_vec
                 kv16[keys + u] = v_vec
-        if append:  # the rows loaded, stored to the output caches (by a K/V head's first row set)
+        if append and not bulk:  # the rows loaded, stored to the output caches (by a K/V head's first row set)
             for u in T.unroll(keys):
                 if _append_guard(first + u * rows_per_load, key_end, checked, hk, row_ctas):
                     KO16[b, kvh, first + u * rows_per_load, sub] = kv16[u]
@@ -1519,6 +1550,65 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         if n_keys % step > 0:
             _step(warp_first + n_keys // step * step, True, key_end, False)
 
+    @T.macro(hygienic=False)
+    def _bulk_load(s, key_begin, key_end):
+        # One thread: step s's K and V rows (up to key_end) into ring slot s % stages, completing
+        # on its barrier. Expanded in `_bulk_cache_keys`.
+        T.ptx.mbarrier.arrive.expect_tx.shared.b64(
+            T.address_of(full[s % stages]),
+            T.Cast("uint32", 2 * T.min(step, key_end - key_begin - s * step) * hd * 2))
+        T.ptx[_BULK_LOAD](KS16.ptr_to([s % stages, 0, 0]), Kc.ptr_to([b, kvh, key_begin + s * step, 0]),
+                          T.Cast("uint32", T.min(step, key_end - key_begin - s * step) * hd * 2),
+                          T.address_of(full[s % stages]))
+        T.ptx[_BULK_LOAD](VS16.ptr_to([s % stages, 0, 0]), Vc.ptr_to([b, kvh, key_begin + s * step, 0]),
+                          T.Cast("uint32", T.min(step, key_end - key_begin - s * step) * hd * 2),
+                          T.address_of(full[s % stages]))
+
+    @T.macro(hygienic=False)
+    def _bulk_cache_keys(load_step):
+        # `_cache_keys` through the ring (append only): thread 0 keeps `stages` steps of K and V in
+        # flight as bulk copies; each landed step gets the new token's row (if it holds row
+        # length - 1), is bulk-copied on to the output caches by thread 0 and read by every lane
+        # group from shared memory; once all have read it (and the copy out has), its slot takes
+        # the step `stages` on (``load_step``: `_bulk_load`, which a non-hygienic macro cannot
+        # name itself). Expanded in `_split_body`, whose names it uses.
+        key_begin = T.meta_var(decode_key_range(sp, length, splits, step)[0])
+        key_end = T.meta_var(T.min(decode_key_range(sp, length, splits, step)[1], length))
+        n_keys = T.meta_var(T.max(key_end - key_begin, 0))
+        n_steps = T.meta_var((n_keys + step - 1) // step)
+        local_first = T.meta_var(warp * rows_per_load * keys + tx % 32 // lanes)
+        if tx == 0:
+            for s in T.serial(T.min(n_steps, stages)):
+                load_step(s, key_begin, key_end)
+        for t in T.serial(n_steps):
+            slot = T.meta_var(t % stages)
+            stage_first = T.meta_var(key_begin + t * step)
+            T.cuda.mbarrier_wait(T.address_of(full[t % stages]), t // stages % 2)
+            if stage_first <= length - 1 and length - 1 < stage_first + step:  # the same for the whole CTA
+                if tx < lanes:
+                    KS16[slot, length - 1 - stage_first, tx] = KN16[b, kvh, tx]
+                    VS16[slot, length - 1 - stage_first, tx] = VN16[b, kvh, tx]
+                    T.ptx.fence.proxy.async_.shared__cta()  # the patched row, to the bulk copy out
+                T.cuda.cta_sync()
+            if tx == 0:
+                if _append_guard(0, 0, False, hk, row_ctas):
+                    T.ptx[_BULK_STORE](KO.ptr_to([b, kvh, stage_first, 0]), KS16.ptr_to([t % stages, 0, 0]),
+                                       T.Cast("uint32", T.min(step, key_end - stage_first) * hd * 2))
+                    T.ptx[_BULK_STORE](VO.ptr_to([b, kvh, stage_first, 0]), VS16.ptr_to([t % stages, 0, 0]),
+                                       T.Cast("uint32", T.min(step, key_end - stage_first) * hd * 2))
+                    T.ptx["cp.async.bulk.commit_group"]()
+            if t < n_keys // step:
+                _step(stage_first + local_first, False, key_end, False)
+            else:
+                _step(stage_first + local_first, True, key_end, False)
+            T.cuda.cta_sync()  # every lane group is done with the slot
+            if tx == 0:
+                if t + stages < n_steps:
+                    T.ptx["cp.async.bulk.wait_group.read"](0)  # and so is the copy out
+                    load_step(t + stages, key_begin, key_end)
+        if tx == 0:
+            T.ptx["cp.async.bulk.wait_group"](0)  # the copies out written before the CTA ends
+
     @T.macro
     def _split_body(Q, Kc, Vc, PO, PML, KN, VN, KO, VO, cache_length, BT, SL, KD, VD, TR):
         # The split kernels' body (KN .. VO: the append buffers, or None; BT, SL: the block table
@@ -1536,6 +1626,10 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         merge_o = pool.alloc((groups, rows, hd), "float32", align=16)
         merge_m = pool.alloc((groups, rows), "float32", align=16)
         merge_l = pool.alloc((groups, rows), "float32", align=16)
+        if bulk:
+            KS = pool.alloc((stages, step, hd), dtype, align=128)
+            VS = pool.alloc((stages, step, hd), dtype, align=128)
+            full = pool.alloc((stages,), "uint64", align=8)
         pool.commit()
         # 16-byte views: one element = 8 consecutive values of a row
         Q16 = T.decl_buffer((nb, hq * queries, hd // vec), "uint32x4", data=Q.data)
@@ -1552,6 +1646,17 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             KD16 = T.decl_buffer((nb, hkv, drafts, hd // vec), "uint32x4", data=KD.data)
             VD16 = T.decl_buffer((nb, hkv, drafts, hd // vec), "uint32x4", data=VD.data)
         O4 = T.decl_buffer((groups, rows, hd // 4), "float32x4", data=merge_o.data, scope="shared.dyn")
+        if bulk:
+            # 16-byte views, their offsets in 16-byte units (a vector dtype's pool offset would count lanes as one)
+            KS16 = T.decl_buffer((stages, step, hd // vec), "uint32x4", data=KS.data, elem_offset=KS.elem_offset // vec,
+                                 scope="shared.dyn")
+            VS16 = T.decl_buffer((stages, step, hd // vec), "uint32x4", data=VS.data, elem_offset=VS.elem_offset // vec,
+                                 scope="shared.dyn")
+            if tx == 0:
+                for st in T.unroll(stages):
+                    T.ptx.mbarrier.init.shared.b64(T.address_of(full[st]), T.uint32(1))
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.cuda.cta_sync()
         kv16 = T.alloc_buffer((2 * keys,), "uint32x4", scope="local")     # K rows, then V rows
         kv = T.decl_buffer((2 * keys * vec,), dtype, data=kv16.data, scope="local")
         q16 = T.alloc_buffer((1,), "uint32x4", scope="local")
@@ -1597,6 +1702,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                     _step(draft_first + drafts // step * step, True, drafts, True)
             else:
                 _cache_keys()
+        elif bulk:
+            _bulk_cache_keys(_bulk_load)
         else:
             _cache_keys()
         # merge the CTA's lane groups, one partial per query row

@@ -183,6 +183,32 @@ def test_every_decode_config_builds(knobs):
     assert "attention_decode_combine_kernel" in _source(combine)
 
 
+@pytest.mark.parametrize("knobs", [k for k in ca.decode_configs(DECODE, "float16", append=True) if k["stages"]
+                                   and k["keys"] in (2, 8)], ids=str)
+def test_appending_decode_streams_its_keys_through_a_shared_memory_ring(knobs):
+    split, _ = ca.decode_attention(DECODE, "float16", knobs, append=True)
+    body = _source(split).split("__global__")[-1]
+    # K and V: bulk copies in (the first `stages` steps, then each refill) and out (the append)
+    assert body.count("cp_async_bulk_g2s_cluster") == 4 and body.count("cp_async_bulk_s2g") == 2
+    assert body.count("mbarrier_init") == knobs["stages"]
+    assert body.index("bulk_wait_group_read_0") > body.index("cp_async_bulk_s2g")  # the copy out read the slot
+    assert "= kv16_ptr[" not in body                  # no thread stores the rows it read
+    assert re.search(r"\(\(uint4\*\)KN_ptr\)", body)     # the new token's row, patched into its slot
+    register, _ = ca.decode_attention(DECODE, "float16", dict(knobs, stages=0), append=True)
+    assert "= kv16_ptr[" in _source(register) and "cp_async_bulk" not in _source(register)
+
+
+def test_only_appending_decode_takes_stages_and_the_ring_fits_shared_memory():
+    with pytest.raises(ValueError, match="stages"):
+        ca.decode_attention(DECODE, "float16", dict(stages=2))
+    with pytest.raises(ca.AttentionShapeError, match="unknown knob 'stages'"):
+        ca.check_decode(DECODE, "float16", dict(stages=2))
+    with pytest.raises(ca.AttentionShapeError, match="shared memory"):   # 4 slots of 128 keys of K and V
+        ca.check_decode(DECODE, "float16", dict(stages=4, keys=8), append=True)
+    assert dict(warps=8, keys=8, stages=4) not in ca.decode_configs(DECODE, "float16", append=True)
+    assert dict(warps=8, keys=2, stages=4) in ca.decode_configs(DECODE, "float16", append=True)
+
+
 @pytest.mark.parametrize("append", [False, True])
 def test_decode_kernels_use_dependent_launch(append):
     # the combine waits for the split kernel's partials before reading them; the split kernel
