@@ -1565,9 +1565,19 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                           T.address_of(full[s % stages]))
 
     @T.macro(hygienic=False)
+    def _bulk_prologue(load_step):
+        # The ring's first `stages` steps requested before anything else, q's loads included.
+        key_begin = T.meta_var(decode_key_range(sp, length, splits, step)[0])
+        key_end = T.meta_var(T.min(decode_key_range(sp, length, splits, step)[1], length))
+        if tx == 0:
+            for s in T.serial(T.min((T.max(key_end - key_begin, 0) + step - 1) // step, stages)):
+                load_step(s, key_begin, key_end)
+
+    @T.macro(hygienic=False)
     def _bulk_cache_keys(load_step):
         # `_cache_keys` through the ring (append only): thread 0 keeps `stages` steps of K and V in
-        # flight as bulk copies; each landed step gets the new token's row (if it holds row
+        # flight as bulk copies (the first issued at the kernel's start, `_bulk_prologue`); each
+        # landed step gets the new token's row (if it holds row
         # length - 1), is bulk-copied on to the output caches by thread 0 and read by every lane
         # group from shared memory; once all have read it (and the copy out has), its slot takes
         # the step `stages` on (``load_step``: `_bulk_load`, which a non-hygienic macro cannot
@@ -1577,9 +1587,6 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         n_keys = T.meta_var(T.max(key_end - key_begin, 0))
         n_steps = T.meta_var((n_keys + step - 1) // step)
         local_first = T.meta_var(warp * rows_per_load * keys + tx % 32 // lanes)
-        if tx == 0:
-            for s in T.serial(T.min(n_steps, stages)):
-                load_step(s, key_begin, key_end)
         for t in T.serial(n_steps):
             slot = T.meta_var(t % stages)
             stage_first = T.meta_var(key_begin + t * step)
@@ -1646,17 +1653,6 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             KD16 = T.decl_buffer((nb, hkv, drafts, hd // vec), "uint32x4", data=KD.data)
             VD16 = T.decl_buffer((nb, hkv, drafts, hd // vec), "uint32x4", data=VD.data)
         O4 = T.decl_buffer((groups, rows, hd // 4), "float32x4", data=merge_o.data, scope="shared.dyn")
-        if bulk:
-            # 16-byte views, their offsets in 16-byte units (a vector dtype's pool offset would count lanes as one)
-            KS16 = T.decl_buffer((stages, step, hd // vec), "uint32x4", data=KS.data, elem_offset=KS.elem_offset // vec,
-                                 scope="shared.dyn")
-            VS16 = T.decl_buffer((stages, step, hd // vec), "uint32x4", data=VS.data, elem_offset=VS.elem_offset // vec,
-                                 scope="shared.dyn")
-            if tx == 0:
-                for st in T.unroll(stages):
-                    T.ptx.mbarrier.init.shared.b64(T.address_of(full[st]), T.uint32(1))
-            T.ptx.fence.proxy.async_.shared__cta()
-            T.cuda.cta_sync()
         kv16 = T.alloc_buffer((2 * keys,), "uint32x4", scope="local")     # K rows, then V rows
         kv = T.decl_buffer((2 * keys * vec,), dtype, data=kv16.data, scope="local")
         q16 = T.alloc_buffer((1,), "uint32x4", scope="local")
@@ -1675,6 +1671,18 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         warp = T.meta_var(tx // 32)
         sub = T.meta_var(tx % lanes)                  # which 8 values of a row this lane loads
         lane_group = T.meta_var(warp * rows_per_load + tx % 32 // lanes)
+        if bulk:
+            # 16-byte views, their offsets in 16-byte units (a vector dtype's pool offset would count lanes as one)
+            KS16 = T.decl_buffer((stages, step, hd // vec), "uint32x4", data=KS.data, elem_offset=KS.elem_offset // vec,
+                                 scope="shared.dyn")
+            VS16 = T.decl_buffer((stages, step, hd // vec), "uint32x4", data=VS.data, elem_offset=VS.elem_offset // vec,
+                                 scope="shared.dyn")
+            if tx == 0:
+                for st in T.unroll(stages):
+                    T.ptx.mbarrier.init.shared.b64(T.address_of(full[st]), T.uint32(1))
+            T.ptx.fence.proxy.async_.shared__cta()
+            T.cuda.cta_sync()
+            _bulk_prologue(_bulk_load)
         for g in T.unroll(rows):
             if chunk:  # query row (head, t) = hk * rows + g, t the fastest
                 q16[0] = QC16[b, (hk * rows + g) % queries, (hk * rows + g) // queries, sub]
