@@ -896,7 +896,8 @@ def test_append_writes_each_cache_row_once(length, splits, step, max_seq):
 
 
 def test_append_split_reads_the_new_row_and_writes_the_caches():
-    split, combine = ca.decode_attention(DECODE, "float16", append=True)
+    # loads to registers (stages 0); the ring's: test_appending_decode_streams_its_keys_through_...
+    split, combine = ca.decode_attention(DECODE, "float16", dict(stages=0), append=True)
     source = _source(split)
     assert "attention_decode_append_split_kernel" in source
     assert "(length - 1)" in source                   # the new token's row comes from k_new / v_new

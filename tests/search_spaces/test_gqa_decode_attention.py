@@ -118,3 +118,18 @@ def test_rejects_bad_shapes():
         gqa.build(dict(SMALL, num_heads=3, num_kv_heads=2), "float32")
     with pytest.raises(ValueError):
         gqa.build(dict(SMALL, cache_len=SMALL["max_seq"]), "float32")
+
+
+@pytest.mark.parametrize("stages", [0, 2, 4])
+def test_the_split_kv_template_builds_at_a_fixed_cache_len(stages):
+    # the ring's byte counts once had a negative bound (a split past cache_len) that their uint32
+    # cast rejected at build time, for the constant cache_len a pattern's kernel is built with
+    from autofuse import building as B
+    from autofuse import kernel_templates as K
+
+    shape = {"batch": 4, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128, "max_seq": 2048, "cache_len": 1500}
+    h200 = parse_target("h200")
+    template = [t for t in K.kernel_templates_for(gqa.PATTERN, shape, "float16", h200) if t.name == "cuda_split_kv"][0]
+    assert template.default_for(shape, "float16")["stages"] == 4
+    func = template.build(shape, "float16", {**template.default_for(shape, "float16"), "stages": stages})
+    B.build_tirx(func, h200)
