@@ -1616,7 +1616,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                     T.ptx["cp.async.bulk.wait_group.read"](0)  # and so is the copy out
                     load_step(t + stages, key_begin, key_end)
         if tx == 0:
-            T.ptx["cp.async.bulk.wait_group"](0)  # the copies out written before the CTA ends
+            T.ptx["cp.async.bulk.wait_group.read"](0)  # the copies out have read the ring before the CTA ends
 
     @T.macro
     def _split_body(Q, Kc, Vc, PO, PML, KN, VN, KO, VO, cache_length, BT, SL, KD, VD, TR):
