@@ -156,7 +156,7 @@ SPLIT_KV_DEFAULT_KNOBS = {name: DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_
 # appending split kernels may stream their keys through shared memory: ``stages`` slots of a step's
 # K and V rows, bulk-copied in and (the append) bulk-copied out; 0 = 16-byte loads to registers
 APPEND_KNOBS = {**DECODE_KNOBS, "stages": (0, 2, 4)}
-APPEND_DEFAULT_KNOBS = {**DECODE_DEFAULT_KNOBS, "stages": 4}  # H100: 1-3 us under 0 at batch 1-16 (README)
+APPEND_DEFAULT_KNOBS = {**DECODE_DEFAULT_KNOBS, "stages": 4}  # the fastest of 0/2/4 on an H100 (README)
 APPEND_SPLIT_KV_KNOBS = {**SPLIT_KV_KNOBS, "stages": APPEND_KNOBS["stages"]}
 APPEND_SPLIT_KV_DEFAULT_KNOBS = {**SPLIT_KV_DEFAULT_KNOBS, "stages": APPEND_DEFAULT_KNOBS["stages"]}
 COMBINE_UNROLL = SPLIT_MAX       # splits whose partials the combine kernel loads at once
@@ -1556,15 +1556,12 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         # One thread: step s's K and V rows (up to key_end) into ring slot s % stages, completing
         # on its barrier (byte counts clamped at 0 for the bound analysis of the uint32 casts).
         # Expanded in `_bulk_prologue` and `_bulk_cache_keys`.
-        T.ptx.mbarrier.arrive.expect_tx.shared.b64(
-            T.address_of(full[s % stages]),
-            T.Cast("uint32", 2 * T.max(T.min(step, key_end - key_begin - s * step), 0) * hd * 2))
+        rows_bytes = T.meta_var(T.max(T.min(step, key_end - key_begin - s * step), 0) * hd * 2)
+        T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[s % stages]), T.Cast("uint32", 2 * rows_bytes))
         T.ptx[_BULK_LOAD](KS16.ptr_to([s % stages, 0, 0]), Kc.ptr_to([b, kvh, key_begin + s * step, 0]),
-                          T.Cast("uint32", T.max(T.min(step, key_end - key_begin - s * step), 0) * hd * 2),
-                          T.address_of(full[s % stages]))
+                          T.Cast("uint32", rows_bytes), T.address_of(full[s % stages]))
         T.ptx[_BULK_LOAD](VS16.ptr_to([s % stages, 0, 0]), Vc.ptr_to([b, kvh, key_begin + s * step, 0]),
-                          T.Cast("uint32", T.max(T.min(step, key_end - key_begin - s * step), 0) * hd * 2),
-                          T.address_of(full[s % stages]))
+                          T.Cast("uint32", rows_bytes), T.address_of(full[s % stages]))
 
     @T.macro(hygienic=False)
     def _bulk_prologue(load_step):
@@ -1579,11 +1576,11 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     def _bulk_cache_keys(load_step):
         # `_cache_keys` through the ring (append only): thread 0 keeps `stages` steps of K and V in
         # flight as bulk copies (the first issued at the kernel's start, `_bulk_prologue`); each
-        # landed step gets the new token's row (if it holds row
-        # length - 1), is bulk-copied on to the output caches by thread 0 and read by every lane
-        # group from shared memory; once all have read it (and the copy out has), its slot takes
-        # the step `stages` on (``load_step``: `_bulk_load`, which a non-hygienic macro cannot
-        # name itself). Expanded in `_split_body`, whose names it uses.
+        # landed step gets the new token's row (if it holds row length - 1), is bulk-copied on to
+        # the output caches by thread 0 and read by every lane group from shared memory; once all
+        # have read it (and the copy out has), its slot takes the step `stages` on (``load_step``:
+        # `_bulk_load`, which a non-hygienic macro cannot name itself). Expanded in `_split_body`,
+        # whose names it uses.
         key_begin = T.meta_var(decode_key_range(sp, length, splits, step)[0])
         key_end = T.meta_var(T.min(decode_key_range(sp, length, splits, step)[1], length))
         n_keys = T.meta_var(T.max(key_end - key_begin, 0))
@@ -1601,10 +1598,9 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                 T.cuda.cta_sync()
             if tx == 0:
                 if _append_guard(0, 0, False, hk, row_ctas):
-                    T.ptx[_BULK_STORE](KO.ptr_to([b, kvh, stage_first, 0]), KS16.ptr_to([t % stages, 0, 0]),
-                                       T.Cast("uint32", T.max(T.min(step, key_end - stage_first), 0) * hd * 2))
-                    T.ptx[_BULK_STORE](VO.ptr_to([b, kvh, stage_first, 0]), VS16.ptr_to([t % stages, 0, 0]),
-                                       T.Cast("uint32", T.max(T.min(step, key_end - stage_first), 0) * hd * 2))
+                    rows_bytes = T.meta_var(T.Cast("uint32", T.max(T.min(step, key_end - stage_first), 0) * hd * 2))
+                    T.ptx[_BULK_STORE](KO.ptr_to([b, kvh, stage_first, 0]), KS16.ptr_to([slot, 0, 0]), rows_bytes)
+                    T.ptx[_BULK_STORE](VO.ptr_to([b, kvh, stage_first, 0]), VS16.ptr_to([slot, 0, 0]), rows_bytes)
                     T.ptx["cp.async.bulk.commit_group"]()
             if t < n_keys // step:
                 _step(stage_first + local_first, False, key_end, False)
