@@ -173,7 +173,7 @@ def test_swiglu_with_the_down_projection_split_passes_its_check(shape, dtype):
     """swiglu_ffn's cuda_wgmma_split_k (searched, no default takes it): the gate kernel, the down
     projection's float32 partials, their sum with dropout and the residual, checked as a trial is."""
     pattern = get_pattern("swiglu_ffn")
-    template = [t for t in K.kernel_templates_for(pattern, shape, dtype, H200) if t.name == "cuda_wgmma_split_k"][0]
+    template = K.kernel_template(pattern, "cuda_wgmma_split_k")
     func = template.build(shape, dtype)
     result = verify.check_module(pattern, B.build_tirx(func, H200), pattern.build(shape, dtype), shape, dtype, DEV)
     assert result.ok, result.message
@@ -190,7 +190,7 @@ def test_decode_through_the_shared_memory_ring_passes_its_check(shape, dtype, st
     steps and the append bulk-copied out of it (the new token's row patched in), checked as a
     search's trial is: output and both caches."""
     pattern = get_pattern("gqa_decode_attention")
-    template = [t for t in K.kernel_templates_for(pattern, shape, dtype, H200) if t.name == "cuda_split_kv"][0]
+    template = K.kernel_template(pattern, "cuda_split_kv")
     func = template.build(shape, dtype, {**template.default_for(shape, dtype), "stages": stages})
     result = verify.check_module(pattern, B.build_tirx(func, H200), pattern.build(shape, dtype), shape, dtype, DEV)
     assert result.ok, result.message

@@ -1540,10 +1540,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     @T.macro(hygienic=False)
     def _cache_keys():
         # This CTA's split of the cache: full steps unchecked, then the partial one. Expanded in
-        # `_split_body`, whose names it uses.
-        key_begin = T.meta_var(decode_key_range(sp, length, splits, step)[0])
-        key_end = T.meta_var(T.min(decode_key_range(sp, length, splits, step)[1], length))
-        n_keys = T.meta_var(T.max(key_end - key_begin, 0))
+        # `_split_body`, whose names it uses (key_begin, key_end, n_keys: this CTA's split).
         # this warp's rows of a step: keys * rows_per_load consecutive rows
         warp_first = T.meta_var(key_begin + warp * rows_per_load * keys + tx % 32 // lanes)
         for t in T.serial(n_keys // step):
@@ -1552,7 +1549,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             _step(warp_first + n_keys // step * step, True, key_end, False)
 
     @T.macro(hygienic=False)
-    def _bulk_load(s, key_begin, key_end):
+    def _bulk_load(s):
         # One thread: step s's K and V rows (up to key_end) into ring slot s % stages, completing
         # on its barrier (byte counts clamped at 0 for the bound analysis of the uint32 casts).
         # Expanded in `_bulk_prologue` and `_bulk_cache_keys`.
@@ -1566,11 +1563,9 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     @T.macro(hygienic=False)
     def _bulk_prologue(load_step):
         # The ring's first `stages` steps requested before anything else, q's loads included.
-        key_begin = T.meta_var(decode_key_range(sp, length, splits, step)[0])
-        key_end = T.meta_var(T.min(decode_key_range(sp, length, splits, step)[1], length))
         if tx == 0:
-            for s in T.serial(T.min((T.max(key_end - key_begin, 0) + step - 1) // step, stages)):
-                load_step(s, key_begin, key_end)
+            for s in T.serial(T.min((n_keys + step - 1) // step, stages)):
+                load_step(s)
 
     @T.macro(hygienic=False)
     def _bulk_cache_keys(load_step):
@@ -1581,9 +1576,6 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         # have read it (and the copy out has), its slot takes the step `stages` on (``load_step``:
         # `_bulk_load`, which a non-hygienic macro cannot name itself). Expanded in `_split_body`,
         # whose names it uses.
-        key_begin = T.meta_var(decode_key_range(sp, length, splits, step)[0])
-        key_end = T.meta_var(T.min(decode_key_range(sp, length, splits, step)[1], length))
-        n_keys = T.meta_var(T.max(key_end - key_begin, 0))
         n_steps = T.meta_var((n_keys + step - 1) // step)
         local_first = T.meta_var(warp * rows_per_load * keys + tx % 32 // lanes)
         for t in T.serial(n_steps):
@@ -1610,7 +1602,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             if tx == 0:
                 if t + stages < n_steps:
                     T.ptx["cp.async.bulk.wait_group.read"](0)  # and so is the copy out
-                    load_step(t + stages, key_begin, key_end)
+                    load_step(t + stages)
         if tx == 0:
             T.ptx["cp.async.bulk.wait_group.read"](0)  # the copies out have read the ring before the CTA ends
 
@@ -1665,6 +1657,10 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         alpha = T.alloc_buffer((1,), "float32", scope="local")
         merged = T.alloc_buffer((4,), "float32", scope="local")  # max, sum, output element, weight
         length = T.meta_var(_seq_length(SL, b, cache_length))
+        # this CTA's split of the cache (`_cache_keys`, the ring's macros)
+        key_begin = T.meta_var(decode_key_range(sp, length, splits, step)[0])
+        key_end = T.meta_var(T.min(decode_key_range(sp, length, splits, step)[1], length))
+        n_keys = T.meta_var(T.max(key_end - key_begin, 0))
         PAGED, PAGE_SIZE = T.meta_var((bool(paged), page_size))  # for `_step`
         warp = T.meta_var(tx // 32)
         sub = T.meta_var(tx % lanes)                  # which 8 values of a row this lane loads
