@@ -1,7 +1,8 @@
 """Where a decode step's time goes: the appending split-KV kernel and the combine of
 search_spaces/lib/cuda_attention.py timed alone and together (with and without programmatic
-dependent launch), at several knob settings, against a torch copy of the same bytes (the caches
-read and written once), on one GPU, one JSON.
+dependent launch), at several knob settings (with ``cluster`` there is no combine: "both" is the
+split kernel alone), against a torch copy of the same bytes (the caches read and written once), on
+one GPU, one JSON.
 
     python benchmarks/gpu_decode_parts.py --cases 1:4096 1:16384 --commit SHA --out parts.json
         [--knobs '{"splits": 16}' ...]
@@ -66,23 +67,27 @@ def main(argv=None) -> int:
             knobs = json.loads(knobs_text) if knobs_text else None
             try:
                 _, resolved = ca.check_decode(shape, "float16", knobs, append=True)
-                split_f, combine_f = ca.decode_attention(shape, "float16", knobs, append=True)
-                split, combine = (ca.build(f).mod[f.attrs["global_symbol"]] for f in (split_f, combine_f))
-                # the same kernels launched without programmatic dependent launch
-                plain_split, plain_combine = (
-                    ca.build(f).mod[f.attrs["global_symbol"]]
-                    for f in ca.decode_attention(shape, "float16", knobs, append=True, dependent=False))
-                part_o = torch.empty(nb, hq, resolved["splits"], d, device="cuda")
-                part_ml = torch.empty(nb, hq, resolved["splits"], 2, device="cuda")
                 out = torch.full_like(q, float("nan"))
-                sargs = [tvm.runtime.from_dlpack(t) for t in (q, kn, vn, kc, vc, ko, vo, part_o, part_ml)]
-                cargs = [tvm.runtime.from_dlpack(t) for t in (part_o, part_ml, out)]
+                plain = ca.decode_attention(shape, "float16", knobs, append=True, dependent=False)
+                split, combine, plain_split, plain_combine = (
+                    f and ca.build(f).mod[f.attrs["global_symbol"]]
+                    for f in (*ca.decode_attention(shape, "float16", knobs, append=True), *plain))
+                if combine is None:  # knob cluster: the split kernel merges and writes out itself
+                    sargs = [tvm.runtime.from_dlpack(t) for t in (q, kn, vn, kc, vc, ko, vo, out)]
+                    cargs = []
+                    combine = plain_combine = lambda: None  # noqa: E731
+                else:
+                    part_o = torch.empty(nb, hq, resolved["splits"], d, device="cuda")
+                    part_ml = torch.empty(nb, hq, resolved["splits"], 2, device="cuda")
+                    sargs = [tvm.runtime.from_dlpack(t) for t in (q, kn, vn, kc, vc, ko, vo, part_o, part_ml)]
+                    cargs = [tvm.runtime.from_dlpack(t) for t in (part_o, part_ml, out)]
                 split(*sargs, length)
                 combine(*cargs)
                 torch.cuda.synchronize()
                 row = {"knobs": resolved, "err": scaled_error(out, ref),
+                       "caches_ok": bool(torch.equal(ko, k_all) and torch.equal(vo, v_all)),
                        "split": _brief(timer.measure(lambda: split(*sargs, length)), moved),
-                       "combine": _brief(timer.measure(lambda: combine(*cargs)), 0),
+                       "combine": _brief(timer.measure(lambda: combine(*cargs)), 0) if cargs else None,
                        "both": _brief(timer.measure(lambda: (split(*sargs, length), combine(*cargs))), moved),
                        "both_without_dependent_launch": _brief(timer.measure(
                            lambda: (plain_split(*sargs, length), plain_combine(*cargs))), moved)}
@@ -94,8 +99,9 @@ def main(argv=None) -> int:
             if "error" in row:
                 print(f"  {knobs}: {row['error']}", flush=True)
             else:
-                print(f"  {row['knobs']}: err {row['err']:.1e} split {row['split']['median_ms']:.4f} combine "
-                      f"{row['combine']['median_ms']:.4f} both {row['both']['median_ms']:.4f} ms "
+                combine_ms = f"{row['combine']['median_ms']:.4f}" if row["combine"] else "none"
+                print(f"  {row['knobs']}: err {row['err']:.1e} caches {'ok' if row['caches_ok'] else 'WRONG'} "
+                      f"split {row['split']['median_ms']:.4f} combine {combine_ms} both {row['both']['median_ms']:.4f} ms "
                       f"({row['both']['pct_of_copy']:.0%} of copy; without dependent launch "
                       f"{row['both_without_dependent_launch']['median_ms']:.4f})", flush=True)
         result["cases"].append(entry)

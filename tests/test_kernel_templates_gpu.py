@@ -196,6 +196,19 @@ def test_decode_through_the_shared_memory_ring_passes_its_check(shape, dtype, st
     assert result.ok, result.message
 
 
+@pytest.mark.parametrize("stages", [0, 4])
+@pytest.mark.parametrize("shape, dtype", DECODE_CASES, ids=[f"{dtype}-{shape['max_seq']}-{shape['cache_len']}"
+                                                            for shape, dtype in DECODE_CASES])
+def test_decode_merged_in_a_cluster_passes_its_check(shape, dtype, stages):
+    """gqa_decode_attention's split kernel with its splits' partials merged over distributed shared
+    memory in their thread-block cluster (no combine kernel), checked as a search's trial is."""
+    pattern = get_pattern("gqa_decode_attention")
+    template = K.kernel_template(pattern, "cuda_split_kv")
+    func = template.build(shape, dtype, {**template.default_for(shape, dtype), "stages": stages, "cluster": 1})
+    result = verify.check_module(pattern, B.build_tirx(func, H200), pattern.build(shape, dtype), shape, dtype, DEV)
+    assert result.ok, result.message
+
+
 MOE_CASES = [
     # 64 routed rows an expert on average: 64-row tiles, one role
     ({"tokens": 256, "hidden": 512, "inter": 1024, "experts": 8, "k": 2}, "float16", None),

@@ -155,10 +155,12 @@ SPLIT_KV_KNOBS = {name: values for name, values in DECODE_KNOBS.items() if value
 SPLIT_KV_DEFAULT_KNOBS = {name: DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_KNOBS}
 # appending split kernels may stream their keys through shared memory: ``stages`` slots of a step's
 # K and V rows, bulk-copied in and (the append) bulk-copied out; 0 = 16-byte loads to registers
-APPEND_KNOBS = {**DECODE_KNOBS, "stages": (0, 2, 4)}
-APPEND_DEFAULT_KNOBS = {**DECODE_DEFAULT_KNOBS, "stages": 4}  # the fastest of 0/2/4 on an H100 (README)
-APPEND_SPLIT_KV_KNOBS = {**SPLIT_KV_KNOBS, "stages": APPEND_KNOBS["stages"]}
-APPEND_SPLIT_KV_DEFAULT_KNOBS = {**SPLIT_KV_DEFAULT_KNOBS, "stages": APPEND_DEFAULT_KNOBS["stages"]}
+APPEND_KNOBS = {**DECODE_KNOBS, "stages": (0, 2, 4), "cluster": (0, 1)}
+APPEND_DEFAULT_KNOBS = {**DECODE_DEFAULT_KNOBS, "stages": 4, "cluster": 0}  # stages: the fastest of 0/2/4 on an H100 (README)
+CLUSTER_MAX = 16         # CTAs of a thread-block cluster (over 8: non-portable, sm_90)
+APPEND_SPLIT_KV_KNOBS = {**SPLIT_KV_KNOBS, "stages": APPEND_KNOBS["stages"], "cluster": APPEND_KNOBS["cluster"]}
+APPEND_SPLIT_KV_DEFAULT_KNOBS = {**SPLIT_KV_DEFAULT_KNOBS, "stages": APPEND_DEFAULT_KNOBS["stages"],
+                                 "cluster": APPEND_DEFAULT_KNOBS["cluster"]}
 COMBINE_UNROLL = SPLIT_MAX       # splits whose partials the combine kernel loads at once
 DECODE_MAX_GROUP = 8              # query rows a split CTA keeps (q and O in registers); more: more CTAs
 # (batch, K/V head) work items below which a verify prefill leaves most SMs idle: the split kernel
@@ -1282,11 +1284,12 @@ def decode_geometry(head_dim: int, knobs: dict) -> dict:
 
 def default_splits(batch: int, kv_heads: int, max_seq: int, head_dim: int, knobs: dict) -> int:
     """Key splits per (batch, K/V head): as many as keep SPLIT_MIN_KEYS keys or more each, at most
-    SPLIT_MAX (each adds a partial per query head to combine) and SPLIT_MAX_CTAS CTAs in all, then
-    only those that get keys at max_seq. More, shorter CTAs than one wave hide the loads' latency
+    SPLIT_MAX (each adds a partial per query head to combine; CLUSTER_MAX with ``cluster``) and
+    SPLIT_MAX_CTAS CTAs in all, then only those that get keys at max_seq. More, shorter CTAs than one wave hide the loads' latency
     better, up to where the combine's reads cost more (H100 sweep: README, "decode split sweep")."""
     step = decode_geometry(head_dim, knobs)["step"]
-    splits = max(1, min(SPLIT_MAX, max_seq // max(SPLIT_MIN_KEYS, step), SPLIT_MAX_CTAS // (batch * kv_heads)))
+    most = CLUSTER_MAX if knobs.get("cluster") else SPLIT_MAX
+    splits = max(1, min(most, max_seq // max(SPLIT_MIN_KEYS, step), SPLIT_MAX_CTAS // (batch * kv_heads)))
     chunk = decode_key_range(0, max_seq, splits, step)[1]
     return -(-max_seq // chunk)
 
@@ -1326,6 +1329,8 @@ def check_decode(shape: dict, dtype: str, knobs: dict | None = None, drafts: int
         splits = default_splits(nb * row_ctas, hkv, keys, hd, knobs)
     if not isinstance(splits, int) or isinstance(splits, bool) or not 1 <= splits <= keys:
         raise AttentionShapeError(f"knob splits={splits!r} must be an integer in [1, {keys_name}={keys}]")
+    if knobs.get("cluster") and splits > CLUSTER_MAX:
+        raise AttentionShapeError(f"knob splits={splits} with cluster: a cluster holds at most {CLUSTER_MAX} CTAs")
     knobs = dict(knobs, splits=splits)
     smem = decode_split_shared_memory_bytes(hd, rows, knobs)
     if smem > SHARED_MEMORY_LIMIT:
@@ -1359,12 +1364,20 @@ def decode_configs(shape: dict, dtype: str, append: bool = False) -> list[dict]:
 
 
 def decode_split_shared_memory_bytes(head_dim: int, rows: int, knobs: dict) -> int:
-    """The lane groups' partials of ``rows`` query rows, and with ``stages`` the ring of K and V
-    steps (2-byte dtypes)."""
+    """The lane groups' partials of ``rows`` query rows, with ``stages`` the ring of K and V steps
+    (2-byte dtypes), with ``cluster`` the splits' partials of this CTA's share of the outputs."""
     geo = decode_geometry(head_dim, knobs)
     stages = knobs.get("stages", 0)
     ring = stages * (2 * geo["step"] * head_dim * 2 + 8) + (256 if stages else 0)  # slots, barriers, alignment
-    return 4 * geo["groups"] * rows * (head_dim + 2) + ring
+    gather = 4 * knobs["splits"] * (cluster_share(rows, head_dim, knobs["splits"]) + 2 * rows) + 32 \
+        if knobs.get("cluster") else 0
+    return 4 * geo["groups"] * rows * (head_dim + 2) + ring + gather
+
+
+def cluster_share(rows: int, head_dim: int, splits: int) -> int:
+    """Outputs (query row x column) whose splits' partials each CTA of a merging cluster gathers
+    and merges: CTA r the r-th run of this many."""
+    return -(-rows * head_dim // splits)
 
 
 def _paged_row(row, page_size: int, length):
@@ -1432,8 +1445,9 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     ends, instead of being launched then, a few microseconds of a short step."""
     if paged and append:
         raise ValueError("a paged decode kernel does not append")
-    if knobs and knobs.get("stages") and not append:
-        raise ValueError("only an appending decode kernel streams its keys through shared memory (stages)")
+    if knobs and (knobs.get("stages") or knobs.get("cluster")) and not append:
+        raise ValueError("only an appending decode kernel streams its keys through shared memory (stages) "
+                         "or merges its splits in a cluster (cluster)")
     if drafts and (paged or append):
         raise ValueError("a verifying decode kernel neither appends nor reads pages")
     if queries > 1 and not paged:
@@ -1444,6 +1458,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     stages = knobs.get("stages", 0)
     bulk = stages > 0                     # keys through a shared-memory ring, the append by bulk copies
     rows, row_ctas, queries = dims["rows"], dims["row_ctas"], dims["queries"]
+    cluster = bool(knobs.get("cluster"))  # the splits of a row set merge in their cluster: no combine kernel
+    share = cluster_share(rows, hd, splits) if cluster else 0
     chunk = bool(paged) and queries > 1  # q and out (batch, queries, heads, head_dim), causal over the last keys
     partials = decode_partials(knobs, drafts)
     geo = decode_geometry(hd, knobs)
@@ -1613,16 +1629,23 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         # None). hk: this CTA's set of query rows, kvh: their K/V head.
         T.device_entry()
         sp, hk, b = T.cta_id([partials, hkv * row_ctas, nb])
+        if cluster:  # a row set's splits are one cluster, CTA sp its rank sp
+            _rank, _cy, _cz = T.cta_id_in_cluster([splits, 1, 1])
         tx = T.thread_id([threads])
         kvh = T.meta_var(_kv_head(hk, row_ctas))
         # Programmatic dependent launch: wait for the kernel before (it may still be running),
         # then let the combine be scheduled at once, so its launch hides behind this kernel.
         T.ptx.griddepcontrol.wait()
         T.ptx.griddepcontrol.launch_dependents()
+        if cluster:  # this CTA has started: its shared memory may take the others' partials (waited on there)
+            T.ptx["barrier.cluster.arrive.relaxed.aligned"]()
         pool = T.SMEMPool()
         merge_o = pool.alloc((groups, rows, hd), "float32", align=16)
         merge_m = pool.alloc((groups, rows), "float32", align=16)
         merge_l = pool.alloc((groups, rows), "float32", align=16)
+        if cluster:  # every split's partials of this CTA's share of the outputs, and of their rows' (max, sum)
+            gather_o = pool.alloc((splits, share), "float32", align=16)
+            gather_ml = pool.alloc((splits, rows, 2), "float32", align=16)
         if bulk:
             KS = pool.alloc((stages, step, hd), dtype, align=128)
             VS = pool.alloc((stages, step, hd), dtype, align=128)
@@ -1656,6 +1679,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         m_new = T.alloc_buffer((1,), "float32", scope="local")
         alpha = T.alloc_buffer((1,), "float32", scope="local")
         merged = T.alloc_buffer((4,), "float32", scope="local")  # max, sum, output element, weight
+        remote = T.alloc_buffer((1,), "uint32", scope="local")   # a shared-memory address in another CTA
         length = T.meta_var(_seq_length(SL, b, cache_length))
         # this CTA's split of the cache (`_cache_keys`, the ring's macros)
         key_begin = T.meta_var(decode_key_range(sp, length, splits, step)[0])
@@ -1716,6 +1740,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                 merge_m[lane_group, g] = m[g]
                 merge_l[lane_group, g] = l[g]
         T.cuda.cta_sync()
+        if cluster:
+            T.ptx["barrier.cluster.wait.aligned"]()  # every CTA of the cluster has started
         for i in T.unroll(outputs_per_thread):
             idx = T.meta_var(i * threads + tx)
             if idx < rows * hd:
@@ -1730,14 +1756,54 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                     merged[3] = T.exp2(merge_m[r, g] - merged[0])
                     merged[1] = merged[1] + merged[3] * merge_l[r, g]
                     merged[2] = merged[2] + merged[3] * merge_o[r, g, d]
-                PO[b, hk * rows + g, sp, d] = merged[2]
-                if d == 0:
-                    PML[b, hk * rows + g, sp, 0] = merged[0]
-                    PML[b, hk * rows + g, sp, 1] = merged[1]
+                if cluster:  # the output element to the CTA that merges it, the row's (max, sum) to CTA d
+                    T.ptx["mapa.shared::cluster.u32"](remote[0], T.cuda.cvta_generic_to_shared(
+                        gather_o.ptr_to([sp, idx % share])), T.Cast("uint32", idx // share))
+                    T.ptx["st.shared::cluster.f32"](remote[0], merged[2])
+                    if d < splits:
+                        T.ptx["mapa.shared::cluster.u32"](remote[0], T.cuda.cvta_generic_to_shared(
+                            gather_ml.ptr_to([sp, g, 0])), T.Cast("uint32", d))
+                        T.ptx["st.shared::cluster.v2.f32"](remote[0], merged[0], merged[1])
+                else:
+                    PO[b, hk * rows + g, sp, d] = merged[2]
+                    if d == 0:
+                        PML[b, hk * rows + g, sp, 0] = merged[0]
+                        PML[b, hk * rows + g, sp, 1] = merged[1]
+        if cluster:
+            # the partials in place (release / acquire), then this CTA merges its share into out (PO)
+            T.ptx["barrier.cluster.arrive.aligned"]()  # (T.cuda.cluster_sync's asm has no memory clobber)
+            T.ptx["barrier.cluster.wait.aligned"]()
+            for i in T.unroll(-(-share // threads)):
+                own = T.meta_var(sp * share + i * threads + tx)
+                if i * threads + tx < share and own < rows * hd:
+                    g = T.meta_var(own // hd)
+                    merged[0] = T.float32(_INIT_MAX)
+                    for r in T.unroll(splits):
+                        merged[0] = T.max(merged[0], gather_ml[r, g, 0])
+                    merged[1] = T.float32(0)
+                    merged[2] = T.float32(0)
+                    for r in T.unroll(splits):
+                        merged[3] = T.exp2(gather_ml[r, g, 0] - merged[0])
+                        merged[1] = merged[1] + merged[3] * gather_ml[r, g, 1]
+                        merged[2] = merged[2] + merged[3] * gather_o[r, i * threads + tx]
+                    PO[b, hk * rows + g, own % hd] = T.Cast(dtype, merged[2] / merged[1])
 
 
     # a prim_func is parsed where it is defined: only the variant asked for
-    if append:
+    if cluster:
+        @T.prim_func
+        def split(q: T.handle, k_new: T.handle, v_new: T.handle, k_cache: T.handle, v_cache: T.handle,
+                  k_out: T.handle, v_out: T.handle, out: T.handle, length: T.int32):
+            Q = T.match_buffer(q, (nb, hq, hd), dtype, align=16)
+            KN = T.match_buffer(k_new, (nb, hkv, hd), dtype, align=16)
+            VN = T.match_buffer(v_new, (nb, hkv, hd), dtype, align=16)
+            Kc = T.match_buffer(k_cache, (nb, hkv, smax, hd), dtype, align=16)
+            Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
+            KO = T.match_buffer(k_out, (nb, hkv, smax, hd), dtype, align=16)
+            VO = T.match_buffer(v_out, (nb, hkv, smax, hd), dtype, align=16)
+            O = T.match_buffer(out, (nb, hq, hd), dtype, align=16)
+            _split_body(Q, Kc, Vc, O, None, KN, VN, KO, VO, length, None, None, None, None, None)
+    elif append:
         @T.prim_func
         def split(q: T.handle, k_new: T.handle, v_new: T.handle, k_cache: T.handle, v_cache: T.handle,
                   k_out: T.handle, v_out: T.handle, part_o: T.handle, part_ml: T.handle, length: T.int32):
@@ -1831,7 +1897,10 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
 
     name = "attention_decode_append_split" if append else "attention_decode_paged_split" if paged \
         else "attention_verify_split" if drafts else "attention_decode_split"
-    split, combine = _mark(split, name), _mark(combine, "attention_decode_combine")
+    split = _mark(split, name)
+    if cluster:
+        return (dependent_launch(split) if dependent else split), None
+    combine = _mark(combine, "attention_decode_combine")
     if dependent:
         split, combine = dependent_launch(split), dependent_launch(combine)
     return split, combine

@@ -184,7 +184,7 @@ def test_every_decode_config_builds(knobs):
 
 
 @pytest.mark.parametrize("knobs", [k for k in ca.decode_configs(DECODE, "float16", append=True) if k["stages"]
-                                   and k["keys"] in (2, 8)], ids=str)
+                                   and k["keys"] in (2, 8) and not k["cluster"]], ids=str)
 def test_appending_decode_streams_its_keys_through_a_shared_memory_ring(knobs):
     split, _ = ca.decode_attention(DECODE, "float16", knobs, append=True)
     body = _source(split).split("__global__")[-1]
@@ -198,6 +198,46 @@ def test_appending_decode_streams_its_keys_through_a_shared_memory_ring(knobs):
     assert "= kv16_ptr[" in _source(register) and "cp_async_bulk" not in _source(register)
 
 
+@pytest.mark.parametrize("knobs", [dict(stages=4), dict(stages=0, warps=4, keys=1), dict(stages=4, splits=3)], ids=str)
+def test_appending_decode_merges_its_splits_in_a_cluster(knobs):
+    knobs = dict(knobs, cluster=1)
+    dims, resolved = ca.check_decode(DECODE, "float16", knobs, append=True)
+    splits, rows, hd = resolved["splits"], dims["rows"], DECODE["head_dim"]
+    split, combine = ca.decode_attention(DECODE, "float16", knobs, append=True)
+    assert combine is None
+    source = _source(split)
+    assert source.count("__global__ void") == 2  # declared and defined: one kernel, no combine
+    signature = source[source.index("attention_decode_append_split_kernel("):].split(")")[0]
+    assert "O_ptr" in signature and "PO" not in signature and "PML" not in signature
+    body = source.split("__global__")[-1]
+    # started (relaxed arrive) before the others may store into this CTA; waited on before storing
+    assert body.index("cluster_arrive_relaxed_aligned()") < body.index("cp_async_bulk") \
+        if knobs["stages"] else "cluster_arrive_relaxed_aligned()" in body
+    first_wait = body.index("cluster_wait_aligned()")
+    assert first_wait < body.index("mapa_u32_shared__cluster_u32(remote")
+    # each output element to its merging CTA, each row's (max, sum) to CTAs 0 .. splits - 1
+    assert body.count("st_shared__cluster_f32(remote") == -(-rows * hd // (32 * resolved["warps"]))
+    assert body.count("st_vec_shared__cluster_v2_f32(remote") == -(-rows * hd // (32 * resolved["warps"]))
+    assert "cluster_ctarank" in source and "cluster_sync" not in body   # its asm has no memory clobber
+    last_wait = body.rindex("cluster_wait_aligned()")
+    out_stores = [m.start() for m in re.finditer(r"[^KV]O_ptr\[", body)]
+    assert out_stores and body.index("cluster_arrive_aligned()") < last_wait < min(out_stores)
+    assert body[last_wait:].count("exp2f(") == splits                # this CTA's share, over every split
+    assert "(half)(merged_ptr[2] / merged_ptr[1])" in body[last_wait:].replace("((half)", "(half)")
+
+
+def test_a_merging_cluster_holds_at_most_sixteen_splits():
+    long = dict(DECODE, max_seq=32768)
+    assert ca.check_decode(long, "float16", None, append=True)[1]["splits"] == ca.SPLIT_MAX
+    assert ca.check_decode(long, "float16", dict(cluster=1), append=True)[1]["splits"] == ca.CLUSTER_MAX == 16
+    with pytest.raises(ca.AttentionShapeError, match="at most 16"):
+        ca.check_decode(long, "float16", dict(cluster=1, splits=17), append=True)
+    with pytest.raises(ValueError, match="cluster"):
+        ca.decode_attention(DECODE, "float16", dict(cluster=1))
+    with pytest.raises(ca.AttentionShapeError, match="unknown knob 'cluster'"):
+        ca.check_decode(DECODE, "float16", dict(cluster=1))
+
+
 def test_only_appending_decode_takes_stages_and_the_ring_fits_shared_memory():
     with pytest.raises(ValueError, match="stages"):
         ca.decode_attention(DECODE, "float16", dict(stages=2))
@@ -205,8 +245,8 @@ def test_only_appending_decode_takes_stages_and_the_ring_fits_shared_memory():
         ca.check_decode(DECODE, "float16", dict(stages=2))
     with pytest.raises(ca.AttentionShapeError, match="shared memory"):   # 4 slots of 128 keys of K and V
         ca.check_decode(DECODE, "float16", dict(stages=4, keys=8), append=True)
-    assert dict(warps=8, keys=8, stages=4) not in ca.decode_configs(DECODE, "float16", append=True)
-    assert dict(warps=8, keys=2, stages=4) in ca.decode_configs(DECODE, "float16", append=True)
+    assert dict(warps=8, keys=8, stages=4, cluster=0) not in ca.decode_configs(DECODE, "float16", append=True)
+    assert dict(warps=8, keys=2, stages=4, cluster=0) in ca.decode_configs(DECODE, "float16", append=True)
 
 
 @pytest.mark.parametrize("append", [False, True])

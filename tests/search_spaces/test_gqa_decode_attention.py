@@ -120,8 +120,8 @@ def test_rejects_bad_shapes():
         gqa.build(dict(SMALL, cache_len=SMALL["max_seq"]), "float32")
 
 
-@pytest.mark.parametrize("stages", [0, 2, 4])
-def test_the_split_kv_template_builds_at_a_fixed_cache_len(stages):
+@pytest.mark.parametrize("stages, cluster", [(0, 0), (2, 0), (4, 0), (0, 1), (4, 1)])
+def test_the_split_kv_template_builds_at_a_fixed_cache_len(stages, cluster):
     # the ring's byte counts once had a negative bound (a split past cache_len) that their uint32
     # cast rejected at build time, for the constant cache_len a pattern's kernel is built with
     from autofuse import building as B
@@ -131,5 +131,6 @@ def test_the_split_kv_template_builds_at_a_fixed_cache_len(stages):
     h200 = parse_target("h200")
     template = K.kernel_template(gqa.PATTERN, "cuda_split_kv")
     assert template.default_for(shape, "float16")["stages"] == 4
-    func = template.build(shape, "float16", {**template.default_for(shape, "float16"), "stages": stages})
+    func = template.build(shape, "float16", {**template.default_for(shape, "float16"), "stages": stages,
+                                             "cluster": cluster})
     B.build_tirx(func, h200)
