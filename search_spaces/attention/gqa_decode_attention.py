@@ -246,8 +246,19 @@ def _split_kv(shape, dtype, knobs):
                      (combine, [part_o, part_ml, out])], [part_o, part_ml])
 
 
+def _split_kv_default(shape, dtype):
+    """The defaults, with ``cluster`` as ``cuda_attention.default_cluster`` sets it for the shape."""
+    knobs = cuda_attention.APPEND_SPLIT_KV_DEFAULT_KNOBS
+    try:
+        cluster = cuda_attention.check_decode(shape, dtype, knobs, append=True)[1]["cluster"]
+    except ValueError:  # a shape the kernel refuses: no configuration will be taken anyway
+        cluster = 0
+    return {**knobs, "cluster": cluster}
+
+
 cuda_split_kv = KernelTemplate("cuda_split_kv", _split_kv, cuda_attention.APPEND_SPLIT_KV_KNOBS,
-                               cuda_attention.APPEND_SPLIT_KV_DEFAULT_KNOBS, _split_kv_check, **HOPPER)
+                               cuda_attention.APPEND_SPLIT_KV_DEFAULT_KNOBS, _split_kv_check,
+                               shape_default=_split_kv_default, **HOPPER)
 
 
 def onnx_graph(shape, dtype):

@@ -156,7 +156,8 @@ SPLIT_KV_DEFAULT_KNOBS = {name: DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_
 # appending split kernels may stream their keys through shared memory: ``stages`` slots of a step's
 # K and V rows, bulk-copied in and (the append) bulk-copied out; 0 = 16-byte loads to registers
 APPEND_KNOBS = {**DECODE_KNOBS, "stages": (0, 2, 4), "cluster": (0, 1)}
-APPEND_DEFAULT_KNOBS = {**DECODE_DEFAULT_KNOBS, "stages": 4, "cluster": 0}  # stages: the fastest of 0/2/4 on an H100 (README)
+# stages: the fastest of 0/2/4 on an H100 (README); cluster None: ``default_cluster``
+APPEND_DEFAULT_KNOBS = {**DECODE_DEFAULT_KNOBS, "stages": 4, "cluster": None}
 CLUSTER_MAX = 16         # CTAs of a thread-block cluster (over 8: non-portable, sm_90)
 APPEND_SPLIT_KV_KNOBS = {**SPLIT_KV_KNOBS, "stages": APPEND_KNOBS["stages"], "cluster": APPEND_KNOBS["cluster"]}
 APPEND_SPLIT_KV_DEFAULT_KNOBS = {**SPLIT_KV_DEFAULT_KNOBS, "stages": APPEND_DEFAULT_KNOBS["stages"],
@@ -190,7 +191,7 @@ def _resolve(knobs: dict | None, space: dict, default: dict) -> dict:
             raise AttentionShapeError(f"unknown knob {name!r}; knobs are {', '.join(space)}")
         out[name] = value
     for name, value in out.items():
-        if space[name] is not None and value not in space[name]:
+        if space[name] is not None and value not in space[name] and not (value is None and default[name] is None):
             raise AttentionShapeError(f"knob {name}={value!r} is not one of {list(space[name])}")
     return out
 
@@ -1294,6 +1295,14 @@ def default_splits(batch: int, kv_heads: int, max_seq: int, head_dim: int, knobs
     return -(-max_seq // chunk)
 
 
+def default_cluster(row_sets: int, splits: int) -> int:
+    """1 (merge in a cluster) where that costs no parallelism: the combine's ``splits`` would fit
+    one cluster anyway, or ``row_sets`` (batch x K/V heads x row CTAs) of CLUSTER_MAX splits still
+    fill two CTAs on every SM. Else 0: at batch 1 the combine's 32 splits are faster (README,
+    "decode merged in a cluster")."""
+    return int(splits <= CLUSTER_MAX or row_sets * CLUSTER_MAX >= 2 * SM_COUNT)
+
+
 def decode_rows(group: int, queries: int = 1) -> int:
     """Query rows a split CTA keeps in registers: the K/V head's whole query group when decoding
     one token; with ``queries`` tokens a head (drafts, a chunk), the largest divisor of its group x
@@ -1324,6 +1333,9 @@ def check_decode(shape: dict, dtype: str, knobs: dict | None = None, drafts: int
         if not 0 <= length <= smax:
             raise AttentionShapeError(f"cache_len={length} must be in [0, max_seq={smax}]")
         keys, keys_name = max(length, 1), "max(cache_len, 1)"
+    if append and knobs["cluster"] is None:
+        knobs["cluster"] = default_cluster(nb * row_ctas * hkv, default_splits(nb * row_ctas, hkv, keys, hd,
+                                                                               dict(knobs, cluster=0)))
     splits = knobs["splits"]
     if splits is None:
         splits = default_splits(nb * row_ctas, hkv, keys, hd, knobs)

@@ -253,7 +253,7 @@ def test_only_appending_decode_takes_stages_and_the_ring_fits_shared_memory():
 def test_decode_kernels_use_dependent_launch(append):
     # the combine waits for the split kernel's partials before reading them; the split kernel
     # waits for whatever ran before it, then lets the combine be scheduled
-    split, combine = ca.decode_attention(DECODE, "float16", append=append)
+    split, combine = ca.decode_attention(DECODE, "float16", dict(cluster=0) if append else None, append=append)
     for func in (split, combine):
         assert ca.DEPENDENT_LAUNCH_TAG in func.attrs["tirx.kernel_launch_params"]
     split_body, combine_body = (_source(func).split("__global__")[-1] for func in (split, combine))
@@ -261,8 +261,14 @@ def test_decode_kernels_use_dependent_launch(append):
     assert wait < split_body.index("griddepcontrol_launch_dependents()") < split_body.index("Q_ptr)[")
     assert combine_body.index("griddepcontrol_wait()") < combine_body.index("PML_ptr[")
     # without it, neither the tag nor the instructions
-    split, combine = ca.decode_attention(DECODE, "float16", append=append, dependent=False)
+    split, combine = ca.decode_attention(DECODE, "float16", dict(cluster=0) if append else None, append=append,
+                                         dependent=False)
     assert "tirx.kernel_launch_params" not in split.attrs and "tirx.kernel_launch_params" not in combine.attrs
+    if append:  # merged in a cluster: the one kernel waits for the one before, as the split kernel does
+        split, combine = ca.decode_attention(DECODE, "float16", dict(cluster=1), append=True)
+        body = _source(split).split("__global__")[-1]
+        assert combine is None and ca.DEPENDENT_LAUNCH_TAG in split.attrs["tirx.kernel_launch_params"]
+        assert body.index("griddepcontrol_wait()") < body.index("Q_ptr)[")
 
 
 def test_decode_bfloat16_head_dim_64_builds():
@@ -565,10 +571,10 @@ def test_nvcc_keeps_the_overlapped_prefill_pipelined(tmp_path, shape, block_n):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("append", [False, True])
-def test_nvcc_compiles_decode(tmp_path, append):
-    split, combine = ca.decode_attention(DECODE, "float16", append=append)
-    for func in (split, combine):
+@pytest.mark.parametrize("append, knobs", [(False, None), (True, dict(cluster=0)), (True, dict(cluster=1))])
+def test_nvcc_compiles_decode(tmp_path, append, knobs):
+    split, combine = ca.decode_attention(DECODE, "float16", knobs, append=append)
+    for func in (split, combine) if combine else (split,):
         [(regs, spills)] = _ptxas(_source(func), tmp_path)
         assert spills == 0 and regs <= 255
 
@@ -937,7 +943,7 @@ def test_append_writes_each_cache_row_once(length, splits, step, max_seq):
 
 def test_append_split_reads_the_new_row_and_writes_the_caches():
     # loads to registers (stages 0); the ring's: test_appending_decode_streams_its_keys_through_...
-    split, combine = ca.decode_attention(DECODE, "float16", dict(stages=0), append=True)
+    split, combine = ca.decode_attention(DECODE, "float16", dict(stages=0, cluster=0), append=True)
     source = _source(split)
     assert "attention_decode_append_split_kernel" in source
     assert "(length - 1)" in source                   # the new token's row comes from k_new / v_new

@@ -34,7 +34,7 @@ CASES = {
     "cross_attention": ({"batch": 1, "heads": 4, "seq_q": 128, "seq_kv": 384, "head_dim": 128}, 1,
                         F16_MMA + "m64n128k16"),
     "gqa_decode_attention": ({"batch": 2, "num_heads": 8, "num_kv_heads": 2, "head_dim": 128, "max_seq": 512,
-                              "cache_len": 300}, 2, None),
+                              "cache_len": 300}, 1, "cluster_ctarank"),   # splits merged in a cluster
     "paged_attention": ({"batch": 2, "q_len": 1, "num_heads": 8, "num_kv_heads": 2, "head_dim": 128, "page_size": 16,
                          "max_pages": 32, "num_pages": 80}, 2, None),
     # a chunk longer than the split-KV kernel takes: the tensor-core prefill over the pages
@@ -335,10 +335,14 @@ def test_split_k_sums_the_partials_with_the_bias_and_relu():
 def test_decode_appends_while_it_attends_over_cache_len_plus_one():
     shape = CASES["gqa_decode_attention"][0]
     text = _default("gqa_decode_attention").script()
-    assert text.count('T.attr({"tirx.device_entry"') == 2  # the split kernel appends; no copy kernel
+    # the split kernel appends (no copy kernel) and merges its splits in a cluster (no combine)
+    assert text.count('T.attr({"tirx.device_entry"') == 1
     # the split kernel's run-time length is bound to the cache_len + 1 positions attended
     assert re.search(rf"length: T.let\[T.int32\] = {shape['cache_len'] + 1}\b", text) or \
         f"length = {shape['cache_len'] + 1}" in text, text[:3000]
+    template = _template("gqa_decode_attention")
+    text = template.build(shape, "float16", {**template.default_for(shape, "float16"), "cluster": 0}).script()
+    assert text.count('T.attr({"tirx.device_entry"') == 2  # the split kernel and the combine
 
 
 # --- nvcc, once per kernel ---------------------------------------------------------------------
