@@ -121,7 +121,14 @@ Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new
     rows (contiguous in the cache) into a ring of that many shared-memory slots, so a CTA's next
     steps are in flight while it computes, and bulk-copies each landed slot out to the output
     caches; the lane groups read their rows from the slot. 0: loads to registers, stores from them.
-    Default 4 (all of a 128-key split's loads issued at once).
+    Default 4 (all of a 128-key split's loads issued at once). And ``cluster``: with 1 the splits
+    of a row set are one thread-block cluster (at most CLUSTER_MAX), which merges them without a
+    combine kernel: each CTA stores its partial output elements into the shared memory of the CTA
+    that merges them (a share of rows x head_dim each) and its rows' (max, sum) into every CTA's,
+    over distributed shared memory (mapa, st.shared::cluster), then one cluster barrier (release,
+    acquire), and each CTA writes its share of out. A relaxed cluster arrive at the start, waited on
+    before the first remote store, makes sure every CTA of the cluster has started. Default
+    (None): ``default_cluster``, by shape.
 
     Both kernels are launched with programmatic dependent launch (sm_90): the split kernel waits
     for the kernel before it (griddepcontrol.wait) and at once allows its dependents, so the
