@@ -101,7 +101,8 @@ def main(argv=None) -> int:
             else:
                 combine_ms = f"{row['combine']['median_ms']:.4f}" if row["combine"] else "none"
                 print(f"  {row['knobs']}: err {row['err']:.1e} caches {'ok' if row['caches_ok'] else 'WRONG'} "
-                      f"split {row['split']['median_ms']:.4f} combine {combine_ms} both {row['both']['median_ms']:.4f} ms "
+                      f"split {row['split']['median_ms']:.4f} combine {combine_ms} "
+                      f"both {row['both']['median_ms']:.4f} ms "
                       f"({row['both']['pct_of_copy']:.0%} of copy; without dependent launch "
                       f"{row['both_without_dependent_launch']['median_ms']:.4f})", flush=True)
         result["cases"].append(entry)

@@ -1293,8 +1293,9 @@ def decode_geometry(head_dim: int, knobs: dict) -> dict:
 def default_splits(batch: int, kv_heads: int, max_seq: int, head_dim: int, knobs: dict) -> int:
     """Key splits per (batch, K/V head): as many as keep SPLIT_MIN_KEYS keys or more each, at most
     SPLIT_MAX (each adds a partial per query head to combine; CLUSTER_MAX with ``cluster``) and
-    SPLIT_MAX_CTAS CTAs in all, then only those that get keys at max_seq. More, shorter CTAs than one wave hide the loads' latency
-    better, up to where the combine's reads cost more (H100 sweep: README, "decode split sweep")."""
+    SPLIT_MAX_CTAS CTAs in all, then only those that get keys at max_seq. More, shorter CTAs than
+    one wave hide the loads' latency better, up to where the combine's reads cost more (H100 sweep:
+    README, "decode split sweep")."""
     step = decode_geometry(head_dim, knobs)["step"]
     most = CLUSTER_MAX if knobs.get("cluster") else SPLIT_MAX
     splits = max(1, min(most, max_seq // max(SPLIT_MIN_KEYS, step), SPLIT_MAX_CTAS // (batch * kv_heads)))
@@ -1439,7 +1440,9 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     ``(q, k_new, v_new, k_cache, v_cache, k_out, v_out, part_o, part_ml, length)``: it attends over
     the caches with row length - 1 replaced by the new token's rows and writes the whole appended
     caches to k_out, v_out on the way (each row it attends as it loads it, rows from length on
-    shared out among the splits), so the copy costs no second read of the caches.
+    shared out among the splits), so the copy costs no second read of the caches. Where the knob
+    ``cluster`` resolves to 1 the splits merge in their cluster: the split kernel is ``(q, k_new,
+    v_new, k_cache, v_cache, k_out, v_out, out, length)`` and combine is None.
 
     With ``paged`` = (page_size, max_pages, num_pages) the caches are vLLM's pages instead: the split
     kernel is ``(q, k_pages, v_pages, block_table, seq_lens, part_o, part_ml)``, pages (num_pages,

@@ -238,6 +238,20 @@ def test_a_merging_cluster_holds_at_most_sixteen_splits():
         ca.check_decode(DECODE, "float16", dict(cluster=1))
 
 
+@pytest.mark.parametrize("batch, max_seq, cluster, splits", [
+    (1, 1024, 1, 8),      # the combine's 8 splits fit one cluster
+    (1, 4096, 0, 32),     # 8 clusters of 16 would leave the GPU half empty: 32 splits and the combine
+    (1, 32768, 0, 32),
+    (4, 4096, 1, 16),     # 32 row sets x 16 fill two CTAs on every SM
+    (64, 4096, 1, 8),
+])
+def test_the_cluster_is_the_default_where_it_costs_no_parallelism(batch, max_seq, cluster, splits):
+    shape = dict(batch=batch, num_heads=32, num_kv_heads=8, head_dim=128, max_seq=max_seq)
+    knobs = ca.check_decode(shape, "float16", append=True)[1]
+    assert (knobs["cluster"], knobs["splits"]) == (cluster, splits)
+    assert ca.check_decode(shape, "float16", dict(cluster=1 - cluster), append=True)[1]["cluster"] == 1 - cluster
+
+
 def test_only_appending_decode_takes_stages_and_the_ring_fits_shared_memory():
     with pytest.raises(ValueError, match="stages"):
         ca.decode_attention(DECODE, "float16", dict(stages=2))

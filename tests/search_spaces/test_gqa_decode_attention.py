@@ -131,6 +131,8 @@ def test_the_split_kv_template_builds_at_a_fixed_cache_len(stages, cluster):
     h200 = parse_target("h200")
     template = K.kernel_template(gqa.PATTERN, "cuda_split_kv")
     assert template.default_for(shape, "float16")["stages"] == 4
+    assert template.default_for(shape, "float16")["cluster"] == 1  # 32 row sets of 16 splits fill the GPU
+    assert template.default_for(dict(shape, batch=1), "float16")["cluster"] == 0
     func = template.build(shape, "float16", {**template.default_for(shape, "float16"), "stages": stages,
                                              "cluster": cluster})
     B.build_tirx(func, h200)
