@@ -1701,7 +1701,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         m_new = T.alloc_buffer((1,), "float32", scope="local")
         alpha = T.alloc_buffer((1,), "float32", scope="local")
         merged = T.alloc_buffer((4,), "float32", scope="local")  # max, sum, output element, weight
-        remote = T.alloc_buffer((1,), "uint32", scope="local")   # a shared-memory address in another CTA
+        if cluster:
+            remote = T.alloc_buffer((1,), "uint32", scope="local")  # a shared-memory address in another CTA
         length = T.meta_var(_seq_length(SL, b, cache_length))
         # this CTA's split of the cache (`_cache_keys`, the ring's macros)
         key_begin = T.meta_var(decode_key_range(sp, length, splits, step)[0])
