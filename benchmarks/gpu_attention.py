@@ -123,10 +123,10 @@ def dry_run() -> int:
                     _source(ca.prefill_attention(shape, dtype, knobs))
                     built += 1
             shape = dict(batch=2, num_heads=8, num_kv_heads=2, head_dim=d, max_seq=1000)
-            for append in (False, True):  # the appending kernel adds the ring's stages and the cluster
+            for append in (False, True):  # the appending kernel adds the ring's stages and the merges
                 for knobs in ca.decode_configs(shape, dtype, append=append):
                     for func in ca.decode_attention(shape, dtype, knobs, append=append):
-                        if func is not None:  # no combine kernel where the splits merge in a cluster
+                        if func is not None:  # no combine kernel where the splits merge without it
                             _source(func)
                             built += 1
     for kind, name, spec in all_cases():

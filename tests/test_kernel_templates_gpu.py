@@ -204,9 +204,25 @@ def test_decode_merged_in_a_cluster_passes_its_check(shape, dtype, stages):
     memory in their thread-block cluster (no combine kernel), checked as a search's trial is."""
     pattern = get_pattern("gqa_decode_attention")
     template = K.kernel_template(pattern, "cuda_split_kv")
-    func = template.build(shape, dtype, {**template.default_for(shape, dtype), "stages": stages, "cluster": 1})
+    func = template.build(shape, dtype, {**template.default_for(shape, dtype), "stages": stages, "merge": "cluster"})
     result = verify.check_module(pattern, B.build_tirx(func, H200), pattern.build(shape, dtype), shape, dtype, DEV)
     assert result.ok, result.message
+
+
+@pytest.mark.parametrize("stages", [0, 4])
+@pytest.mark.parametrize("shape, dtype", DECODE_CASES, ids=[f"{dtype}-{shape['max_seq']}-{shape['cache_len']}"
+                                                            for shape, dtype in DECODE_CASES])
+def test_decode_merged_by_the_last_split_passes_its_check(shape, dtype, stages):
+    """gqa_decode_attention's split kernel whose last split to finish merges the partials (no
+    combine kernel), checked as a search's trial is, twice on one module: the module's counters are
+    zero again after each call."""
+    pattern = get_pattern("gqa_decode_attention")
+    template = K.kernel_template(pattern, "cuda_split_kv")
+    func = template.build(shape, dtype, {**template.default_for(shape, dtype), "stages": stages, "merge": "last"})
+    module = B.build_tirx(func, H200)
+    for _ in range(2):
+        result = verify.check_module(pattern, module, pattern.build(shape, dtype), shape, dtype, DEV)
+        assert result.ok, result.message
 
 
 MOE_CASES = [

@@ -224,36 +224,42 @@ def _split_kv(shape, dtype, knobs):
     reads (row cache_len taken from k_new/v_new, every row it loads stored to the output caches,
     the rows past cache_len copied by the CTAs in shares; with ``stages``, the keys through a
     shared-memory ring by bulk copies, the append as bulk copies out of it; each K/V row read once
-    for its whole query group, a partial per key split), then the combine (with ``cluster``, none:
-    the splits merge in their thread-block cluster); no cache length limit.
+    for its whole query group, a partial per key split), then the combine (with ``merge`` "cluster"
+    or "last", none: the splits merge in their thread-block cluster, or the last split to finish
+    merges them); no cache length limit.
     float16/bfloat16, head_dim 64 or 128; a group of more than 8 query heads is shared out in row
     sets among CTAs over the same keys, the first of which appends."""
     nb, hq, hkv, _, hd, smax, length = _dims(shape)
     split, combine = cuda_attention.decode_attention(shape, dtype, knobs, append=True)
-    splits = cuda_attention.check_decode(shape, dtype, knobs, append=True)[1]["splits"]
+    resolved = cuda_attention.check_decode(shape, dtype, knobs, append=True)[1]
+    splits = resolved["splits"]
     q, out = buffer("q", (nb, hq, hd), dtype), buffer("out", (nb, hq, hd), dtype)
     k_new, v_new = (buffer(name, (nb, hkv, hd), dtype) for name in ("k_new", "v_new"))
     k_cache, v_cache, k_out, v_out = (buffer(name, (nb, hkv, smax, hd), dtype)
                                       for name in ("k_cache", "v_cache", "k_cache_out", "v_cache_out"))
     params = [q, k_new, v_new, k_cache, v_cache, out, k_out, v_out]
-    if combine is None:  # knob cluster: the splits merged in their cluster, out written by the split kernel
+    if resolved["merge"] == "cluster":  # the splits merged in their cluster, out written by the split kernel
         return sequence("gqa_decode_attention", params,
                         [(split, [q, k_new, v_new, k_cache, v_cache, k_out, v_out, out, length + 1])])
     part_o = workspace("part_o", (nb, hq, splits, hd), "float32")
     part_ml = workspace("part_ml", (nb, hq, splits, 2), "float32")
+    if resolved["merge"] == "last":  # the last split to finish merges the partials and writes out
+        return sequence("gqa_decode_attention", params,
+                        [(split, [q, k_new, v_new, k_cache, v_cache, k_out, v_out, part_o, part_ml, out,
+                                  length + 1])], [part_o, part_ml])
     return sequence("gqa_decode_attention", params,
                     [(split, [q, k_new, v_new, k_cache, v_cache, k_out, v_out, part_o, part_ml, length + 1]),
                      (combine, [part_o, part_ml, out])], [part_o, part_ml])
 
 
 def _split_kv_default(shape, dtype):
-    """The defaults, with ``cluster`` as ``cuda_attention.default_cluster`` sets it for the shape."""
+    """The defaults, with ``merge`` as ``cuda_attention.default_merge`` sets it for the shape."""
     knobs = cuda_attention.APPEND_SPLIT_KV_DEFAULT_KNOBS
     try:
-        cluster = cuda_attention.check_decode(shape, dtype, knobs, append=True)[1]["cluster"]
+        merge = cuda_attention.check_decode(shape, dtype, knobs, append=True)[1]["merge"]
     except ValueError:  # a shape the kernel refuses: no configuration will be taken anyway
-        cluster = 0
-    return {**knobs, "cluster": cluster}
+        merge = "combine"
+    return {**knobs, "merge": merge}
 
 
 cuda_split_kv = KernelTemplate("cuda_split_kv", _split_kv, cuda_attention.APPEND_SPLIT_KV_KNOBS,

@@ -121,14 +121,18 @@ Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new
     rows (contiguous in the cache) into a ring of that many shared-memory slots, so a CTA's next
     steps are in flight while it computes, and bulk-copies each landed slot out to the output
     caches; the lane groups read their rows from the slot. 0: loads to registers, stores from them.
-    Default 4 (all of a 128-key split's loads issued at once). And ``cluster``: with 1 the splits
-    of a row set are one thread-block cluster (at most CLUSTER_MAX), which merges them without a
-    combine kernel: each CTA stores its partial output elements into the shared memory of the CTA
-    that merges them (a share of rows x head_dim each) and its rows' (max, sum) into every CTA's,
-    over distributed shared memory (mapa, st.shared::cluster), then one cluster barrier (release,
-    acquire), and each CTA writes its share of out. A relaxed cluster arrive at the start, waited on
-    before the first remote store, makes sure every CTA of the cluster has started. Default
-    (None): ``default_cluster``, by shape.
+    Default 4 (all of a 128-key split's loads issued at once). And ``merge``, who merges a row
+    set's splits (MERGES): "combine", the combine kernel; "cluster", the splits are one thread-block
+    cluster (at most CLUSTER_MAX), which merges them without a combine kernel: each CTA stores its
+    partial output elements into the shared memory of the CTA that merges them (a share of rows x
+    head_dim each) and its rows' (max, sum) into every CTA's, over distributed shared memory (mapa,
+    st.shared::cluster), then one cluster barrier (release, acquire), and each CTA writes its share
+    of out (a relaxed cluster arrive at the start, waited on before the first remote store, makes
+    sure every CTA of the cluster has started); "last", each split writes its partials to global
+    memory and counts itself in (one release/acquire atomic per CTA on a zero-initialised counter of
+    the module, ``_ARRIVE_SOURCE``), and the split that arrives last merges them from L2 and writes
+    out, setting the counter back to zero: no second launch, no grid-wide wait. Default (None):
+    ``default_merge``, by shape.
 
     Both kernels are launched with programmatic dependent launch (sm_90): the split kernel waits
     for the kernel before it (griddepcontrol.wait) and at once allows its dependents, so the
@@ -162,13 +166,15 @@ SPLIT_KV_KNOBS = {name: values for name, values in DECODE_KNOBS.items() if value
 SPLIT_KV_DEFAULT_KNOBS = {name: DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_KNOBS}
 # appending split kernels may stream their keys through shared memory: ``stages`` slots of a step's
 # K and V rows, bulk-copied in and (the append) bulk-copied out; 0 = 16-byte loads to registers
-APPEND_KNOBS = {**DECODE_KNOBS, "stages": (0, 2, 4), "cluster": (0, 1)}
-# stages: the fastest of 0/2/4 on an H100 (README); cluster None: ``default_cluster``
-APPEND_DEFAULT_KNOBS = {**DECODE_DEFAULT_KNOBS, "stages": 4, "cluster": None}
+MERGES = ("combine", "cluster", "last")  # who merges a row set's splits (module docstring)
+APPEND_KNOBS = {**DECODE_KNOBS, "stages": (0, 2, 4), "merge": MERGES}
+# stages: the fastest of 0/2/4 on an H100 (README); merge None: ``default_merge``
+APPEND_DEFAULT_KNOBS = {**DECODE_DEFAULT_KNOBS, "stages": 4, "merge": None}
 CLUSTER_MAX = 16         # CTAs of a thread-block cluster (over 8: non-portable, sm_90)
-APPEND_SPLIT_KV_KNOBS = {**SPLIT_KV_KNOBS, "stages": APPEND_KNOBS["stages"], "cluster": APPEND_KNOBS["cluster"]}
+ARRIVAL_SLOTS = 1 << 16  # row sets whose splits merge "last" in one launch: the module's counters
+APPEND_SPLIT_KV_KNOBS = {**SPLIT_KV_KNOBS, "stages": APPEND_KNOBS["stages"], "merge": APPEND_KNOBS["merge"]}
 APPEND_SPLIT_KV_DEFAULT_KNOBS = {**SPLIT_KV_DEFAULT_KNOBS, "stages": APPEND_DEFAULT_KNOBS["stages"],
-                                 "cluster": APPEND_DEFAULT_KNOBS["cluster"]}
+                                 "merge": APPEND_DEFAULT_KNOBS["merge"]}
 COMBINE_UNROLL = SPLIT_MAX       # splits whose partials the combine kernel loads at once
 DECODE_MAX_GROUP = 8              # query rows a split CTA keeps (q and O in registers); more: more CTAs
 # (batch, K/V head) work items below which a verify prefill leaves most SMs idle: the split kernel
@@ -180,6 +186,21 @@ _TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_t
 _BULK_LOAD = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"  # contiguous bytes, no tensor map
 _BULK_STORE = "cp.async.bulk.global.shared::cta.bulk_group"
 _INIT_MAX = -1.0e30  # running max before the first key: finite, so 2^(m - m') never sees inf - inf
+# merge "last": a split counts itself in after its partials (release) and learns whether it is the
+# row set's last (acquire: the others' partials visible); the last sets the counter back to zero.
+# A __device__ array is zero when the module loads; calls on one stream never overlap on it (each
+# kernel waits for the one before, griddepcontrol.wait, before it counts).
+_ARRIVE_SOURCE = f"""
+__device__ unsigned int autofuse_split_arrivals[{ARRIVAL_SLOTS}];
+__forceinline__ __device__ int autofuse_split_arrive(int row_set, int splits) {{
+  unsigned int before;
+  asm volatile("atom.add.acq_rel.gpu.global.u32 %0, [%1], 1;"
+               : "=r"(before) : "l"(autofuse_split_arrivals + row_set) : "memory");
+  if (before + 1 != (unsigned int)splits) return 0;
+  autofuse_split_arrivals[row_set] = 0u;
+  return 1;
+}}
+"""
 
 
 class AttentionShapeError(ValueError):
@@ -1292,23 +1313,23 @@ def decode_geometry(head_dim: int, knobs: dict) -> dict:
 
 def default_splits(batch: int, kv_heads: int, max_seq: int, head_dim: int, knobs: dict) -> int:
     """Key splits per (batch, K/V head): as many as keep SPLIT_MIN_KEYS keys or more each, at most
-    SPLIT_MAX (each adds a partial per query head to combine; CLUSTER_MAX with ``cluster``) and
+    SPLIT_MAX (each adds a partial per query head to combine; CLUSTER_MAX merged in a cluster) and
     SPLIT_MAX_CTAS CTAs in all, then only those that get keys at max_seq. More, shorter CTAs than
     one wave hide the loads' latency better, up to where the combine's reads cost more (H100 sweep:
     README, "decode split sweep")."""
     step = decode_geometry(head_dim, knobs)["step"]
-    most = CLUSTER_MAX if knobs.get("cluster") else SPLIT_MAX
+    most = CLUSTER_MAX if knobs.get("merge") == "cluster" else SPLIT_MAX
     splits = max(1, min(most, max_seq // max(SPLIT_MIN_KEYS, step), SPLIT_MAX_CTAS // (batch * kv_heads)))
     chunk = decode_key_range(0, max_seq, splits, step)[1]
     return -(-max_seq // chunk)
 
 
-def default_cluster(row_sets: int, splits: int) -> int:
-    """1 (merge in a cluster) where that costs no parallelism: the combine's ``splits`` would fit
-    one cluster anyway, or ``row_sets`` (batch x K/V heads x row CTAs) of CLUSTER_MAX splits still
-    fill two CTAs on every SM. Else 0: at batch 1 the combine's 32 splits are faster (README,
-    "decode merged in a cluster")."""
-    return int(splits <= CLUSTER_MAX or row_sets * CLUSTER_MAX >= 2 * SM_COUNT)
+def default_merge(row_sets: int, splits: int) -> str:
+    """"cluster" where that costs no parallelism: the combine's ``splits`` would fit one cluster
+    anyway, or ``row_sets`` (batch x K/V heads x row CTAs) of CLUSTER_MAX splits still fill two CTAs
+    on every SM. Else "combine": at batch 1 the combine's 32 splits are faster (README, "decode
+    merged in a cluster")."""
+    return "cluster" if splits <= CLUSTER_MAX or row_sets * CLUSTER_MAX >= 2 * SM_COUNT else "combine"
 
 
 def decode_rows(group: int, queries: int = 1) -> int:
@@ -1341,16 +1362,20 @@ def check_decode(shape: dict, dtype: str, knobs: dict | None = None, drafts: int
         if not 0 <= length <= smax:
             raise AttentionShapeError(f"cache_len={length} must be in [0, max_seq={smax}]")
         keys, keys_name = max(length, 1), "max(cache_len, 1)"
-    if append and knobs["cluster"] is None:
-        knobs["cluster"] = default_cluster(nb * row_ctas * hkv, default_splits(nb * row_ctas, hkv, keys, hd,
-                                                                               dict(knobs, cluster=0)))
+    if append and knobs["merge"] is None:
+        knobs["merge"] = default_merge(nb * row_ctas * hkv, default_splits(nb * row_ctas, hkv, keys, hd,
+                                                                           dict(knobs, merge="combine")))
     splits = knobs["splits"]
     if splits is None:
         splits = default_splits(nb * row_ctas, hkv, keys, hd, knobs)
     if not isinstance(splits, int) or isinstance(splits, bool) or not 1 <= splits <= keys:
         raise AttentionShapeError(f"knob splits={splits!r} must be an integer in [1, {keys_name}={keys}]")
-    if knobs.get("cluster") and splits > CLUSTER_MAX:
-        raise AttentionShapeError(f"knob splits={splits} with cluster: a cluster holds at most {CLUSTER_MAX} CTAs")
+    if knobs.get("merge") == "cluster" and splits > CLUSTER_MAX:
+        raise AttentionShapeError(f"knob splits={splits} with merge cluster: a cluster holds at most "
+                                  f"{CLUSTER_MAX} CTAs")
+    if knobs.get("merge") == "last" and nb * row_ctas * hkv > ARRIVAL_SLOTS:
+        raise AttentionShapeError(f"merge last counts the splits of at most {ARRIVAL_SLOTS} row sets "
+                                  f"(batch x K/V heads x row CTAs); this shape has {nb * row_ctas * hkv}")
     knobs = dict(knobs, splits=splits)
     smem = decode_split_shared_memory_bytes(hd, rows, knobs)
     if smem > SHARED_MEMORY_LIMIT:
@@ -1385,12 +1410,14 @@ def decode_configs(shape: dict, dtype: str, append: bool = False) -> list[dict]:
 
 def decode_split_shared_memory_bytes(head_dim: int, rows: int, knobs: dict) -> int:
     """The lane groups' partials of ``rows`` query rows, with ``stages`` the ring of K and V steps
-    (2-byte dtypes), with ``cluster`` the splits' partials of this CTA's share of the outputs."""
+    (2-byte dtypes), merged in a cluster the splits' partials of this CTA's share of the outputs,
+    merged by the last split the flag that says so."""
     geo = decode_geometry(head_dim, knobs)
     stages = knobs.get("stages", 0)
     ring = stages * (2 * geo["step"] * head_dim * 2 + 8) + (256 if stages else 0)  # slots, barriers, alignment
+    merge = knobs.get("merge")
     gather = 4 * knobs["splits"] * (cluster_share(rows, head_dim, knobs["splits"]) + 2 * rows) + 32 \
-        if knobs.get("cluster") else 0
+        if merge == "cluster" else 16 if merge == "last" else 0
     return 4 * geo["groups"] * rows * (head_dim + 2) + ring + gather
 
 
@@ -1441,8 +1468,10 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     the caches with row length - 1 replaced by the new token's rows and writes the whole appended
     caches to k_out, v_out on the way (each row it attends as it loads it, rows from length on
     shared out among the splits), so the copy costs no second read of the caches. Where the knob
-    ``cluster`` resolves to 1 the splits merge in their cluster: the split kernel is ``(q, k_new,
-    v_new, k_cache, v_cache, k_out, v_out, out, length)`` and combine is None.
+    ``merge`` resolves to "cluster" the splits merge in their cluster: the split kernel is ``(q,
+    k_new, v_new, k_cache, v_cache, k_out, v_out, out, length)`` and combine is None; to "last", the
+    last split to finish merges: ``(q, k_new, v_new, k_cache, v_cache, k_out, v_out, part_o, part_ml,
+    out, length)`` and combine is None.
 
     With ``paged`` = (page_size, max_pages, num_pages) the caches are vLLM's pages instead: the split
     kernel is ``(q, k_pages, v_pages, block_table, seq_lens, part_o, part_ml)``, pages (num_pages,
@@ -1467,9 +1496,9 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     ends, instead of being launched then, a few microseconds of a short step."""
     if paged and append:
         raise ValueError("a paged decode kernel does not append")
-    if knobs and (knobs.get("stages") or knobs.get("cluster")) and not append:
+    if knobs and (knobs.get("stages") or knobs.get("merge")) and not append:
         raise ValueError("only an appending decode kernel streams its keys through shared memory (stages) "
-                         "or merges its splits in a cluster (cluster)")
+                         "or merges its splits without the combine kernel (merge)")
     if drafts and (paged or append):
         raise ValueError("a verifying decode kernel neither appends nor reads pages")
     if queries > 1 and not paged:
@@ -1480,7 +1509,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     stages = knobs.get("stages", 0)
     bulk = stages > 0                     # keys through a shared-memory ring, the append by bulk copies
     rows, row_ctas, queries = dims["rows"], dims["row_ctas"], dims["queries"]
-    cluster = bool(knobs.get("cluster"))  # the splits of a row set merge in their cluster: no combine kernel
+    cluster = knobs.get("merge") == "cluster"  # the splits of a row set merge in their cluster: no combine kernel
+    last = knobs.get("merge") == "last"        # the last split of a row set to finish merges: no combine kernel
     share = cluster_share(rows, hd, splits) if cluster else 0
     chunk = bool(paged) and queries > 1  # q and out (batch, queries, heads, head_dim), causal over the last keys
     partials = decode_partials(knobs, drafts)
@@ -1645,8 +1675,37 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             T.ptx["cp.async.bulk.wait_group.read"](0)  # the copies out have read the ring before the CTA ends
 
     @T.macro
-    def _split_body(Q, Kc, Vc, PO, PML, KN, VN, KO, VO, cache_length, BT, SL, KD, VD, TR):
-        # The split kernels' body (KN .. VO: the append buffers, or None; BT, SL: the block table
+    def _merge_splits(PO, PML, b, h, d, total, part, w):
+        # total = (max, sum, output element d) of query row h over its partials, in one pass over
+        # them in chunks of COMBINE_UNROLL: a chunk's loads are all issued before its math (one
+        # memory round trip per chunk), the running total rescaled per chunk.
+        total[0] = T.float32(_INIT_MAX)
+        total[1] = T.float32(0)
+        total[2] = T.float32(0)
+        for s0 in T.serial(chunks):
+            for s1 in T.unroll(COMBINE_UNROLL):
+                if s0 * COMBINE_UNROLL + s1 < partials:
+                    part[0, s1] = PML[b, h, s0 * COMBINE_UNROLL + s1, 0]
+                    part[1, s1] = PML[b, h, s0 * COMBINE_UNROLL + s1, 1]
+                    part[2, s1] = PO[b, h, s0 * COMBINE_UNROLL + s1, d]
+            w[0] = total[0]
+            for s1 in T.unroll(COMBINE_UNROLL):
+                if s0 * COMBINE_UNROLL + s1 < partials:
+                    w[0] = T.max(w[0], part[0, s1])
+            w[1] = T.exp2(total[0] - w[0])
+            total[0] = w[0]
+            total[1] = total[1] * w[1]
+            total[2] = total[2] * w[1]
+            for s1 in T.unroll(COMBINE_UNROLL):
+                if s0 * COMBINE_UNROLL + s1 < partials:
+                    w[1] = T.exp2(part[0, s1] - total[0])
+                    total[1] = total[1] + w[1] * part[1, s1]
+                    total[2] = total[2] + w[1] * part[2, s1]
+
+    @T.macro
+    def _split_body(Q, Kc, Vc, PO, PML, O, KN, VN, KO, VO, cache_length, BT, SL, KD, VD, TR):
+        # The split kernels' body (PO, PML: the partials, or None merged in a cluster; O: out, or
+        # None with the combine; KN .. VO: the append buffers, or None; BT, SL: the block table
         # and sequence lengths of a paged cache, or None; KD, VD, TR: the drafts' K/V and tree, or
         # None). hk: this CTA's set of query rows, kvh: their K/V head.
         T.device_entry()
@@ -1668,6 +1727,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         if cluster:  # every split's partials of this CTA's share of the outputs, and of their rows' (max, sum)
             gather_o = pool.alloc((splits, share), "float32", align=16)
             gather_ml = pool.alloc((splits, rows, 2), "float32", align=16)
+        if last:  # 1: this CTA is the last of its row set's splits to finish
+            arrived = pool.alloc((1,), "int32", align=16)
         if bulk:
             KS = pool.alloc((stages, step, hd), dtype, align=128)
             VS = pool.alloc((stages, step, hd), dtype, align=128)
@@ -1809,7 +1870,25 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                         merged[3] = T.exp2(gather_ml[r, g, 0] - merged[0])
                         merged[1] = merged[1] + merged[3] * gather_ml[r, g, 1]
                         merged[2] = merged[2] + merged[3] * gather_o[r, i * threads + tx]
-                    PO[b, hk * rows + g, own % hd] = T.Cast(dtype, merged[2] / merged[1])
+                    O[b, hk * rows + g, own % hd] = T.Cast(dtype, merged[2] / merged[1])
+        if last:
+            # the CTA's partials stored (bar.sync, then thread 0's release), counted in; the last
+            # of the row set's splits merges them all (thread 0's acquire, then bar.sync)
+            T.cuda.cta_sync()
+            if tx == 0:
+                arrived[0] = T.cuda.func_call("autofuse_split_arrive", b * (hkv * row_ctas) + hk, splits,
+                                              source_code=_ARRIVE_SOURCE, return_type="int32")
+            T.cuda.cta_sync()
+            if arrived[0] == 1:
+                total = T.alloc_buffer((3,), "float32", scope="local")  # max, sum, output element
+                part = T.alloc_buffer((3, COMBINE_UNROLL), "float32", scope="local")
+                w = T.alloc_buffer((2,), "float32", scope="local")
+                for i in T.serial(outputs_per_thread):
+                    if i * threads + tx < rows * hd:
+                        g = T.meta_var((i * threads + tx) // hd)
+                        d = T.meta_var((i * threads + tx) % hd)
+                        _merge_splits(PO, PML, b, hk * rows + g, d, total, part, w)
+                        O[b, hk * rows + g, d] = T.Cast(dtype, total[2] / total[1])
 
 
     # a prim_func is parsed where it is defined: only the variant asked for
@@ -1825,7 +1904,23 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             KO = T.match_buffer(k_out, (nb, hkv, smax, hd), dtype, align=16)
             VO = T.match_buffer(v_out, (nb, hkv, smax, hd), dtype, align=16)
             O = T.match_buffer(out, (nb, hq, hd), dtype, align=16)
-            _split_body(Q, Kc, Vc, O, None, KN, VN, KO, VO, length, None, None, None, None, None)
+            _split_body(Q, Kc, Vc, None, None, O, KN, VN, KO, VO, length, None, None, None, None, None)
+    elif last:
+        @T.prim_func
+        def split(q: T.handle, k_new: T.handle, v_new: T.handle, k_cache: T.handle, v_cache: T.handle,
+                  k_out: T.handle, v_out: T.handle, part_o: T.handle, part_ml: T.handle, out: T.handle,
+                  length: T.int32):
+            Q = T.match_buffer(q, (nb, hq, hd), dtype, align=16)
+            KN = T.match_buffer(k_new, (nb, hkv, hd), dtype, align=16)
+            VN = T.match_buffer(v_new, (nb, hkv, hd), dtype, align=16)
+            Kc = T.match_buffer(k_cache, (nb, hkv, smax, hd), dtype, align=16)
+            Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
+            KO = T.match_buffer(k_out, (nb, hkv, smax, hd), dtype, align=16)
+            VO = T.match_buffer(v_out, (nb, hkv, smax, hd), dtype, align=16)
+            PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
+            PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
+            O = T.match_buffer(out, (nb, hq, hd), dtype, align=16)
+            _split_body(Q, Kc, Vc, PO, PML, O, KN, VN, KO, VO, length, None, None, None, None, None)
     elif append:
         @T.prim_func
         def split(q: T.handle, k_new: T.handle, v_new: T.handle, k_cache: T.handle, v_cache: T.handle,
@@ -1839,7 +1934,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             VO = T.match_buffer(v_out, (nb, hkv, smax, hd), dtype, align=16)
             PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
             PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
-            _split_body(Q, Kc, Vc, PO, PML, KN, VN, KO, VO, length, None, None, None, None, None)
+            _split_body(Q, Kc, Vc, PO, PML, None, KN, VN, KO, VO, length, None, None, None, None, None)
     elif paged:
         @T.prim_func
         def split(q: T.handle, k_pages: T.handle, v_pages: T.handle, block_table: T.handle, seq_lens: T.handle,
@@ -1851,7 +1946,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             SL = T.match_buffer(seq_lens, (nb,), "int32", align=16)
             PO = T.match_buffer(part_o, (nb, hq * queries, splits, hd), "float32", align=16)
             PML = T.match_buffer(part_ml, (nb, hq * queries, splits, 2), "float32", align=16)
-            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, 0, BT, SL, None, None, None)
+            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, None, 0, BT, SL, None, None, None)
     elif drafts:
         @T.prim_func
         def split(q: T.handle, k_cache: T.handle, v_cache: T.handle, k_new: T.handle, v_new: T.handle,
@@ -1864,7 +1959,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             TR = T.match_buffer(tree, (drafts, drafts), "int32", align=16)
             PO = T.match_buffer(part_o, (nb, hq * drafts, partials, hd), "float32", align=16)
             PML = T.match_buffer(part_ml, (nb, hq * drafts, partials, 2), "float32", align=16)
-            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, length, None, None, KD, VD, TR)
+            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, None, length, None, None, KD, VD, TR)
     else:
         @T.prim_func
         def split(q: T.handle, k_cache: T.handle, v_cache: T.handle, part_o: T.handle, part_ml: T.handle,
@@ -1874,7 +1969,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
             PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
             PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
-            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, length, None, None, None, None, None)
+            _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, None, length, None, None, None, None, None)
 
     @T.prim_func
     def combine(part_o: T.handle, part_ml: T.handle, out: T.handle):
@@ -1888,30 +1983,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         total = T.alloc_buffer((3,), "float32", scope="local")  # max, sum, output element
         part = T.alloc_buffer((3, COMBINE_UNROLL), "float32", scope="local")  # a chunk's (max, sum, output)
         w = T.alloc_buffer((2,), "float32", scope="local")  # the chunk's max, a weight
-        # One pass over the splits in chunks of COMBINE_UNROLL: a chunk's loads are all issued
-        # before its math (one memory round trip per chunk), the running total rescaled per chunk.
-        total[0] = T.float32(_INIT_MAX)
-        total[1] = T.float32(0)
-        total[2] = T.float32(0)
-        for s0 in T.serial(chunks):
-            for s1 in T.unroll(COMBINE_UNROLL):
-                if s0 * COMBINE_UNROLL + s1 < partials:
-                    part[0, s1] = PML[b, h, s0 * COMBINE_UNROLL + s1, 0]
-                    part[1, s1] = PML[b, h, s0 * COMBINE_UNROLL + s1, 1]
-                    part[2, s1] = PO[b, h, s0 * COMBINE_UNROLL + s1, d]
-            w[0] = total[0]
-            for s1 in T.unroll(COMBINE_UNROLL):
-                if s0 * COMBINE_UNROLL + s1 < partials:
-                    w[0] = T.max(w[0], part[0, s1])
-            w[1] = T.exp2(total[0] - w[0])
-            total[0] = w[0]
-            total[1] = total[1] * w[1]
-            total[2] = total[2] * w[1]
-            for s1 in T.unroll(COMBINE_UNROLL):
-                if s0 * COMBINE_UNROLL + s1 < partials:
-                    w[1] = T.exp2(part[0, s1] - total[0])
-                    total[1] = total[1] + w[1] * part[1, s1]
-                    total[2] = total[2] + w[1] * part[2, s1]
+        _merge_splits(PO, PML, b, h, d, total, part, w)
         if chunk:  # out (batch, queries, heads, head_dim)
             OC = T.decl_buffer((nb, queries, hq, hd), dtype, data=O.data)
             OC[b, h % queries, h // queries, d] = T.Cast(dtype, total[2] / total[1])
@@ -1921,7 +1993,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     name = "attention_decode_append_split" if append else "attention_decode_paged_split" if paged \
         else "attention_verify_split" if drafts else "attention_decode_split"
     split = _mark(split, name)
-    if cluster:
+    if cluster or last:
         return (dependent_launch(split) if dependent else split), None
     combine = _mark(combine, "attention_decode_combine")
     if dependent:

@@ -184,7 +184,7 @@ def test_every_decode_config_builds(knobs):
 
 
 @pytest.mark.parametrize("knobs", [k for k in ca.decode_configs(DECODE, "float16", append=True) if k["stages"]
-                                   and k["keys"] in (2, 8) and not k["cluster"]], ids=str)
+                                   and k["keys"] in (2, 8) and k["merge"] == "combine"], ids=str)
 def test_appending_decode_streams_its_keys_through_a_shared_memory_ring(knobs):
     split, _ = ca.decode_attention(DECODE, "float16", knobs, append=True)
     body = _source(split).split("__global__")[-1]
@@ -200,7 +200,7 @@ def test_appending_decode_streams_its_keys_through_a_shared_memory_ring(knobs):
 
 @pytest.mark.parametrize("knobs", [dict(stages=4), dict(stages=0, warps=4, keys=1), dict(stages=4, splits=3)], ids=str)
 def test_appending_decode_merges_its_splits_in_a_cluster(knobs):
-    knobs = dict(knobs, cluster=1)
+    knobs = dict(knobs, merge="cluster")
     dims, resolved = ca.check_decode(DECODE, "float16", knobs, append=True)
     splits, rows, hd = resolved["splits"], dims["rows"], DECODE["head_dim"]
     split, combine = ca.decode_attention(DECODE, "float16", knobs, append=True)
@@ -226,30 +226,66 @@ def test_appending_decode_merges_its_splits_in_a_cluster(knobs):
     assert "(half)(merged_ptr[2] / merged_ptr[1])" in body[last_wait:].replace("((half)", "(half)")
 
 
+@pytest.mark.parametrize("knobs", [dict(stages=4), dict(stages=0, warps=4, keys=1), dict(stages=4, splits=3)], ids=str)
+def test_appending_decode_merges_its_splits_in_the_last_split_to_finish(knobs):
+    knobs = dict(knobs, merge="last")
+    dims, resolved = ca.check_decode(DECODE, "float16", knobs, append=True)
+    split, combine = ca.decode_attention(DECODE, "float16", knobs, append=True)
+    assert combine is None and len(split.params) == 11
+    source = _source(split)
+    assert source.count("__global__ void") == 2  # declared and defined: one kernel, no combine
+    signature = source[source.index("attention_decode_append_split_kernel("):].split(")")[0]
+    assert all(name in signature for name in ("PO_ptr", "PML_ptr", "O_ptr"))
+    # the module's counters, zero when it loads; one acquire-release add a CTA, the last resets
+    assert source.count(f"__device__ unsigned int autofuse_split_arrivals[{ca.ARRIVAL_SLOTS}];") == 1
+    assert "atom.add.acq_rel.gpu.global.u32" in source
+    body = source.split("__global__")[-1]
+    arrive = body.index("autofuse_split_arrive(")
+    assert f", {resolved['splits']});" in body[arrive:arrive + 200]
+    # every thread's partials stored, then the CTA's barrier, thread 0 counts in, the barrier again
+    assert max(body.index("PO_ptr["), body.index("PML_ptr[")) < body.rindex("cta_sync()", 0, arrive)
+    assert body.index("cta_sync()", arrive) < min(m.start() for m in re.finditer(r"[^KVP]O_ptr\[", body))
+    assert body.count("exp2f(", arrive) == min(resolved["splits"], ca.COMBINE_UNROLL) + 1  # a weight each, a rescale
+    assert "barrier_cluster" not in body and "mapa" not in body
+
+
+def test_the_last_split_merges_at_most_arrival_slots_row_sets():
+    many = dict(DECODE, batch=ca.ARRIVAL_SLOTS // DECODE["num_kv_heads"] + 1, max_seq=64)
+    ca.check_decode(dict(many, batch=many["batch"] - 1), "float16", dict(merge="last"), append=True)
+    with pytest.raises(ca.AttentionShapeError, match=f"at most {ca.ARRIVAL_SLOTS} row sets"):
+        ca.check_decode(many, "float16", dict(merge="last"), append=True)
+    ca.check_decode(many, "float16", dict(merge="combine"), append=True)
+
+
 def test_a_merging_cluster_holds_at_most_sixteen_splits():
     long = dict(DECODE, max_seq=32768)
     assert ca.check_decode(long, "float16", None, append=True)[1]["splits"] == ca.SPLIT_MAX
-    assert ca.check_decode(long, "float16", dict(cluster=1), append=True)[1]["splits"] == ca.CLUSTER_MAX == 16
+    assert ca.check_decode(long, "float16", dict(merge="cluster"), append=True)[1]["splits"] == ca.CLUSTER_MAX == 16
+    assert ca.check_decode(long, "float16", dict(merge="last"), append=True)[1]["splits"] == ca.SPLIT_MAX
     with pytest.raises(ca.AttentionShapeError, match="at most 16"):
-        ca.check_decode(long, "float16", dict(cluster=1, splits=17), append=True)
-    with pytest.raises(ValueError, match="cluster"):
-        ca.decode_attention(DECODE, "float16", dict(cluster=1))
-    with pytest.raises(ca.AttentionShapeError, match="unknown knob 'cluster'"):
-        ca.check_decode(DECODE, "float16", dict(cluster=1))
+        ca.check_decode(long, "float16", dict(merge="cluster", splits=17), append=True)
+    for merge in ("cluster", "last"):
+        with pytest.raises(ValueError, match="merge"):
+            ca.decode_attention(DECODE, "float16", dict(merge=merge))
+    with pytest.raises(ca.AttentionShapeError, match="unknown knob 'merge'"):
+        ca.check_decode(DECODE, "float16", dict(merge="cluster"))
+    with pytest.raises(ca.AttentionShapeError, match="merge=1 is not one of"):
+        ca.check_decode(DECODE, "float16", dict(merge=1), append=True)
 
 
-@pytest.mark.parametrize("batch, max_seq, cluster, splits", [
-    (1, 1024, 1, 8),      # the combine's 8 splits fit one cluster
-    (1, 4096, 0, 32),     # 8 clusters of 16 would leave the GPU half empty: 32 splits and the combine
-    (1, 32768, 0, 32),
-    (4, 4096, 1, 16),     # 32 row sets x 16 fill two CTAs on every SM
-    (64, 4096, 1, 8),
+@pytest.mark.parametrize("batch, max_seq, merge, splits", [
+    (1, 1024, "cluster", 8),      # the combine's 8 splits fit one cluster
+    (1, 4096, "combine", 32),     # 8 clusters of 16 would leave the GPU half empty: 32 splits and the combine
+    (1, 32768, "combine", 32),
+    (4, 4096, "cluster", 16),     # 32 row sets x 16 fill two CTAs on every SM
+    (64, 4096, "cluster", 8),
 ])
-def test_the_cluster_is_the_default_where_it_costs_no_parallelism(batch, max_seq, cluster, splits):
+def test_the_cluster_is_the_default_where_it_costs_no_parallelism(batch, max_seq, merge, splits):
     shape = dict(batch=batch, num_heads=32, num_kv_heads=8, head_dim=128, max_seq=max_seq)
     knobs = ca.check_decode(shape, "float16", append=True)[1]
-    assert (knobs["cluster"], knobs["splits"]) == (cluster, splits)
-    assert ca.check_decode(shape, "float16", dict(cluster=1 - cluster), append=True)[1]["cluster"] == 1 - cluster
+    assert (knobs["merge"], knobs["splits"]) == (merge, splits)
+    for other in ca.MERGES:
+        assert ca.check_decode(shape, "float16", dict(merge=other), append=True)[1]["merge"] == other
 
 
 def test_only_appending_decode_takes_stages_and_the_ring_fits_shared_memory():
@@ -259,15 +295,15 @@ def test_only_appending_decode_takes_stages_and_the_ring_fits_shared_memory():
         ca.check_decode(DECODE, "float16", dict(stages=2))
     with pytest.raises(ca.AttentionShapeError, match="shared memory"):   # 4 slots of 128 keys of K and V
         ca.check_decode(DECODE, "float16", dict(stages=4, keys=8), append=True)
-    assert dict(warps=8, keys=8, stages=4, cluster=0) not in ca.decode_configs(DECODE, "float16", append=True)
-    assert dict(warps=8, keys=2, stages=4, cluster=0) in ca.decode_configs(DECODE, "float16", append=True)
+    assert dict(warps=8, keys=8, stages=4, merge="combine") not in ca.decode_configs(DECODE, "float16", append=True)
+    assert dict(warps=8, keys=2, stages=4, merge="combine") in ca.decode_configs(DECODE, "float16", append=True)
 
 
 @pytest.mark.parametrize("append", [False, True])
 def test_decode_kernels_use_dependent_launch(append):
     # the combine waits for the split kernel's partials before reading them; the split kernel
     # waits for whatever ran before it, then lets the combine be scheduled
-    split, combine = ca.decode_attention(DECODE, "float16", dict(cluster=0) if append else None, append=append)
+    split, combine = ca.decode_attention(DECODE, "float16", dict(merge="combine") if append else None, append=append)
     for func in (split, combine):
         assert ca.DEPENDENT_LAUNCH_TAG in func.attrs["tirx.kernel_launch_params"]
     split_body, combine_body = (_source(func).split("__global__")[-1] for func in (split, combine))
@@ -275,11 +311,11 @@ def test_decode_kernels_use_dependent_launch(append):
     assert wait < split_body.index("griddepcontrol_launch_dependents()") < split_body.index("Q_ptr)[")
     assert combine_body.index("griddepcontrol_wait()") < combine_body.index("PML_ptr[")
     # without it, neither the tag nor the instructions
-    split, combine = ca.decode_attention(DECODE, "float16", dict(cluster=0) if append else None, append=append,
+    split, combine = ca.decode_attention(DECODE, "float16", dict(merge="combine") if append else None, append=append,
                                          dependent=False)
     assert "tirx.kernel_launch_params" not in split.attrs and "tirx.kernel_launch_params" not in combine.attrs
-    if append:  # merged in a cluster: the one kernel waits for the one before, as the split kernel does
-        split, combine = ca.decode_attention(DECODE, "float16", dict(cluster=1), append=True)
+    for merge in ("cluster", "last") if append else ():  # the one kernel waits for the one before
+        split, combine = ca.decode_attention(DECODE, "float16", dict(merge=merge), append=True)
         body = _source(split).split("__global__")[-1]
         assert combine is None and ca.DEPENDENT_LAUNCH_TAG in split.attrs["tirx.kernel_launch_params"]
         assert body.index("griddepcontrol_wait()") < body.index("Q_ptr)[")
@@ -585,7 +621,7 @@ def test_nvcc_keeps_the_overlapped_prefill_pipelined(tmp_path, shape, block_n):
 
 
 @needs_nvcc
-@pytest.mark.parametrize("append, knobs", [(False, None), (True, dict(cluster=0)), (True, dict(cluster=1))])
+@pytest.mark.parametrize("append, knobs", [(False, None), *((True, dict(merge=merge)) for merge in ca.MERGES)])
 def test_nvcc_compiles_decode(tmp_path, append, knobs):
     split, combine = ca.decode_attention(DECODE, "float16", knobs, append=append)
     for func in (split, combine) if combine else (split,):
@@ -957,7 +993,7 @@ def test_append_writes_each_cache_row_once(length, splits, step, max_seq):
 
 def test_append_split_reads_the_new_row_and_writes_the_caches():
     # loads to registers (stages 0); the ring's: test_appending_decode_streams_its_keys_through_...
-    split, combine = ca.decode_attention(DECODE, "float16", dict(stages=0, cluster=0), append=True)
+    split, combine = ca.decode_attention(DECODE, "float16", dict(stages=0, merge="combine"), append=True)
     source = _source(split)
     assert "attention_decode_append_split_kernel" in source
     assert "(length - 1)" in source                   # the new token's row comes from k_new / v_new

@@ -120,8 +120,9 @@ def test_rejects_bad_shapes():
         gqa.build(dict(SMALL, cache_len=SMALL["max_seq"]), "float32")
 
 
-@pytest.mark.parametrize("stages, cluster", [(0, 0), (2, 0), (4, 0), (0, 1), (4, 1)])
-def test_the_split_kv_template_builds_at_a_fixed_cache_len(stages, cluster):
+@pytest.mark.parametrize("stages, merge", [(0, "combine"), (2, "combine"), (4, "combine"), (0, "cluster"),
+                                           (4, "cluster"), (0, "last"), (4, "last")])
+def test_the_split_kv_template_builds_at_a_fixed_cache_len(stages, merge):
     # the ring's byte counts once had a negative bound (a split past cache_len) that their uint32
     # cast rejected at build time, for the constant cache_len a pattern's kernel is built with
     from autofuse import building as B
@@ -131,8 +132,8 @@ def test_the_split_kv_template_builds_at_a_fixed_cache_len(stages, cluster):
     h200 = parse_target("h200")
     template = K.kernel_template(gqa.PATTERN, "cuda_split_kv")
     assert template.default_for(shape, "float16")["stages"] == 4
-    assert template.default_for(shape, "float16")["cluster"] == 1  # 32 row sets of 16 splits fill the GPU
-    assert template.default_for(dict(shape, batch=1, max_seq=4096), "float16")["cluster"] == 0  # 32 splits, combined
+    assert template.default_for(shape, "float16")["merge"] == "cluster"  # 32 row sets of 16 splits fill the GPU
+    assert template.default_for(dict(shape, batch=1, max_seq=4096), "float16")["merge"] == "combine"  # 32 splits
     func = template.build(shape, "float16", {**template.default_for(shape, "float16"), "stages": stages,
-                                             "cluster": cluster})
+                                             "merge": merge})
     B.build_tirx(func, h200)

@@ -341,7 +341,7 @@ def test_decode_appends_while_it_attends_over_cache_len_plus_one():
     assert re.search(rf"length: T.let\[T.int32\] = {shape['cache_len'] + 1}\b", text) or \
         f"length = {shape['cache_len'] + 1}" in text, text[:3000]
     template = _template("gqa_decode_attention")
-    text = template.build(shape, "float16", {**template.default_for(shape, "float16"), "cluster": 0}).script()
+    text = template.build(shape, "float16", {**template.default_for(shape, "float16"), "merge": "combine"}).script()
     assert text.count('T.attr({"tirx.device_entry"') == 2  # the split kernel and the combine
 
 
