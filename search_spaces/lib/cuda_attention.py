@@ -1891,49 +1891,29 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                         O[b, hk * rows + g, d] = T.Cast(dtype, total[2] / total[1])
 
 
-    # a prim_func is parsed where it is defined: only the variant asked for
+    # a prim_func is parsed where it is defined: only the variant asked for. The appending
+    # variants' parameters as annotations, a new buffer each (a match_buffer of this shape)
+    def arg(shape, dt=dtype):
+        return T.Buffer(shape, dt, align=16)
+
+    q_rows, new_rows, cache_rows = (nb, hq, hd), (nb, hkv, hd), (nb, hkv, smax, hd)
+    part_o_rows, part_ml_rows = (nb, hq, splits, hd), (nb, hq, splits, 2)
     if cluster:
         @T.prim_func
-        def split(q: T.handle, k_new: T.handle, v_new: T.handle, k_cache: T.handle, v_cache: T.handle,
-                  k_out: T.handle, v_out: T.handle, out: T.handle, length: T.int32):
-            Q = T.match_buffer(q, (nb, hq, hd), dtype, align=16)
-            KN = T.match_buffer(k_new, (nb, hkv, hd), dtype, align=16)
-            VN = T.match_buffer(v_new, (nb, hkv, hd), dtype, align=16)
-            Kc = T.match_buffer(k_cache, (nb, hkv, smax, hd), dtype, align=16)
-            Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
-            KO = T.match_buffer(k_out, (nb, hkv, smax, hd), dtype, align=16)
-            VO = T.match_buffer(v_out, (nb, hkv, smax, hd), dtype, align=16)
-            O = T.match_buffer(out, (nb, hq, hd), dtype, align=16)
+        def split(Q: arg(q_rows), KN: arg(new_rows), VN: arg(new_rows), Kc: arg(cache_rows), Vc: arg(cache_rows),
+                  KO: arg(cache_rows), VO: arg(cache_rows), O: arg(q_rows), length: T.int32):
             _split_body(Q, Kc, Vc, None, None, O, KN, VN, KO, VO, length, None, None, None, None, None)
     elif last:
         @T.prim_func
-        def split(q: T.handle, k_new: T.handle, v_new: T.handle, k_cache: T.handle, v_cache: T.handle,
-                  k_out: T.handle, v_out: T.handle, part_o: T.handle, part_ml: T.handle, out: T.handle,
-                  length: T.int32):
-            Q = T.match_buffer(q, (nb, hq, hd), dtype, align=16)
-            KN = T.match_buffer(k_new, (nb, hkv, hd), dtype, align=16)
-            VN = T.match_buffer(v_new, (nb, hkv, hd), dtype, align=16)
-            Kc = T.match_buffer(k_cache, (nb, hkv, smax, hd), dtype, align=16)
-            Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
-            KO = T.match_buffer(k_out, (nb, hkv, smax, hd), dtype, align=16)
-            VO = T.match_buffer(v_out, (nb, hkv, smax, hd), dtype, align=16)
-            PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
-            PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
-            O = T.match_buffer(out, (nb, hq, hd), dtype, align=16)
+        def split(Q: arg(q_rows), KN: arg(new_rows), VN: arg(new_rows), Kc: arg(cache_rows), Vc: arg(cache_rows),
+                  KO: arg(cache_rows), VO: arg(cache_rows), PO: arg(part_o_rows, "float32"),
+                  PML: arg(part_ml_rows, "float32"), O: arg(q_rows), length: T.int32):
             _split_body(Q, Kc, Vc, PO, PML, O, KN, VN, KO, VO, length, None, None, None, None, None)
     elif append:
         @T.prim_func
-        def split(q: T.handle, k_new: T.handle, v_new: T.handle, k_cache: T.handle, v_cache: T.handle,
-                  k_out: T.handle, v_out: T.handle, part_o: T.handle, part_ml: T.handle, length: T.int32):
-            Q = T.match_buffer(q, (nb, hq, hd), dtype, align=16)
-            KN = T.match_buffer(k_new, (nb, hkv, hd), dtype, align=16)
-            VN = T.match_buffer(v_new, (nb, hkv, hd), dtype, align=16)
-            Kc = T.match_buffer(k_cache, (nb, hkv, smax, hd), dtype, align=16)
-            Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
-            KO = T.match_buffer(k_out, (nb, hkv, smax, hd), dtype, align=16)
-            VO = T.match_buffer(v_out, (nb, hkv, smax, hd), dtype, align=16)
-            PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
-            PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
+        def split(Q: arg(q_rows), KN: arg(new_rows), VN: arg(new_rows), Kc: arg(cache_rows), Vc: arg(cache_rows),
+                  KO: arg(cache_rows), VO: arg(cache_rows), PO: arg(part_o_rows, "float32"),
+                  PML: arg(part_ml_rows, "float32"), length: T.int32):
             _split_body(Q, Kc, Vc, PO, PML, None, KN, VN, KO, VO, length, None, None, None, None, None)
     elif paged:
         @T.prim_func
