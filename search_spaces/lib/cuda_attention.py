@@ -189,7 +189,8 @@ _INIT_MAX = -1.0e30  # running max before the first key: finite, so 2^(m - m') n
 # merge "last": a split counts itself in after its partials (release) and learns whether it is the
 # row set's last (acquire: the others' partials visible); the last sets the counter back to zero.
 # A __device__ array is zero when the module loads; calls on one stream never overlap on it (each
-# kernel waits for the one before, griddepcontrol.wait, before it counts).
+# kernel waits for the one before, griddepcontrol.wait, before it counts); two streams running the
+# module's kernel at once would share it (TVM launches on one).
 _ARRIVE_SOURCE = f"""
 __device__ unsigned int autofuse_split_arrivals[{ARRIVAL_SLOTS}];
 __forceinline__ __device__ int autofuse_split_arrive(int row_set, int splits) {{
