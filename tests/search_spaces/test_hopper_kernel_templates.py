@@ -343,6 +343,9 @@ def test_decode_appends_while_it_attends_over_cache_len_plus_one():
     template = _template("gqa_decode_attention")
     text = template.build(shape, "float16", {**template.default_for(shape, "float16"), "merge": "combine"}).script()
     assert text.count('T.attr({"tirx.device_entry"') == 2  # the split kernel and the combine
+    # merged by the last split: one kernel, the partials in workspaces as for the combine
+    text = template.build(shape, "float16", {**template.default_for(shape, "float16"), "merge": "last"}).script()
+    assert text.count('T.attr({"tirx.device_entry"') == 1 and "part_o" in text and "part_ml" in text
 
 
 # --- nvcc, once per kernel ---------------------------------------------------------------------
