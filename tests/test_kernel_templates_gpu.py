@@ -182,47 +182,42 @@ def test_swiglu_with_the_down_projection_split_passes_its_check(shape, dtype):
 DECODE_CASES = [(shape, dtype) for name, shape, dtype in CASES if name == "gqa_decode_attention"]
 
 
-@pytest.mark.parametrize("stages", [2, 4])
-@pytest.mark.parametrize("shape, dtype", DECODE_CASES, ids=[f"{dtype}-{shape['max_seq']}-{shape['cache_len']}"
-                                                            for shape, dtype in DECODE_CASES])
-def test_decode_through_the_shared_memory_ring_passes_its_check(shape, dtype, stages):
-    """gqa_decode_attention's split kernel with its keys bulk-copied through a ring of ``stages``
-    steps and the append bulk-copied out of it (the new token's row patched in), checked as a
-    search's trial is: output and both caches."""
+DECODE_IDS = [f"{dtype}-{shape['max_seq']}-{shape['cache_len']}" for shape, dtype in DECODE_CASES]
+
+
+def _check_decode(shape, dtype, knobs, calls=1):
+    """cuda_split_kv at its defaults with ``knobs`` over them, checked as a search's trial is
+    (output and both caches), ``calls`` times on one module."""
     pattern = get_pattern("gqa_decode_attention")
     template = K.kernel_template(pattern, "cuda_split_kv")
-    func = template.build(shape, dtype, {**template.default_for(shape, dtype), "stages": stages})
-    result = verify.check_module(pattern, B.build_tirx(func, H200), pattern.build(shape, dtype), shape, dtype, DEV)
-    assert result.ok, result.message
-
-
-@pytest.mark.parametrize("stages", [0, 4])
-@pytest.mark.parametrize("shape, dtype", DECODE_CASES, ids=[f"{dtype}-{shape['max_seq']}-{shape['cache_len']}"
-                                                            for shape, dtype in DECODE_CASES])
-def test_decode_merged_in_a_cluster_passes_its_check(shape, dtype, stages):
-    """gqa_decode_attention's split kernel with its splits' partials merged over distributed shared
-    memory in their thread-block cluster (no combine kernel), checked as a search's trial is."""
-    pattern = get_pattern("gqa_decode_attention")
-    template = K.kernel_template(pattern, "cuda_split_kv")
-    func = template.build(shape, dtype, {**template.default_for(shape, dtype), "stages": stages, "merge": "cluster"})
-    result = verify.check_module(pattern, B.build_tirx(func, H200), pattern.build(shape, dtype), shape, dtype, DEV)
-    assert result.ok, result.message
-
-
-@pytest.mark.parametrize("stages", [0, 4])
-@pytest.mark.parametrize("shape, dtype", DECODE_CASES, ids=[f"{dtype}-{shape['max_seq']}-{shape['cache_len']}"
-                                                            for shape, dtype in DECODE_CASES])
-def test_decode_merged_by_the_last_split_passes_its_check(shape, dtype, stages):
-    """gqa_decode_attention's split kernel whose last split to finish merges the partials (no
-    combine kernel), checked as a search's trial is, twice on one module: the module's counters are
-    zero again after each call."""
-    pattern = get_pattern("gqa_decode_attention")
-    template = K.kernel_template(pattern, "cuda_split_kv")
-    func = template.build(shape, dtype, {**template.default_for(shape, dtype), "stages": stages, "merge": "last"})
-    module = B.build_tirx(func, H200)
-    for _ in range(2):
+    module = B.build_tirx(template.build(shape, dtype, {**template.default_for(shape, dtype), **knobs}), H200)
+    for _ in range(calls):
         result = verify.check_module(pattern, module, pattern.build(shape, dtype), shape, dtype, DEV)
         assert result.ok, result.message
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("shape, dtype", DECODE_CASES, ids=DECODE_IDS)
+def test_decode_through_the_shared_memory_ring_passes_its_check(shape, dtype, stages):
+    """gqa_decode_attention's split kernel with its keys bulk-copied through a ring of ``stages``
+    steps and the append bulk-copied out of it (the new token's row patched in)."""
+    _check_decode(shape, dtype, {"stages": stages})
+
+
+@pytest.mark.parametrize("stages", [0, 4])
+@pytest.mark.parametrize("shape, dtype", DECODE_CASES, ids=DECODE_IDS)
+def test_decode_merged_in_a_cluster_passes_its_check(shape, dtype, stages):
+    """gqa_decode_attention's split kernel with its splits' partials merged over distributed shared
+    memory in their thread-block cluster (no combine kernel)."""
+    _check_decode(shape, dtype, {"stages": stages, "merge": "cluster"})
+
+
+@pytest.mark.parametrize("stages", [0, 4])
+@pytest.mark.parametrize("shape, dtype", DECODE_CASES, ids=DECODE_IDS)
+def test_decode_merged_by_the_last_split_passes_its_check(shape, dtype, stages):
+    """gqa_decode_attention's split kernel whose last split to finish merges the partials (no
+    combine kernel), twice on one module: the module's counters are zero again after each call."""
+    _check_decode(shape, dtype, {"stages": stages, "merge": "last"}, calls=2)
 
 
 MOE_CASES = [
