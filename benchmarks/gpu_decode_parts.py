@@ -111,7 +111,8 @@ def main(argv=None) -> int:
                 print(f"  {knobs}: {row['error']}", flush=True)
             else:
                 combine_ms = f"{row['combine']['median_ms']:.4f}" if row["combine"] else "none"
-                print(f"  {row['knobs']}: err {row['err']:.1e} (after timing {row['err_after_timing']:.1e}) caches {'ok' if row['caches_ok'] else 'WRONG'} "
+                print(f"  {row['knobs']}: err {row['err']:.1e} (after timing {row['err_after_timing']:.1e}) "
+                      f"caches {'ok' if row['caches_ok'] else 'WRONG'} "
                       f"split {row['split']['median_ms']:.4f} combine {combine_ms} "
                       f"both {row['both']['median_ms']:.4f} ms "
                       f"({row['both']['pct_of_single_copy']:.1%} of one copy; without dependent launch "
