@@ -80,16 +80,16 @@ def main(argv=None) -> int:
                 split, combine, plain_split, plain_combine = (
                     f and ca.build(f).mod[f.attrs["global_symbol"]]
                     for f in (*ca.decode_attention(shape, "float16", knobs, append=True), *plain))
-                part_o = torch.empty(nb, hq, resolved["splits"], d, device="cuda")
-                part_ml = torch.empty(nb, hq, resolved["splits"], 2, device="cuda")
-                partials = () if resolved["merge"] == "cluster" else (part_o, part_ml)
+                partials = () if resolved["merge"] == "cluster" else (  # (part_o, part_ml)
+                    torch.empty(nb, hq, resolved["splits"], d, device="cuda"),
+                    torch.empty(nb, hq, resolved["splits"], 2, device="cuda"))
                 if combine is None:  # merged in a cluster or by the last split: the split kernel writes out
                     sargs = [tvm.runtime.from_dlpack(t) for t in (q, kn, vn, kc, vc, ko, vo, *partials, out)]
                     cargs = []
                     combine = plain_combine = lambda: None  # noqa: E731
                 else:
                     sargs = [tvm.runtime.from_dlpack(t) for t in (q, kn, vn, kc, vc, ko, vo, *partials)]
-                    cargs = [tvm.runtime.from_dlpack(t) for t in (part_o, part_ml, out)]
+                    cargs = [tvm.runtime.from_dlpack(t) for t in (*partials, out)]
                 split(*sargs, length)
                 combine(*cargs)
                 torch.cuda.synchronize()

@@ -1716,7 +1716,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         tx = T.thread_id([threads])
         kvh = T.meta_var(_kv_head(hk, row_ctas))
         # Programmatic dependent launch: wait for the kernel before (it may still be running),
-        # then let the combine be scheduled at once, so its launch hides behind this kernel.
+        # then let the next (the combine, where there is one) be scheduled at once, so its launch
+        # hides behind this kernel.
         T.ptx.griddepcontrol.wait()
         T.ptx.griddepcontrol.launch_dependents()
         if cluster:  # this CTA has started: its shared memory may take the others' partials (waited on there)
@@ -1855,7 +1856,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                         PML[b, hk * rows + g, sp, 0] = merged[0]
                         PML[b, hk * rows + g, sp, 1] = merged[1]
         if cluster:
-            # the partials in place (release / acquire), then this CTA merges its share into out (PO)
+            # the partials in place (release / acquire), then this CTA merges its share into out
             T.ptx["barrier.cluster.arrive.aligned"]()  # (T.cuda.cluster_sync's asm has no memory clobber)
             T.ptx["barrier.cluster.wait.aligned"]()
             for i in T.unroll(-(-share // threads)):
