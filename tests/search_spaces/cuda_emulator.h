@@ -9,8 +9,12 @@
 // different bits. Shared memory and outputs start as 0xFF bytes (NaN, -1), so reading what nobody
 // wrote shows up too.
 //
-// Not emulated: half/bfloat16 types, tensor cores (wmma/mma), cp.async, inline PTX, textures,
-// cooperative groups, clusters. Float atomics would be emulated but are not deterministic on a GPU.
+// Half and bfloat16 are _Float16 and a rounding 16-bit struct. TVM's PTX helpers (functions around
+// inline asm: mbarriers, bulk copies to and from shared memory, fences, programmatic dependent
+// launch) are emulated by name; cuda_emulator.py strips their definitions from the source. Bulk
+// copies complete at once, so an mbarrier wait only waits for its arrivals.
+// Not emulated: tensor cores (wmma/mma/wgmma), cp.async, other inline PTX, textures, cooperative
+// groups, clusters. Float atomics would be emulated but are not deterministic on a GPU.
 #pragma once
 #include <signal.h>
 #include <sys/mman.h>
@@ -62,6 +66,44 @@ EMU_VEC_ALL(unsigned long long, ulonglong, 16, 16)
 struct dim3 {
   unsigned int x = 1, y = 1, z = 1;
 };
+
+// Half and bfloat16 (TVM's prelude includes <cuda_fp16.h>, <cuda_bf16.h>: stubs).
+typedef _Float16 __half;
+typedef __half half;
+struct alignas(4) __half2 { __half x, y; };
+typedef __half2 half2;
+inline __half __float2half(float f) { return __half(f); }
+inline __half __float2half_rn(float f) { return __half(f); }
+inline float __half2float(__half h) { return float(h); }
+inline bool __hgt(__half a, __half b) { return a > b; }
+inline bool __hlt(__half a, __half b) { return a < b; }
+inline __half __hmax(__half a, __half b) { return a > b ? a : b; }
+inline __half __hmin(__half a, __half b) { return a < b ? a : b; }
+inline __half hexp(__half h) { return __half(std::exp(float(h))); }
+struct alignas(2) __nv_bfloat16 {  // float's upper half, rounded to nearest even as the GPU converts
+  unsigned short bits;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float f) {
+    unsigned int u;
+    std::memcpy(&u, &f, 4);
+    bits = (u & 0x7fffffffu) > 0x7f800000u ? (unsigned short)((u >> 16) | 0x40u)
+                                           : (unsigned short)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+  }
+  __nv_bfloat16(double d) : __nv_bfloat16(float(d)) {}
+  __nv_bfloat16(int i) : __nv_bfloat16(float(i)) {}
+  operator float() const {
+    unsigned int u = (unsigned int)bits << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+typedef __nv_bfloat16 nv_bfloat16;
+struct alignas(4) __nv_bfloat162 { __nv_bfloat16 x, y; };
+typedef __nv_bfloat162 nv_bfloat162;
+inline __nv_bfloat16 __float2bfloat16(float f) { return __nv_bfloat16(f); }
+inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
+inline float __bfloat162float(__nv_bfloat16 b) { return float(b); }
 
 // ---------------------------------------------------------------------------------------------
 // Math and integer intrinsics (the exact host versions stand in for the fast GPU ones).
@@ -133,7 +175,7 @@ namespace emu {
 
 // ---------------------------------------------------------------------------------------------
 // The scheduler.
-enum State { kRunnable, kBarrier, kWarp, kDone };
+enum State { kRunnable, kBarrier, kWarp, kMbarrier, kCluster, kDone };
 enum WarpOp { kActiveMask, kLockstep, kSyncWarp, kShflIdx, kShflDown, kShflUp, kShflXor };
 
 struct Fiber {
@@ -148,6 +190,8 @@ struct Fiber {
   int arg = 0, width = 32; // shuffle lane/offset and width
   uint64_t value = 0;      // shuffle operand, then result (raw bits)
   size_t shared_ordinal = 0;  // shared arrays declared so far in this block
+  unsigned int mbarrier = 0, parity = 0;  // the mbarrier (shared address) and phase parity it waits on
+  int block = 0;                          // its block's rank in the cluster
 };
 
 constexpr size_t kStackBytes = 256 * 1024;
@@ -155,6 +199,7 @@ constexpr size_t kGuardBytes = 4096;
 constexpr size_t kStaticShared = 48 * 1024;
 constexpr int kMaxThreads = 1024;
 constexpr int kMaxSharedArrays = 256;
+constexpr size_t kMaxDynamicShared = 227 * 1024;  // an H100/H200 block's opt-in limit
 
 struct Kernel {
   const char* name;
@@ -163,16 +208,43 @@ struct Kernel {
 };
 
 inline ucontext_t g_scheduler;
-inline Fiber g_fibers[kMaxThreads];
-inline char* g_stacks[kMaxThreads];
 inline Fiber* g_current = nullptr;
 inline const Kernel* g_kernel = nullptr;
-inline unsigned char g_shared[kStaticShared];
-inline unsigned char* g_dynamic_shared = nullptr;
 inline size_t g_dynamic_bytes = 0;
 inline size_t g_shared_offset[kMaxSharedArrays], g_shared_bytes[kMaxSharedArrays];  // per declaration
 inline size_t g_shared_arrays = 0, g_shared_used = 0;
-inline int g_nthreads = 0;
+inline int g_nthreads = 0;  // per block
+// mbarriers by shared address / 8: arrivals still expected, transaction bytes still expected, phase
+struct Mbarrier {
+  unsigned int count = 0, pending = 0, phase = 0;
+  int tx = 0;
+};
+constexpr size_t kMbarriers = (kStaticShared + kMaxDynamicShared) / 8;
+
+// The blocks of one cluster run together (one block where the launch has no cluster); the scheduler
+// points the g_ names below at the block of the fiber it runs.
+constexpr int kMaxCluster = 16;
+struct Block {
+  dim3 idx;
+  Fiber* fibers;
+  unsigned char* shared;
+  unsigned char* dynamic_shared = nullptr;
+  Mbarrier* mbarriers;
+};
+inline Fiber g_all_fibers[kMaxCluster * kMaxThreads];
+inline char* g_stacks[kMaxCluster * kMaxThreads];
+inline unsigned char g_shared_store[kMaxCluster][kStaticShared];
+inline Mbarrier g_mbarrier_store[kMaxCluster][kMbarriers];
+inline Block g_blocks[kMaxCluster];
+inline int g_cluster_size = 1;
+inline dim3 g_cluster_dims;
+inline Block* g_block = &g_blocks[0];
+inline Fiber* g_fibers = g_all_fibers;
+inline unsigned char* g_shared = g_shared_store[0];
+inline unsigned char* g_dynamic_shared = nullptr;
+inline Mbarrier* g_mbarriers = g_mbarrier_store[0];
+// barrier.cluster: arrivals in the current phase (exited threads count as arrived)
+inline unsigned int g_cluster_arrived = 0, g_cluster_phase = 0;
 
 inline int imin(int a, int b) { return a < b ? a : b; }
 
@@ -329,6 +401,19 @@ inline bool release_active_masks() {
   return released;
 }
 
+// mbarrier waits whose phase has completed; true if any was released.
+inline bool release_mbarriers() {
+  bool released = false;
+  for (int t = 0; t < g_nthreads; ++t) {
+    Fiber& f = g_fibers[t];
+    if (f.state == kMbarrier && g_mbarriers[f.mbarrier / 8].phase != f.parity) {
+      f.state = kRunnable;
+      released = true;
+    }
+  }
+  return released;
+}
+
 [[noreturn]] inline void deadlock() {
   // Runs of consecutive threads in the same state: "t0-31 __syncthreads@3, t32-63 exited".
   char what[1600];
@@ -340,7 +425,11 @@ inline bool release_active_masks() {
     while (end + 1 < g_nthreads && g_fibers[end + 1].state == f.state &&
            (f.state == kDone || g_fibers[end + 1].line == f.line))
       ++end;
-    const char* kind = f.state == kDone ? "exited" : f.state == kBarrier ? "__syncthreads" : "warp op";
+    const char* kind = f.state == kDone      ? "exited"
+                       : f.state == kBarrier ? "__syncthreads"
+                       : f.state == kMbarrier ? "mbarrier wait"
+                       : f.state == kCluster  ? "cluster barrier"
+                                              : "warp op";
     used += snprintf(what + used, sizeof what - used, "%s t%d-%d %s", t ? "," : "", t, end, kind);
     if (f.state != kDone && used < sizeof what)
       used += snprintf(what + used, sizeof what - used, " at line %d", f.line);
@@ -351,9 +440,46 @@ inline bool release_active_masks() {
        "shuffle: the GPU would hang or misbehave):%s%s", what, used >= 1500 ? " ..." : "");
 }
 
-inline void run_block(bool reverse) {
-  for (int t = 0; t < g_nthreads; ++t) {
-    Fiber& f = g_fibers[t];
+inline void select_block(int rank) {
+  Block& b = g_blocks[rank];
+  g_block = &b;
+  g_fibers = b.fibers;
+  g_shared = b.shared;
+  g_dynamic_shared = b.dynamic_shared;
+  g_mbarriers = b.mbarriers;
+  blockIdx = b.idx;
+}
+
+inline int cluster_threads_left() {
+  int left = 0;
+  for (int t = 0; t < g_cluster_size * g_nthreads; ++t) left += g_all_fibers[t].state != kDone;
+  return left;
+}
+
+// Fibers waiting at barrier.cluster whose phase has completed; true if any was released.
+inline bool release_cluster_waits() {
+  bool released = false;
+  int left = cluster_threads_left();
+  if (left && g_cluster_arrived >= unsigned(left)) {
+    g_cluster_arrived = 0;
+    g_cluster_phase++;
+  }
+  for (int t = 0; t < g_cluster_size * g_nthreads; ++t) {
+    Fiber& f = g_all_fibers[t];
+    if (f.state == kCluster && f.parity != g_cluster_phase) {
+      f.state = kRunnable;
+      released = true;
+    }
+  }
+  return released;
+}
+
+// One cluster's blocks (g_blocks[0, g_cluster_size)), their threads interleaved; blocks and
+// threads in descending order with ``reverse``.
+inline void run_cluster(bool reverse) {
+  const int n = g_nthreads, total = g_cluster_size * n;
+  for (int t = 0; t < total; ++t) {
+    Fiber& f = g_all_fibers[t];
     getcontext(&f.ctx);
     f.ctx.uc_stack.ss_sp = f.stack;
     f.ctx.uc_stack.ss_size = kStackBytes;
@@ -362,47 +488,72 @@ inline void run_block(bool reverse) {
     f.state = kRunnable;
     f.shared_ordinal = 0;
   }
-  const int n = g_nthreads;
+  g_cluster_arrived = g_cluster_phase = 0;
   for (;;) {
-    for (int k = 0; k < n; ++k) {
-      Fiber& f = g_fibers[reverse ? n - 1 - k : k];
+    for (int k = 0; k < total; ++k) {
+      Fiber& f = g_all_fibers[reverse ? total - 1 - k : k];
       if (f.state != kRunnable) continue;
+      select_block(f.block);
       g_current = &f;
       threadIdx = f.idx;
       swapcontext(&g_scheduler, &f.ctx);
     }
     g_current = nullptr;
-    int done = 0, barrier = 0, line = -1;
-    bool same_line = true;
-    for (int t = 0; t < n; ++t) {
-      const Fiber& f = g_fibers[t];
-      done += f.state == kDone;
-      if (f.state == kBarrier) {
-        same_line &= line < 0 || f.line == line;
-        line = f.line;
-        ++barrier;
+    bool all_done = true, released = false;
+    for (int rank = 0; rank < g_cluster_size; ++rank) {
+      select_block(rank);
+      int done = 0, barrier = 0, line = -1;
+      bool same_line = true;
+      for (int t = 0; t < n; ++t) {
+        const Fiber& f = g_fibers[t];
+        done += f.state == kDone;
+        if (f.state == kBarrier) {
+          same_line &= line < 0 || f.line == line;
+          line = f.line;
+          ++barrier;
+        }
+      }
+      all_done &= done == n;
+      if (release_warp_groups() || release_active_masks() || release_mbarriers()) {
+        released = true;
+      } else if (barrier && barrier + done == n && done == 0 && same_line) {
+        for (int t = 0; t < n; ++t) g_fibers[t].state = kRunnable;
+        released = true;
       }
     }
-    if (done == n) return;
-    if (release_warp_groups() || release_active_masks()) continue;
-    if (barrier + done == n && done == 0 && same_line) {
-      for (int t = 0; t < n; ++t) g_fibers[t].state = kRunnable;
-      continue;
+    if (all_done) return;
+    if (release_cluster_waits() || released) continue;
+    for (int rank = 0; rank < g_cluster_size; ++rank) {
+      select_block(rank);
+      bool waiting = false;
+      for (int t = 0; t < n; ++t) waiting |= g_fibers[t].state != kDone && g_fibers[t].state != kCluster;
+      if (waiting) deadlock();
     }
-    deadlock();
+    select_block(0);
+    g_current = nullptr;
+    fail("threads wait at a cluster barrier that some threads of the cluster never reach");
   }
 }
 
-// One kernel launch: blocks in order (or reverse order), threads as fibers.
-inline void launch(const Kernel& kernel, dim3 grid, dim3 block, size_t dynamic_shared, bool reverse) {
+// One kernel launch: clusters of blocks in order (or reverse order), threads as fibers.
+inline void launch(const Kernel& kernel, dim3 grid, dim3 block, size_t dynamic_shared, bool reverse,
+                   dim3 cluster = dim3{1, 1, 1}) {
   g_kernel = &kernel;
   gridDim = grid;
   blockDim = block;
   g_nthreads = int(block.x * block.y * block.z);
+  g_cluster_size = int(cluster.x * cluster.y * cluster.z);
+  g_cluster_dims = cluster;
   if (g_nthreads < 1 || g_nthreads > 1024) fail("%d threads per block (the GPU allows 1 to 1024)", g_nthreads);
   if (block.z > 64) fail("blockDim.z = %u (the GPU allows at most 64)", block.z);
   if (grid.y > 65535 || grid.z > 65535) fail("gridDim (%u,%u,%u) beyond the GPU's limits", grid.x, grid.y, grid.z);
-  for (int t = 0; t < g_nthreads; ++t) {
+  if (g_cluster_size < 1 || g_cluster_size > kMaxCluster || grid.x % cluster.x || grid.y % cluster.y ||
+      grid.z % cluster.z)
+    fail("cluster (%u,%u,%u) of grid (%u,%u,%u): at most %d blocks dividing the grid", cluster.x, cluster.y, cluster.z,
+         grid.x, grid.y, grid.z, kMaxCluster);
+  if (dynamic_shared > kMaxDynamicShared)
+    fail("%zu bytes of dynamic shared memory (the GPU allows %zu)", dynamic_shared, kMaxDynamicShared);
+  for (int t = 0; t < g_cluster_size * g_nthreads; ++t) {
     if (!g_stacks[t]) {
       // A PROT_NONE page under each stack turns an overflow into SIGSEGV instead of corruption.
       void* p = mmap(nullptr, kStackBytes + kGuardBytes, PROT_READ | PROT_WRITE,
@@ -411,24 +562,40 @@ inline void launch(const Kernel& kernel, dim3 grid, dim3 block, size_t dynamic_s
       mprotect(p, kGuardBytes, PROT_NONE);
       g_stacks[t] = static_cast<char*>(p) + kGuardBytes;
     }
-    Fiber& f = g_fibers[t];
+    Fiber& f = g_all_fibers[t];
+    int local = t % g_nthreads;
     f = Fiber{};
-    f.tid = t;
-    f.idx = {unsigned(t % block.x), unsigned(t / block.x % block.y), unsigned(t / (block.x * block.y))};
+    f.tid = local;
+    f.block = t / g_nthreads;
+    f.idx = {unsigned(local % block.x), unsigned(local / block.x % block.y), unsigned(local / (block.x * block.y))};
     f.stack = g_stacks[t];
   }
-  free(g_dynamic_shared);
-  g_dynamic_shared = static_cast<unsigned char*>(std::aligned_alloc(256, (dynamic_shared + 256) / 256 * 256));
   g_dynamic_bytes = dynamic_shared;
+  for (int rank = 0; rank < g_cluster_size; ++rank) {
+    Block& b = g_blocks[rank];
+    free(b.dynamic_shared);
+    b.dynamic_shared = static_cast<unsigned char*>(std::aligned_alloc(256, (dynamic_shared + 256) / 256 * 256));
+    b.fibers = &g_all_fibers[rank * g_nthreads];
+    b.shared = g_shared_store[rank];
+    b.mbarriers = g_mbarrier_store[rank];
+  }
   g_shared_arrays = 0;
   g_shared_used = kStaticShared;
-  long nblocks = long(grid.x) * grid.y * grid.z;
-  for (long k = 0; k < nblocks; ++k) {
-    long b = reverse ? nblocks - 1 - k : k;
-    blockIdx = {unsigned(b % grid.x), unsigned(b / grid.x % grid.y), unsigned(b / (long(grid.x) * grid.y))};
-    std::memset(g_shared, 0xff, g_shared_used);
-    std::memset(g_dynamic_shared, 0xff, g_dynamic_bytes);
-    run_block(reverse);
+  dim3 clusters{grid.x / cluster.x, grid.y / cluster.y, grid.z / cluster.z};
+  long nclusters = long(clusters.x) * clusters.y * clusters.z;
+  for (long k = 0; k < nclusters; ++k) {
+    long c = reverse ? nclusters - 1 - k : k;
+    dim3 first{unsigned(c % clusters.x) * cluster.x, unsigned(c / clusters.x % clusters.y) * cluster.y,
+               unsigned(c / (long(clusters.x) * clusters.y)) * cluster.z};
+    for (int rank = 0; rank < g_cluster_size; ++rank) {
+      Block& b = g_blocks[rank];  // ranks x-fastest, as %cluster_ctarank counts
+      b.idx = {first.x + rank % cluster.x, first.y + rank / cluster.x % cluster.y,
+               first.z + rank / (cluster.x * cluster.y)};
+      std::memset(b.shared, 0xff, g_shared_used);
+      std::memset(b.dynamic_shared, 0xff, g_dynamic_bytes);
+      std::memset(static_cast<void*>(b.mbarriers), 0, sizeof(Mbarrier) * kMbarriers);
+    }
+    run_cluster(reverse);
   }
   g_kernel = nullptr;
 }
@@ -612,3 +779,146 @@ template <class T>
 inline T atomicAnd(T* p, T v) { T old = *p; *p = old & v; return old; }
 template <class T>
 inline T atomicOr(T* p, T v) { T old = *p; *p = old | v; return old; }
+
+// ---------------------------------------------------------------------------------------------
+// TVM's PTX helpers, by the names its CUDA code generator gives them (cuda_emulator.py strips their
+// definitions, EMULATED_HELPERS). A shared address: static arrays from 0, dynamic shared memory
+// from kStaticShared.
+namespace emu {
+inline unsigned int shared_address(const void* p, int line) {
+  auto* b = static_cast<const unsigned char*>(p);
+  if (b >= g_shared && b < g_shared + kStaticShared) return unsigned(b - g_shared);
+  if (b >= g_dynamic_shared && b < g_dynamic_shared + g_dynamic_bytes) return unsigned(kStaticShared + (b - g_dynamic_shared));
+  fail("a shared address taken of memory outside shared memory (line %d)", line);
+}
+inline unsigned char* shared_pointer(unsigned int address, size_t bytes, int line) {
+  if (address + bytes <= kStaticShared) return g_shared + address;
+  if (address >= kStaticShared && address - kStaticShared + bytes <= g_dynamic_bytes)
+    return g_dynamic_shared + (address - kStaticShared);
+  fail("%zu bytes at shared address %u: outside the block's shared memory (line %d)", bytes, address, line);
+}
+inline Mbarrier& mbarrier(unsigned int address, int line) {
+  if (address % 8) fail("mbarrier at shared address %u, not 8-byte aligned (line %d)", address, line);
+  shared_pointer(address, 8, line);
+  return g_mbarriers[address / 8];
+}
+inline void complete(Mbarrier& m) {
+  if (m.pending == 0 && m.tx == 0) {
+    m.phase ^= 1u;
+    m.pending = m.count;
+  }
+}
+inline void mbarrier_init(unsigned int address, unsigned int count, int line) {
+  if (!count) fail("mbarrier initialised with no arrivals (line %d)", line);
+  mbarrier(address, line) = Mbarrier{count, count, 0, 0};
+}
+inline void mbarrier_arrive_expect_tx(unsigned int address, unsigned int bytes, int line) {
+  Mbarrier& m = mbarrier(address, line);
+  if (!m.count) fail("arrival at an mbarrier never initialised (line %d)", line);
+  m.tx += bytes;
+  m.pending -= 1;
+  complete(m);
+}
+inline void mbarrier_wait(void* barrier, int parity, int line) {
+  Fiber* f = g_current;
+  f->mbarrier = shared_address(barrier, line);
+  f->parity = unsigned(parity) & 1u;
+  Mbarrier& m = mbarrier(f->mbarrier, line);
+  if (!m.count) fail("wait on an mbarrier never initialised (line %d)", line);
+  while (m.phase == f->parity) yield(kMbarrier, line);
+}
+inline void bulk_check(const void* global, unsigned int address, unsigned int bytes, int line) {
+  if (reinterpret_cast<uintptr_t>(global) % 16 || address % 16 || bytes % 16)
+    fail("a bulk copy of %u bytes between shared address %u and global %p: not 16-byte aligned (line %d)", bytes,
+         address, global, line);
+}
+// global -> shared, completing `bytes` of the mbarrier's transaction
+inline void bulk_to_shared(unsigned int address, const void* global, unsigned int bytes, unsigned int barrier,
+                           int line) {
+  bulk_check(global, address, bytes, line);
+  std::memcpy(shared_pointer(address, bytes, line), global, bytes);
+  Mbarrier& m = mbarrier(barrier, line);
+  if (!m.count) fail("a bulk copy signals an mbarrier never initialised (line %d)", line);
+  m.tx -= long(bytes);
+  complete(m);
+}
+inline void bulk_to_global(const void* global, unsigned int address, unsigned int bytes, int line) {
+  bulk_check(global, address, bytes, line);
+  std::memcpy(const_cast<void*>(global), shared_pointer(address, bytes, line), bytes);
+}
+}  // namespace emu
+
+#define tvm_builtin_cuda_cta_sync() emu_syncthreads(__LINE__)
+#define tvm_builtin_cuda_cvta_generic_to_shared(p) emu::shared_address((p), __LINE__)
+#define __cvta_generic_to_shared(p) emu::shared_address((p), __LINE__)
+#define tvm_builtin_ptx_mbarrier_init_init_shared_b64(a, n) emu::mbarrier_init((a), (n), __LINE__)
+#define tvm_builtin_ptx_mbarrier_arrive_expect_tx_arrive_expect_tx_shared_b64(a, n) \
+  emu::mbarrier_arrive_expect_tx((a), (n), __LINE__)
+#define tvm_builtin_cuda_mbarrier_wait(b, parity) emu::mbarrier_wait((b), (parity), __LINE__)
+#define tvm_builtin_ptx_cp_async_bulk_g2s_cluster_async_bulk_shared__cluster_global_mbarrier__complete_tx__bytes( \
+    dst, src, n, bar)                                                                                            \
+  emu::bulk_to_shared((dst), (src), (n), (bar), __LINE__)
+#define tvm_builtin_ptx_cp_async_bulk_s2g_async_bulk_global_shared__cta_bulk_group(dst, src, n) \
+  emu::bulk_to_global((dst), (src), (n), __LINE__)
+// Copies complete at once: nothing to commit or wait for, no proxy to fence.
+#define tvm_builtin_ptx_cp_async_bulk_commit_group_async_bulk_commit_group() ((void)0)
+#define tvm_builtin_ptx_cp_async_bulk_wait_group_async_bulk_wait_group_read_0() ((void)0)
+#define tvm_builtin_ptx_fence_proxy_proxy_async_shared__cta() ((void)0)
+// Programmatic dependent launch: kernels run one after another anyway.
+#define tvm_builtin_ptx_griddepcontrol_wait() ((void)0)
+#define tvm_builtin_ptx_griddepcontrol_launch_dependents() ((void)0)
+
+// search_spaces/lib/cuda_attention's split counter (an acq_rel atom.add in PTX): the split that
+// brings the count to `splits` resets it and merges.
+extern unsigned int autofuse_split_arrivals[];
+inline int autofuse_split_arrive(int row_set, int splits) {
+  unsigned int before = atomicAdd(&autofuse_split_arrivals[row_set], 1u);
+  if (before + 1 != (unsigned int)splits) return 0;
+  autofuse_split_arrivals[row_set] = 0u;
+  return 1;
+}
+
+// Clusters: a shared::cluster address is the block's rank + 1 above bit 24 over its shared address.
+namespace emu {
+inline unsigned int cluster_rank() { return unsigned(g_current->block); }
+inline void cluster_arrive() {
+  g_current->parity = g_cluster_phase;
+  g_cluster_arrived++;
+}
+inline void cluster_wait(int line) {
+  while (g_current->parity == g_cluster_phase) yield(kCluster, line);
+}
+inline unsigned int map_shared(unsigned int address, unsigned int rank, int line) {
+  if (rank >= unsigned(g_cluster_size)) fail("mapa to block %u of a cluster of %d (line %d)", rank, g_cluster_size, line);
+  if (address >> 24) fail("mapa of shared address %u, not a local one (line %d)", address, line);
+  return ((rank + 1u) << 24) | address;
+}
+template <class T, int N>
+inline void cluster_store(unsigned int address, const T (&values)[N], int line) {
+  unsigned int rank = (address >> 24) - 1u;
+  if (!(address >> 24) || rank >= unsigned(g_cluster_size))
+    fail("a shared::cluster store to %u: not an address mapa gave (line %d)", address, line);
+  if ((address & 0xffffffu) % sizeof(values)) fail("a misaligned %zu-byte shared::cluster store (line %d)", sizeof(values), line);
+  Block& b = g_blocks[rank];
+  unsigned int local = address & 0xffffffu;
+  unsigned char* p = local + sizeof(values) <= kStaticShared ? b.shared + local
+                     : local >= kStaticShared && local - kStaticShared + sizeof(values) <= g_dynamic_bytes
+                         ? b.dynamic_shared + (local - kStaticShared)
+                         : nullptr;
+  if (!p) fail("a shared::cluster store outside block %u's shared memory (line %d)", rank, line);
+  std::memcpy(p, values, sizeof(values));
+}
+}  // namespace emu
+
+// TVM's x reads %cluster_ctarank (the rank), y and z %cluster_ctaid (the block's place in its cluster)
+#define tvm_builtin_cluster_ctaid_x() emu::cluster_rank()
+#define tvm_builtin_cluster_ctaid_y() (emu::cluster_rank() / emu::g_cluster_dims.x % emu::g_cluster_dims.y)
+#define tvm_builtin_cluster_ctaid_z() (emu::cluster_rank() / (emu::g_cluster_dims.x * emu::g_cluster_dims.y))
+#define tvm_builtin_ptx_barrier_cluster_arrive_cluster_arrive_aligned() emu::cluster_arrive()
+#define tvm_builtin_ptx_barrier_cluster_arrive_cluster_arrive_relaxed_aligned() emu::cluster_arrive()
+#define tvm_builtin_ptx_barrier_cluster_wait_cluster_wait_aligned() emu::cluster_wait(__LINE__)
+#define tvm_builtin_ptx_mapa_u32_shared__cluster_u32(d, address, rank) ((d) = emu::map_shared((address), (rank), __LINE__))
+#define tvm_builtin_ptx_st_shared__cluster_f32(address, v) \
+  emu::cluster_store<float, 1>((address), {float(v)}, __LINE__)
+#define tvm_builtin_ptx_st_vec_shared__cluster_v2_f32(address, v0, v1) \
+  emu::cluster_store<float, 2>((address), {float(v0), float(v1)}, __LINE__)

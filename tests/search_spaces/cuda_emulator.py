@@ -14,10 +14,13 @@ start as NaN/-1 bytes), writes outside a buffer (guard bytes around each), write
 misaligned vector accesses, divergent barriers/shuffles, more than 1024 threads or 48 KiB of static
 shared memory per block, launch bounds. TVM's warp-synchronous reduction tails (volatile shared
 memory, no ``__syncwarp``) run in warp lockstep, as on the GPU in practice (``warp_lockstep``).
-Not emulated (``NotEmulated``): half/bfloat16 types, tensor cores (wmma/mma), inline PTX, cp.async,
-kernels with scalar parameters, host-side loops around launches. Floating-point results can differ
-from a GPU's in the last bits (no FMA contraction, exact ``__expf``), far inside the patterns'
-tolerances.
+Half and bfloat16 run as _Float16 and a rounding struct. TVM's PTX helpers (mbarriers, bulk copies
+between global and shared memory, fences, programmatic dependent launch) and cuda_attention's split
+counter are emulated by name (EMULATED_HELPERS): their definitions, inline PTX, are dropped from the
+source. A cluster's blocks run together (barrier.cluster, stores to another block's shared memory).
+Not emulated (``NotEmulated``): tensor cores (wmma/mma/wgmma), other inline PTX, cp.async, kernels
+with scalar parameters, host-side loops around launches. Floating-point results can differ from a
+GPU's in the last bits (no FMA contraction, exact ``__expf``), far inside the patterns' tolerances.
 """
 
 from __future__ import annotations
@@ -44,11 +47,15 @@ HEADER = Path(__file__).resolve().with_name("cuda_emulator.h")
 CXX_FLAGS = ("-std=c++20", "-O1", "-fno-strict-aliasing", "-fwrapv", "-w")
 RUN_TIMEOUT_S = 120
 _UNSUPPORTED = {  # what, in the kernels, the emulator cannot run: name -> regex
-    "half or bfloat16 types": r"\b(half\d?|__half2?|nv_bfloat16\d?|__nv_bfloat16)\b",
     "tensor cores (wmma/mma)": r"\b(wmma|mma_sync|ldmatrix)\b|\bmma\.",
-    "inline PTX": r"\basm\b|__asm__",
+    "inline PTX": r"\b(?:asm|__asm__)\s*(?:volatile\s*|__volatile__\s*)?\(",
     "cp.async / TMA": r"\bcp\.async\b|__pipeline_",
 }
+# Device functions the header emulates (PTX wrappers): their definitions in the source are dropped.
+EMULATED_HELPERS = frozenset(a or b for a, b in re.findall(r"^#define (tvm_builtin_\w+)\(|^inline \w+ (autofuse_\w+)\(",
+                                                               HEADER.read_text(), re.M))
+# Launch parameters that only change how a launch waits for the one before (kernels run in order here)
+_ORDERING_TAGS = {"tirx.use_programtic_dependent_launch", "tirx.use_programmatic_dependent_launch"}
 
 
 class EmulatorError(AssertionError):
@@ -66,6 +73,7 @@ class Launch:
     grid: tuple[int, int, int]
     block: tuple[int, int, int]
     dynamic_shared: int = 0
+    cluster: tuple[int, int, int] = (1, 1, 1)
 
 
 @dataclasses.dataclass
@@ -167,7 +175,11 @@ class _HostWalk:
         raise NotEmulated(f"kernel argument {buf.name!r} is neither a parameter nor a workspace")
 
     def _launch(self, call) -> Launch:
-        tags = [str(t) for t in call.attrs.launch_params]
+        tags = [str(t) for t in call.attrs.launch_params if str(t) not in _ORDERING_TAGS]
+        other = [t for t in tags if not t.startswith(("blockIdx.", "threadIdx.", "clusterCtaIdx."))
+                 and t != "tirx.use_dyn_shared_memory"]
+        if other:
+            raise NotEmulated(f"a launch with {', '.join(other)}")
         extents = call.args[len(call.args) - len(tags):]
         if not all(isinstance(e, tirx.IntImm) for e in extents):
             raise NotEmulated("a launch with symbolic grid or block sizes")
@@ -180,7 +192,8 @@ class _HostWalk:
         return Launch(call.args[0].value, tuple(args),
                       tuple(dims.get(f"blockIdx.{a}", 1) for a in "xyz"),
                       tuple(dims.get(f"threadIdx.{a}", 1) for a in "xyz"),
-                      dims.get("tirx.use_dyn_shared_memory", 0))
+                      dims.get("tirx.use_dyn_shared_memory", 0),
+                      tuple(dims.get(f"clusterCtaIdx.{a}", 1) for a in "xyz"))
 
 
 def _is_call(expr, op: str) -> bool:
@@ -198,11 +211,13 @@ def rewrite_source(source: str, warp_lockstep: bool = True) -> str:
     ``warp_lockstep``: the lanes of a warp run volatile shared-memory accesses in lockstep, which
     TVM's warp-synchronous reduction code (no ``__syncwarp``) relies on, as converged warps provide
     in practice. False treats that code as the race CUDA's programming guide calls it since Volta."""
+    source = _drop_emulated_helpers(source)
     kernels = source[source.index('extern "C"'):] if 'extern "C"' in source else source
     for what, pattern in _UNSUPPORTED.items():
         found = re.search(pattern, kernels)
         if found:
-            raise NotEmulated(f"{what} in the kernel source ({found.group(0)!r})")
+            line = kernels[kernels.rfind("\n", 0, found.start()) + 1:kernels.find("\n", found.start())].strip()
+            raise NotEmulated(f"{what} in the kernel source ({line[:120]!r})")
     # Shared arrays live in the emulator's per-block arena, poisoned at every block start.
     ctype = r"((?:unsigned |signed )?\w+)"
     source = re.sub(r"(?:volatile\s+)?__shared__\s+(?:alignas\((\d+)\)\s+)?" + ctype + r"\s+(\w+)\[(\d+)\];",
@@ -218,6 +233,44 @@ def rewrite_source(source: str, warp_lockstep: bool = True) -> str:
                         r"((volatile \1*)emu::lockstep(\2, __LINE__))", source)
     # `*(float4*)(p)` -> `*emu::vector_at<float4>(__LINE__, p)`: the closing parenthesis is p's.
     return re.sub(r"\*\(" + ctype + r"\*\)\(", r"*emu::vector_at<\1>(__LINE__, ", source)
+
+
+def _definition(prelude: str, name: str) -> tuple[int, int] | None:
+    """Where the definition of function ``name`` in ``prelude`` starts and ends (its closing brace
+    included; braces in string literals not counted), or None."""
+    found = re.search(r"^(?:template\s*<[^<>;{}]*>\s*)?[^\n;{}]*?\b" + name + r"\s*\([^;{}]*\)\s*\{", prelude, re.M)
+    if not found:
+        return None
+    depth, quoted, i = 0, False, found.end() - 1
+    while i < len(prelude):
+        ch = prelude[i]
+        if quoted:
+            i += ch == "\\"
+            quoted = ch != '"'
+        elif ch == '"':
+            quoted = True
+        elif ch in "{}":
+            depth += 1 if ch == "{" else -1
+            if depth == 0:
+                break
+        i += 1
+    return found.start(), i + 1
+
+
+def _drop_emulated_helpers(source: str) -> str:
+    """``source`` without the prelude's definitions of EMULATED_HELPERS; NotEmulated where a kernel
+    calls another helper that wraps inline PTX."""
+    split = source.find('extern "C"')
+    prelude, kernels = (source[:split], source[split:]) if split >= 0 else (source, "")
+    for name in sorted(EMULATED_HELPERS | set(re.findall(r"\b(tvm_builtin_\w+|autofuse_\w+)\s*\(", kernels))):
+        span = _definition(prelude, name)
+        if span is None:
+            continue
+        if name in EMULATED_HELPERS:
+            prelude = prelude[:span[0]] + prelude[span[1]:]
+        elif re.search(_UNSUPPORTED["inline PTX"], prelude[span[0]:span[1]]):
+            raise NotEmulated(f"inline PTX in {name}, which the kernels call")
+    return prelude + kernels
 
 
 def _main_cpp(program: Program) -> str:
@@ -237,13 +290,13 @@ def _main_cpp(program: Program) -> str:
     for launch in program.launches:
         args = ", ".join(f"emu_bufs.data({index[a]})" for a in launch.args)
         name = _c_string(launch.kernel)
-        grid, block = (", ".join(map(str, dims)) for dims in (launch.grid, launch.block))
+        grid, block, cluster = (", ".join(map(str, dims)) for dims in (launch.grid, launch.block, launch.cluster))
         lines += ["  {",
                   f"    void* emu_args[] = {{{args}}};",
                   f"    auto entry = [](void* const* a) {{ emu::invoke(::{launch.kernel}, a); }};",
                   f"    emu::Kernel emu_kernel{{{name}, entry, emu_args}};",
                   f"    emu::launch(emu_kernel, dim3{{{grid}}}, dim3{{{block}}}, {launch.dynamic_shared}, "
-                  "emu_reverse);",
+                  f"emu_reverse, dim3{{{cluster}}});",
                   f"    emu_bufs.check_guards({name});",
                   "  }"]
     lines += ['  emu_bufs.save(emu_reverse ? "reverse" : "forward");', "  return 0;", "}", ""]
@@ -291,7 +344,8 @@ def build(program: Program, workdir: Path) -> Path:
     (workdir / "main.cpp").write_text(_main_cpp(program))
     stubs = workdir / "include"
     stubs.mkdir(exist_ok=True)
-    (stubs / "cuda.h").write_text("// TVM's prelude includes <cuda.h>; the emulator needs nothing from it\n")
+    for header in ("cuda.h", "cuda_fp16.h", "cuda_bf16.h"):  # the header defines what they would
+        (stubs / header).write_text(f"// TVM's prelude includes <{header}>; cuda_emulator.h stands in for it\n")
     # TVM includes it where a kernel uses an inf or NaN constant.
     (stubs / "math_constants.h").write_text("#define CUDART_INF_F __builtin_huge_valf()\n"
                                             "#define CUDART_NAN_F __builtin_nanf(\"\")\n")

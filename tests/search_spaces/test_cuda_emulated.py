@@ -3,10 +3,14 @@ H200 runs on the CPU under cuda_emulator (each CUDA thread a fiber, real barrier
 shuffles, both thread orders) and its outputs are compared with the pattern's numpy reference at the
 pattern's tolerance, as autofuse.verify.check_module does on a device.
 
+Kernel templates whose kernels use no tensor cores run too: the split-KV decode family (gqa_decode,
+paged and spec_verify attention's cuda_split_kv: half types, bulk copies through mbarriers, a
+cluster's merge over distributed shared memory, the last split's merge after an atomic count).
+
 Per (pattern, CUDA template) pair: the fixed default knobs and one knob sample replayed the way
-MetaSchedule replays it, at the pattern's small shape in its first dtype (float32 everywhere; the
-emulator has no half types). The small shapes emulate in well under a second each; no override
-is needed. The last tests check the emulator itself: on hand-written kernels it must compute
+MetaSchedule replays it, at the pattern's small shape in its first dtype (float32 for every
+schedule rule's pattern). The small shapes emulate in well under a second each; no override is
+needed. The last tests check the emulator itself: on hand-written kernels it must compute
 shuffle and warp-synchronous reductions right and catch a race, an out-of-bounds write, a
 misaligned vector load and a divergent barrier, and it must catch a known TVM miscompile (mixed
 thread extents), or a passing template would prove little.
@@ -27,7 +31,7 @@ _reason = unavailable_reason()
 if _reason:
     pytest.skip(_reason, allow_module_level=True)
 
-# Schedule rules; kernel templates (tirx, wgmma) are not emulated: tests/test_kernel_templates.py
+# Schedule rules here; kernel templates below (split-KV decode) and in tests/test_kernel_templates.py
 CASES = [(p, t) for p in all_patterns().values() for t in p.templates
          if isinstance(t, Template) and t.applies_to(H200)]
 IDS = [f"{p.name}-{t.name}" for p, t in CASES]
@@ -94,7 +98,30 @@ def test_uneven_rows_do_not_rely_on_warp_lockstep(name, tname, over, tmp_path):
     _check(pattern, sch.mod, shape, dtype, tmp_path, f"{tname} (default knobs)", warp_lockstep=False)
 
 
-# The emulator on hand-written kernels in TVM's style: 2 blocks of 64 threads, x -> y (128 floats).
+_BULK_COPY = """  __shared__ alignas(64) float buf[64];
+  __shared__ alignas(8) uint64_t bar[1];
+  if (threadIdx.x == 0) tvm_builtin_ptx_mbarrier_init_init_shared_b64(tvm_builtin_cuda_cvta_generic_to_shared(bar), 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {{
+    tvm_builtin_ptx_mbarrier_arrive_expect_tx_arrive_expect_tx_shared_b64(tvm_builtin_cuda_cvta_generic_to_shared(bar), 256);
+    tvm_builtin_ptx_cp_async_bulk_g2s_cluster_async_bulk_shared__cluster_global_mbarrier__complete_tx__bytes(
+        tvm_builtin_cuda_cvta_generic_to_shared(buf), x_ptr + blockIdx.x * 64, 256,
+        tvm_builtin_cuda_cvta_generic_to_shared(bar));
+  }}
+  {wait}
+  y_ptr[i] = buf[63 - threadIdx.x];
+"""
+_CLUSTER_SWAP = """  __shared__ alignas(64) float buf[64];
+  unsigned int remote;
+  tvm_builtin_ptx_mapa_u32_shared__cluster_u32(remote, tvm_builtin_cuda_cvta_generic_to_shared(&buf[threadIdx.x]),
+                                               1 - tvm_builtin_cluster_ctaid_x());
+  tvm_builtin_ptx_st_shared__cluster_f32(remote, x_ptr[i]);
+  tvm_builtin_ptx_barrier_cluster_arrive_cluster_arrive_aligned();
+  {wait}
+  y_ptr[i] = buf[threadIdx.x];
+"""
+# The emulator on hand-written kernels in TVM's style: 2 blocks of 64 threads (one cluster of two
+# for the cluster kernels), x -> y (128 floats).
 _SIGNATURE = ('extern "C" __global__ void __launch_bounds__(64) k(float* __restrict__ x_ptr, '
               "float* __restrict__ y_ptr) {\n  int i = ((int)blockIdx.x) * 64 + ((int)threadIdx.x);\n")
 _KERNELS = {
@@ -142,17 +169,27 @@ _KERNELS = {
     "divergent_barrier": """  if (threadIdx.x < 32) __syncthreads();
   y_ptr[i] = x_ptr[i];
 """,
+    # thread 0 bulk-copies the block's 64 values into shared memory; everyone waits on the mbarrier
+    "bulk_copy_through_mbarrier": _BULK_COPY.format(wait="tvm_builtin_cuda_mbarrier_wait(bar, 0);"),
+    "bulk_copy_without_wait": _BULK_COPY.format(wait=""),
+    # the two blocks of a cluster swap their values through each other's shared memory
+    "cluster_swap": _CLUSTER_SWAP.format(wait="tvm_builtin_ptx_barrier_cluster_wait_cluster_wait_aligned();"),
+    "cluster_swap_without_wait": _CLUSTER_SWAP.format(wait=""),
 }
 _EXPECTED = {
     "shuffle_sum": lambda x: np.repeat(x.reshape(-1, 16).sum(axis=1), 16),
     "reverse_with_barrier": lambda x: x.reshape(2, 64)[:, ::-1].reshape(-1),
     "warp_synchronous_sum": lambda x: np.repeat(x.reshape(2, 64).sum(axis=1), 64),
+    "bulk_copy_through_mbarrier": lambda x: x.reshape(2, 64)[:, ::-1].reshape(-1),
+    "cluster_swap": lambda x: x.reshape(2, 64)[::-1].reshape(-1),
 }
 _ERRORS = {
     "reverse_without_barrier": "between thread orders",
     "write_past_the_end": "outside buffer y",
     "misaligned_float4": "misaligned 16-byte access",
     "divergent_barrier": "different synchronisation points",
+    "bulk_copy_without_wait": "between thread orders",
+    "cluster_swap_without_wait": "between thread orders",
 }
 
 
@@ -185,7 +222,8 @@ def test_emulator_catches_tvm_mixed_thread_extents(tmp_path):
 @pytest.mark.parametrize("name", list(_KERNELS))
 def test_emulator_on_handwritten_kernels(name, tmp_path):
     program = Program(rewrite_source(_SIGNATURE + _KERNELS[name] + "}\n"),
-                      [Launch("k", ("x", "y"), (2, 1, 1), (64, 1, 1))],
+                      [Launch("k", ("x", "y"), (2, 1, 1), (64, 1, 1),
+                              cluster=(2, 1, 1) if name.startswith("cluster") else (1, 1, 1))],
                       [("x", (128,), "float32"), ("y", (128,), "float32")], {})
     x = np.random.default_rng(0).standard_normal(128).astype("float32")
     if name in _EXPECTED:
@@ -194,3 +232,54 @@ def test_emulator_on_handwritten_kernels(name, tmp_path):
     else:
         with pytest.raises(EmulatorError, match=_ERRORS[name]):
             emulate_program(program, [x], tmp_path)
+
+
+# ---- the split-KV decode kernels (tirx kernel templates) -------------------------------------------
+
+_GQA = {"batch": 1, "num_heads": 32, "num_kv_heads": 2, "head_dim": 128, "max_seq": 1024, "cache_len": 700}
+DECODE_CASES = [  # (pattern, shape, dtype, knobs over the template's defaults)
+    *(("gqa_decode_attention", _GQA, "float16", {"merge": merge, "stages": stages})
+      for merge, stages in (("combine", 4), ("cluster", 0), ("last", 4))),
+    ("gqa_decode_attention", {"batch": 1, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "max_seq": 512,
+                              "cache_len": 300}, "bfloat16", {"merge": "cluster", "stages": 4}),
+    ("paged_attention", {"batch": 3, "q_len": 1, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "page_size": 32,
+                         "max_pages": 8, "num_pages": 30}, "bfloat16", {}),
+    ("paged_attention", {"batch": 2, "q_len": 16, "num_heads": 8, "num_kv_heads": 1, "head_dim": 64, "page_size": 32,
+                         "max_pages": 8, "num_pages": 20}, "float16", {}),
+    ("spec_verify_attention", {"batch": 2, "heads": 8, "kv_heads": 2, "head_dim": 64, "max_seq": 512, "cache_len": 300,
+                               "k_draft": 5}, "bfloat16", {}),
+]
+
+
+def _split_kv(name, shape, dtype, knobs):
+    from autofuse import kernel_templates as K
+
+    pattern = all_patterns()[name]
+    template = K.kernel_template(pattern, "cuda_split_kv")
+    return pattern, template.build(shape, dtype, {**template.default_for(shape, dtype), **knobs})
+
+
+@pytest.mark.parametrize("name,shape,dtype,knobs", DECODE_CASES,
+                         ids=[f"{n}-{d}-{shape.get('cache_len', shape.get('q_len'))}-{k}" for n, shape, d, k in DECODE_CASES])
+def test_split_kv_decode_matches_reference(name, shape, dtype, knobs, tmp_path):
+    import tvm
+
+    pattern, func = _split_kv(name, shape, dtype, knobs)
+    _check(pattern, tvm.IRModule({"main": func}), shape, dtype, tmp_path, f"cuda_split_kv {knobs}")
+
+
+def test_a_last_split_merge_without_its_barrier_is_caught(tmp_path):
+    """The barrier after the arrival count, which shares "this block merges" with the block,
+    dropped: in one thread order some threads read the flag before it is written (poison), skip
+    the merge and leave the merging thread alone at the merge's barriers."""
+    import tvm
+    from cuda_emulator import lower
+
+    pattern, func = _split_kv("gqa_decode_attention", _GQA, "float16", {"merge": "last", "stages": 0})
+    program = lower(tvm.IRModule({"main": func}))
+    arrive = program.source.index("autofuse_split_arrive(", program.source.index('extern "C"'))
+    barrier = program.source.index("tvm_builtin_cuda_cta_sync();", arrive)
+    program.source = program.source[:barrier] + program.source[barrier + len("tvm_builtin_cuda_cta_sync();"):]
+    inputs = pattern.make_inputs(_GQA, "float16", 1234)
+    with pytest.raises(EmulatorError, match="between thread orders|different synchronisation points"):
+        emulate_program(program, inputs, tmp_path)
