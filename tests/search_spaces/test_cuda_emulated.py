@@ -9,7 +9,8 @@ cluster's merge over distributed shared memory, the last split's merge after an 
 
 Per (pattern, CUDA template) pair: the fixed default knobs and one knob sample replayed the way
 MetaSchedule replays it, at the pattern's small shape in its first dtype (float32 for every
-schedule rule's pattern). The small shapes emulate in well under a second each; no override is
+schedule rule's pattern), and the default knobs in the pattern's other dtypes (float16, bfloat16;
+wmma is not emulated, so its float16 path is skipped). The small shapes emulate in well under a second each; no override is
 needed. The last tests check the emulator itself: on hand-written kernels it must compute
 shuffle and warp-synchronous reductions right and catch a race, an out-of-bounds write, a
 misaligned vector load and a divergent barrier, and it must catch a known TVM miscompile (mixed
@@ -51,6 +52,16 @@ def _check(pattern, mod, shape, dtype, workdir, what, warp_lockstep=True):
 @pytest.mark.parametrize("pattern,template", CASES, ids=IDS)
 def test_default_knobs_match_reference(pattern, template, tmp_path):
     shape, dtype = pattern.small_shape(), pattern.dtypes[0]
+    sch = template.apply(pattern.build(shape, dtype), H200, tunable=False)
+    _check(pattern, sch.mod, shape, dtype, tmp_path, f"{template.name} (default knobs)")
+
+
+HALF_CASES = [(p, t, dtype) for p, t in CASES for dtype in p.dtypes[1:]]
+
+
+@pytest.mark.parametrize("pattern,template,dtype", HALF_CASES, ids=[f"{p.name}-{t.name}-{d}" for p, t, d in HALF_CASES])
+def test_default_knobs_match_reference_in_half_types(pattern, template, dtype, tmp_path):
+    shape = pattern.small_shape()
     sch = template.apply(pattern.build(shape, dtype), H200, tunable=False)
     _check(pattern, sch.mod, shape, dtype, tmp_path, f"{template.name} (default knobs)")
 
