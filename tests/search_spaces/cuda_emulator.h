@@ -10,11 +10,12 @@
 // wrote shows up too.
 //
 // Half and bfloat16 are _Float16 and a rounding 16-bit struct. TVM's PTX helpers (functions around
-// inline asm: mbarriers, bulk copies to and from shared memory, fences, programmatic dependent
-// launch) are emulated by name; cuda_emulator.py strips their definitions from the source. Bulk
-// copies complete at once, so an mbarrier wait only waits for its arrivals.
-// Not emulated: tensor cores (wmma/mma/wgmma), cp.async, other inline PTX, textures, cooperative
-// groups, clusters. Float atomics would be emulated but are not deterministic on a GPU.
+// inline asm: mbarriers, bulk and TMA tensor copies, wgmma, named and cluster barriers, fences,
+// programmatic dependent launch) are emulated by name; cuda_emulator.py strips their definitions
+// from the source. Copies and wgmma complete at once, so an mbarrier wait only waits for arrivals.
+// The blocks of a cluster run together.
+// Not emulated: wmma/mma.sync, cp.async, other inline PTX, textures, cooperative groups. Float
+// atomics would be emulated but are not deterministic on a GPU.
 #pragma once
 #include <signal.h>
 #include <sys/mman.h>
@@ -175,7 +176,7 @@ namespace emu {
 
 // ---------------------------------------------------------------------------------------------
 // The scheduler.
-enum State { kRunnable, kBarrier, kWarp, kMbarrier, kCluster, kDone };
+enum State { kRunnable, kBarrier, kWarp, kMbarrier, kCluster, kWarpgroup, kNamedBarrier, kDone };
 enum WarpOp { kActiveMask, kLockstep, kSyncWarp, kShflIdx, kShflDown, kShflUp, kShflXor };
 
 struct Fiber {
@@ -192,6 +193,7 @@ struct Fiber {
   size_t shared_ordinal = 0;  // shared arrays declared so far in this block
   unsigned int mbarrier = 0, parity = 0;  // the mbarrier (shared address) and phase parity it waits on
   int block = 0;                          // its block's rank in the cluster
+  const void* wgmma = nullptr;            // its operands while it waits in a wgmma (on its stack)
 };
 
 constexpr size_t kStackBytes = 256 * 1024;
@@ -429,6 +431,8 @@ inline bool release_mbarriers() {
                        : f.state == kBarrier ? "__syncthreads"
                        : f.state == kMbarrier ? "mbarrier wait"
                        : f.state == kCluster  ? "cluster barrier"
+                       : f.state == kWarpgroup ? "wgmma"
+                       : f.state == kNamedBarrier ? "named barrier"
                                               : "warp op";
     used += snprintf(what + used, sizeof what - used, "%s t%d-%d %s", t ? "," : "", t, end, kind);
     if (f.state != kDone && used < sizeof what)
@@ -523,6 +527,9 @@ inline void run_cluster(bool reverse) {
     }
     if (all_done) return;
     if (release_cluster_waits() || released) continue;
+    bool runnable = false;  // released inside a fiber (the last thread at a wgmma releases the others)
+    for (int t = 0; t < total; ++t) runnable |= g_all_fibers[t].state == kRunnable;
+    if (runnable) continue;
     for (int rank = 0; rank < g_cluster_size; ++rank) {
       select_block(rank);
       bool waiting = false;
@@ -733,13 +740,20 @@ class Buffers {
 };
 
 // Calls a kernel with pointers from an untyped argument array.
+// (A pointer parameter gets the pointer, a by-value one, a CUtensorMap, the value it points to.)
+template <class P>
+inline P argument(void* p) {
+  if constexpr (std::is_pointer_v<P>)
+    return static_cast<P>(p);
+  else
+    return *static_cast<std::remove_cv_t<P>*>(p);
+}
 template <class... P, size_t... I>
 inline void invoke(void (*kernel)(P...), void* const* args, std::index_sequence<I...>) {
-  kernel(static_cast<P>(args[I])...);
+  kernel(argument<P>(args[I])...);
 }
 template <class... P>
 inline void invoke(void (*kernel)(P...), void* const* args) {
-  static_assert((std::is_pointer_v<P> && ...), "kernels with scalar parameters are not emulated");
   invoke(kernel, args, std::index_sequence_for<P...>{});
 }
 
@@ -782,19 +796,24 @@ inline T atomicOr(T* p, T v) { T old = *p; *p = old | v; return old; }
 
 // ---------------------------------------------------------------------------------------------
 // TVM's PTX helpers, by the names its CUDA code generator gives them (cuda_emulator.py strips their
-// definitions, EMULATED_HELPERS). A shared address: static arrays from 0, dynamic shared memory
-// from kStaticShared.
+// definitions, EMULATED_HELPERS). A shared address: dynamic shared memory from 0 (as TVM's tirx
+// kernels have it: 1024-byte aligned tiles, descriptors' 14-bit start addresses), static arrays
+// from kMaxDynamicShared.
 namespace emu {
+inline unsigned char* block_shared(const Block& b, unsigned int address, size_t bytes) {
+  if (address + bytes <= g_dynamic_bytes) return b.dynamic_shared + address;
+  if (address >= kMaxDynamicShared && address - kMaxDynamicShared + bytes <= kStaticShared)
+    return b.shared + (address - kMaxDynamicShared);
+  return nullptr;
+}
 inline unsigned int shared_address(const void* p, int line) {
   auto* b = static_cast<const unsigned char*>(p);
-  if (b >= g_shared && b < g_shared + kStaticShared) return unsigned(b - g_shared);
-  if (b >= g_dynamic_shared && b < g_dynamic_shared + g_dynamic_bytes) return unsigned(kStaticShared + (b - g_dynamic_shared));
+  if (b >= g_dynamic_shared && b < g_dynamic_shared + g_dynamic_bytes) return unsigned(b - g_dynamic_shared);
+  if (b >= g_shared && b < g_shared + kStaticShared) return unsigned(kMaxDynamicShared + (b - g_shared));
   fail("a shared address taken of memory outside shared memory (line %d)", line);
 }
 inline unsigned char* shared_pointer(unsigned int address, size_t bytes, int line) {
-  if (address + bytes <= kStaticShared) return g_shared + address;
-  if (address >= kStaticShared && address - kStaticShared + bytes <= g_dynamic_bytes)
-    return g_dynamic_shared + (address - kStaticShared);
+  if (unsigned char* p = block_shared(*g_block, address, bytes)) return p;
   fail("%zu bytes at shared address %u: outside the block's shared memory (line %d)", bytes, address, line);
 }
 inline Mbarrier& mbarrier(unsigned int address, int line) {
@@ -901,10 +920,7 @@ inline void cluster_store(unsigned int address, const T (&values)[N], int line) 
   if ((address & 0xffffffu) % sizeof(values)) fail("a misaligned %zu-byte shared::cluster store (line %d)", sizeof(values), line);
   Block& b = g_blocks[rank];
   unsigned int local = address & 0xffffffu;
-  unsigned char* p = local + sizeof(values) <= kStaticShared ? b.shared + local
-                     : local >= kStaticShared && local - kStaticShared + sizeof(values) <= g_dynamic_bytes
-                         ? b.dynamic_shared + (local - kStaticShared)
-                         : nullptr;
+  unsigned char* p = block_shared(b, local, sizeof(values));
   if (!p) fail("a shared::cluster store outside block %u's shared memory (line %d)", rank, line);
   std::memcpy(p, values, sizeof(values));
 }
@@ -922,3 +938,316 @@ inline void cluster_store(unsigned int address, const T (&values)[N], int line) 
   emu::cluster_store<float, 1>((address), {float(v)}, __LINE__)
 #define tvm_builtin_ptx_st_vec_shared__cluster_v2_f32(address, v0, v1) \
   emu::cluster_store<float, 2>((address), {float(v0), float(v1)}, __LINE__)
+
+// ---------------------------------------------------------------------------------------------
+// Hopper's tensor-core path: TMA tensor copies (a CUtensorMap made by cuTensorMapEncodeTiled on the
+// host: emu::make_tensor_map) and wgmma (m64nNk16, A and B from shared memory through matrix
+// descriptors, or A from registers). A warpgroup's 128 threads meet at each wgmma; the last to
+// arrive computes for all. wgmma completes at once, so its fences, commits and waits do nothing.
+#define __grid_constant__
+struct alignas(64) CUtensorMap {
+  unsigned long long opaque[16];
+};
+namespace emu {
+struct TensorMap {  // kept in a CUtensorMap's 128 bytes
+  const unsigned char* base;
+  int rank, elsize, swizzle;  // swizzle: CU_TENSOR_MAP_SWIZZLE_{NONE, 32B, 64B, 128B} = 0..3
+  unsigned int dims[5], box[5];
+  unsigned long long strides[4];  // bytes, of dims 1..rank-1
+};
+static_assert(sizeof(TensorMap) <= sizeof(CUtensorMap), "a tensor map fits a CUtensorMap");
+
+inline void make_tensor_map(CUtensorMap* map, const void* base, int elsize, int rank, const unsigned int* dims,
+                            const unsigned long long* strides, const unsigned int* box, const unsigned int* elem_strides,
+                            int interleave, int swizzle) {
+  if (rank < 1 || rank > 5) fail("a tensor map of rank %d", rank);
+  if (interleave) fail("an interleaved tensor map (not emulated)");
+  auto* m = reinterpret_cast<TensorMap*>(map);
+  *m = TensorMap{};
+  m->base = static_cast<const unsigned char*>(base);
+  m->rank = rank;
+  m->elsize = elsize;
+  m->swizzle = swizzle;
+  if (swizzle < 0 || swizzle > 3) fail("tensor map swizzle mode %d", swizzle);
+  for (int i = 0; i < rank; ++i) {
+    if (elem_strides[i] != 1) fail("a tensor map with element stride %u (not emulated)", elem_strides[i]);
+    if (!box[i] || box[i] > 256) fail("tensor map box dimension %u (the GPU allows 1 to 256)", box[i]);
+    m->dims[i] = dims[i];
+    m->box[i] = box[i];
+    if (i) m->strides[i - 1] = strides[i - 1];
+  }
+  if (swizzle && box[0] * unsigned(elsize) > (16u << swizzle))
+    fail("a tensor map box row of %u bytes wider than its %u-byte swizzle", box[0] * unsigned(elsize), 16u << swizzle);
+}
+
+// The byte a shared address lands on under a swizzle mode (CUTLASS's Swizzle<mode, 4, 3>: the
+// 16-byte chunk index within a 2^(mode+4)-byte row XORed with the row index mod 2^mode).
+inline unsigned int swizzle(unsigned int address, int mode) {
+  if (!mode) return address;
+  unsigned int mask = ((1u << mode) - 1u) << 4;
+  return address ^ ((address >> 3) & mask);
+}
+
+// cp.async.bulk.tensor global -> shared: the box at `coords`, out-of-bounds elements zero, laid out
+// row by row (dimension 0 fastest) under the map's swizzle; the whole box counts as transferred.
+inline void tensor_to_shared(unsigned int dst, const void* tensor_map, const int* coords, int n, unsigned int bar,
+                             int line) {
+  const auto& m = *static_cast<const TensorMap*>(tensor_map);
+  if (n != m.rank) fail("a %dd tensor copy through a rank-%d tensor map (line %d)", n, m.rank, line);
+  if (dst % (m.swizzle ? 1024 : 128))
+    fail("a tensor copy to shared address %u: not %d-byte aligned (line %d)", dst, m.swizzle ? 1024 : 128, line);
+  size_t count = 1;
+  for (int i = 0; i < m.rank; ++i) count *= m.box[i];
+  unsigned char* smem = shared_pointer(dst, count * m.elsize, line);
+  for (size_t e = 0; e < count; ++e) {
+    size_t rest = e, offset = 0;
+    bool inside = true;
+    for (int i = 0; i < m.rank; ++i) {
+      long long c = (long long)coords[i] + (long long)(rest % m.box[i]);
+      rest /= m.box[i];
+      inside &= c >= 0 && c < (long long)m.dims[i];
+      offset += size_t(c) * (i ? m.strides[i - 1] : size_t(m.elsize));
+    }
+    unsigned int at = swizzle(dst + unsigned(e * m.elsize), m.swizzle) - dst;
+    if (inside)
+      std::memcpy(smem + at, m.base + offset, m.elsize);
+    else
+      std::memset(smem + at, 0, m.elsize);
+  }
+  Mbarrier& b = mbarrier(bar, line);
+  if (!b.count) fail("a tensor copy signals an mbarrier never initialised (line %d)", line);
+  b.tx -= int(count * m.elsize);
+  complete(b);
+}
+// cp.async.bulk.tensor shared -> global: the box at `coords` from shared memory (under the map's
+// swizzle), out-of-bounds elements not written.
+inline void tensor_to_global(const void* tensor_map, const int* coords, int n, unsigned int src, int line) {
+  const auto& m = *static_cast<const TensorMap*>(tensor_map);
+  if (n != m.rank) fail("a %dd tensor copy through a rank-%d tensor map (line %d)", n, m.rank, line);
+  if (src % (m.swizzle ? 1024 : 128))
+    fail("a tensor copy from shared address %u: not %d-byte aligned (line %d)", src, m.swizzle ? 1024 : 128, line);
+  size_t count = 1;
+  for (int i = 0; i < m.rank; ++i) count *= m.box[i];
+  const unsigned char* smem = shared_pointer(src, count * m.elsize, line);
+  for (size_t e = 0; e < count; ++e) {
+    size_t rest = e, offset = 0;
+    bool inside = true;
+    for (int i = 0; i < m.rank; ++i) {
+      long long c = (long long)coords[i] + (long long)(rest % m.box[i]);
+      rest /= m.box[i];
+      inside &= c >= 0 && c < (long long)m.dims[i];
+      offset += size_t(c) * (i ? m.strides[i - 1] : size_t(m.elsize));
+    }
+    if (inside)
+      std::memcpy(const_cast<unsigned char*>(m.base) + offset, smem + (swizzle(src + unsigned(e * m.elsize), m.swizzle) - src),
+                  m.elsize);
+  }
+}
+// The generated calls: (dst, map, coords..., mbarrier) and (map, coords..., src).
+template <class... P>
+inline void tensor_load(int line, unsigned int dst, const void* tensor_map, P... rest) {
+  constexpr int n = int(sizeof...(P)) - 1;
+  static_assert(n >= 1 && n <= 5, "a tensor copy of 1 to 5 dimensions");
+  long long v[] = {(long long)rest...};
+  int coords[5];
+  for (int i = 0; i < n; ++i) coords[i] = int(v[i]);
+  tensor_to_shared(dst, tensor_map, coords, n, (unsigned int)v[n], line);
+}
+template <class... P>
+inline void tensor_store(int line, const void* tensor_map, P... rest) {
+  constexpr int n = int(sizeof...(P)) - 1;
+  static_assert(n >= 1 && n <= 5, "a tensor copy of 1 to 5 dimensions");
+  long long v[] = {(long long)rest...};
+  int coords[5];
+  for (int i = 0; i < n; ++i) coords[i] = int(v[i]);
+  tensor_to_global(tensor_map, coords, n, (unsigned int)v[n], line);
+}
+inline void mbarrier_arrive(unsigned int address, int line) {
+  Mbarrier& m = mbarrier(address, line);
+  if (!m.count) fail("arrival at an mbarrier never initialised (line %d)", line);
+  m.pending -= 1;
+  complete(m);
+}
+}  // namespace emu
+
+#define tvm_builtin_ptx_mbarrier_arrive_nocount_arrive_shared_b64(a) emu::mbarrier_arrive((a), __LINE__)
+#define tvm_builtin_ptx_wgmma_fence_fence_sync_aligned() ((void)0)
+#define tvm_builtin_ptx_wgmma_commit_group_commit_group_sync_aligned() ((void)0)
+// (setmaxnreg and wgmma.wait_group N, families of names, cuda_emulator.py rewrites to nothing)
+// Register pins (an empty asm keeping a value in a register): nothing to do here.
+inline void autofuse_pin_float32(float&) {}
+inline void autofuse_pin_uint32(uint32_t&) {}
+
+namespace emu {
+// One thread's part of a wgmma: its accumulators (float or int32), its A fragment (from registers)
+// or descriptors.
+struct WgmmaArgs {
+  void* d[128];
+  uint32_t a[4];
+  uint64_t a_desc, b_desc;
+  uint32_t scale_d;
+};
+
+// An operand element from shared memory through a matrix descriptor: row r (of M or N), column k,
+// K-major (k contiguous) or MN-major (r contiguous).
+template <class T, class Acc>
+inline Acc operand(uint64_t desc, int r, int k, bool mn_major, int line) {
+  unsigned int start = unsigned(desc & 0x3fffu) << 4, lbo = unsigned((desc >> 16) & 0x3fffu) << 4,
+               sbo = unsigned((desc >> 32) & 0x3fffu) << 4;
+  static const int kModes[4] = {0, 3, 2, 1};  // layout type 1: 128B swizzle, 2: 64B, 3: 32B
+  int mode = kModes[desc >> 62];
+  unsigned int e = sizeof(T), address;
+  if (!mode) {  // core matrices of 8 rows x 16 bytes
+    unsigned int per = 16 / e;
+    address = mn_major ? start + (r / per) * lbo + (k / 8) * sbo + (k % 8) * 16 + (r % per) * e
+                       : start + (r / 8) * sbo + (k / per) * lbo + (r % 8) * 16 + (k % per) * e;
+  } else {      // swizzle atoms of 8 rows x 2^(mode+4) bytes
+    unsigned int row = 16u << mode, per = row / e;
+    address = mn_major ? start + (r / per) * lbo + (k / 8) * sbo + (k % 8) * row + (r % per) * e
+                       : start + (r / 8) * sbo + (r % 8) * row + k * e;
+    address = swizzle(address, mode);
+  }
+  T v;
+  std::memcpy(&v, shared_pointer(address, e, line), e);
+  return Acc(v);
+}
+
+// Element i (of 8) of a thread's m16n8k16 A fragment: a0 (g, 2q..), a1 (g+8, 2q..), a2 (g, 2q+8..),
+// a3 (g+8, 2q+8..), two 16-bit values a register.
+template <class T>
+inline float fragment(const uint32_t (&a)[4], int half_index) {
+  T v[2];
+  std::memcpy(v, &a[half_index / 2], 4);
+  return float(v[half_index % 2]);
+}
+
+// D (64 x N) (+)= A (64 x K) * B (K x N) for the 128 threads of a warpgroup; K = 32 bytes of input.
+template <int N, class T, class Acc>
+inline void wgmma_compute(WgmmaArgs* const* thread, bool a_in_registers, bool tnsp_a, bool tnsp_b, int line) {
+  constexpr int K = 32 / int(sizeof(T));
+  static Acc A[64][K], B[N][K];
+  for (int m = 0; m < 64; ++m)
+    for (int k = 0; k < K; ++k) {
+      if (!a_in_registers) {
+        A[m][k] = operand<T, Acc>(thread[0]->a_desc, m, k, tnsp_a, line);
+        continue;
+      }
+      int w = m / 16, g = m % 8, q = (k % 8) / 2;
+      int t = w * 32 + g * 4 + q, reg = (m % 16) / 8 + 2 * (k / 8);
+      A[m][k] = Acc(fragment<T>(thread[t]->a, reg * 2 + k % 2));
+    }
+  for (int n = 0; n < N; ++n)
+    for (int k = 0; k < K; ++k) B[n][k] = operand<T, Acc>(thread[0]->b_desc, n, k, tnsp_b, line);
+  for (int t = 0; t < 128; ++t) {
+    const WgmmaArgs& x = *thread[t];
+    if (x.a_desc != thread[0]->a_desc || x.b_desc != thread[0]->b_desc || x.scale_d != thread[0]->scale_d)
+      fail("threads of a warpgroup pass different descriptors or scale-d to a wgmma (line %d)", line);
+    // the accumulator fragment: d[i] at row 16w + g + 8 ((i / 2) % 2), column 8 (i / 4) + 2q + i % 2
+    int w = t / 32, g = (t % 32) / 4, q = t % 4;
+    for (int i = 0; i < N / 2; ++i) {
+      int m = 16 * w + g + 8 * ((i >> 1) & 1), n = 8 * (i >> 2) + 2 * q + (i & 1);
+      Acc sum = 0, old;
+      for (int k = 0; k < K; ++k) sum += A[m][k] * B[n][k];
+      std::memcpy(&old, x.d[i], sizeof(Acc));
+      sum = (x.scale_d ? old : Acc(0)) + sum;
+      std::memcpy(x.d[i], &sum, sizeof(Acc));
+    }
+  }
+}
+
+// One thread's wgmma call: the warpgroup's threads meet here; the last to arrive computes.
+template <int N, class T, class Acc = float>
+inline void wgmma_arrive(WgmmaArgs& args, bool a_in_registers, bool tnsp_a, bool tnsp_b, int line) {
+  Fiber* self = g_current;
+  int first = (self->tid / 128) * 128;
+  if (first + 128 > g_nthreads) fail("a wgmma in a block whose threads are not whole warpgroups (line %d)", line);
+  self->wgmma = &args;
+  self->line = line;
+  int arrived = 0;
+  for (int t = first; t < first + 128; ++t)
+    arrived += &g_fibers[t] == self || (g_fibers[t].state == kWarpgroup && g_fibers[t].line == line);
+  if (arrived < 128) {
+    yield(kWarpgroup, line);  // the last thread of the warpgroup computes and releases
+    return;
+  }
+  WgmmaArgs* thread[128];
+  for (int t = 0; t < 128; ++t) thread[t] = const_cast<WgmmaArgs*>(static_cast<const WgmmaArgs*>(g_fibers[first + t].wgmma));
+  wgmma_compute<N, T, Acc>(thread, a_in_registers, tnsp_a, tnsp_b, line);
+  for (int t = first; t < first + 128; ++t)
+    if (&g_fibers[t] != self) g_fibers[t].state = kRunnable;
+}
+
+// tvm_builtin_ptx_wgmma_<dtype>_ss_..._m64n<N>k16_f32_<in>_<in>_<scale a>_<scale b>_<tnsp a>_<tnsp b>(d..., a_desc, b_desc, scale_d)
+// The call's arguments: N/2 accumulators (by reference), then the rest by value in ``tail``.
+template <int N, class... P>
+inline void wgmma_take(WgmmaArgs& args, uint64_t (&tail)[8], P&&... p) {
+  int i = 0;
+  auto take = [&](auto&& v) {
+    if (i < N / 2)
+      args.d[i] = (void*)&v;
+    else
+      tail[i - N / 2] = (uint64_t)v;
+    ++i;
+  };
+  (take(p), ...);
+}
+// tvm_builtin_ptx_wgmma_<dtype>_ss_..._m64n<N>k16_f32_<in>_<in>_<scale a>_<scale b>_<tnsp a>_<tnsp b>(d..., a_desc, b_desc, scale_d)
+template <int N, class T, int TA, int TB, class... P>
+inline void wgmma_ss(int line, P&&... p) {
+  static_assert(sizeof...(P) == N / 2 + 3, "wgmma ss: N/2 accumulators, two descriptors, scale-d");
+  WgmmaArgs args{};
+  uint64_t tail[8];
+  wgmma_take<N>(args, tail, p...);
+  args.a_desc = tail[0];
+  args.b_desc = tail[1];
+  args.scale_d = uint32_t(tail[2]);
+  wgmma_arrive<N, T>(args, false, TA, TB, line);
+}
+// tvm_builtin_ptx_wgmma_int_ss_..._m64n<N>k32_s32_<a>_<b>(d..., a_desc, b_desc, scale_d): int8, int32 sums
+template <int N, class T, class... P>
+inline void wgmma_int_ss(int line, P&&... p) {
+  static_assert(sizeof...(P) == N / 2 + 3, "wgmma ss: N/2 accumulators, two descriptors, scale-d");
+  WgmmaArgs args{};
+  uint64_t tail[8];
+  wgmma_take<N>(args, tail, p...);
+  args.a_desc = tail[0];
+  args.b_desc = tail[1];
+  args.scale_d = uint32_t(tail[2]);
+  wgmma_arrive<N, T, int32_t>(args, false, false, false, line);
+}
+// ..._rs_..._<scale a>_<scale b>_<tnsp b>(d..., a0, a1, a2, a3, b_desc, scale_d)
+template <int N, class T, int TB, class... P>
+inline void wgmma_rs(int line, P&&... p) {
+  static_assert(sizeof...(P) == N / 2 + 6, "wgmma rs: N/2 accumulators, four A registers, a descriptor, scale-d");
+  WgmmaArgs args{};
+  uint64_t tail[8];
+  wgmma_take<N>(args, tail, p...);
+  for (int i = 0; i < 4; ++i) args.a[i] = uint32_t(tail[i]);
+  args.b_desc = tail[4];
+  args.scale_d = uint32_t(tail[5]);
+  wgmma_arrive<N, T>(args, true, false, TB, line);
+}
+}  // namespace emu
+
+namespace emu {
+// bar.sync id, count: `count` threads of the block (any warps) meet at barrier `id`; the last to
+// arrive releases the others.
+inline void named_barrier(int id, int count, int line) {
+  if (id < 0 || id > 15 || count <= 0 || count % 32 || count > g_nthreads)
+    fail("bar.sync %d, %d: barrier 0-15, a multiple of 32 threads up to the block's (line %d)", id, count, line);
+  Fiber* self = g_current;
+  self->mbarrier = unsigned(id);  // (the field names what it waits on)
+  int arrived = 1;
+  for (int t = 0; t < g_nthreads; ++t)
+    arrived += &g_fibers[t] != self && g_fibers[t].state == kNamedBarrier && g_fibers[t].mbarrier == unsigned(id);
+  if (arrived > count) fail("more than %d threads at bar.sync %d (line %d)", count, id, line);
+  if (arrived < count) {
+    yield(kNamedBarrier, line);
+    return;
+  }
+  for (int t = 0; t < g_nthreads; ++t)
+    if (&g_fibers[t] != self && g_fibers[t].state == kNamedBarrier && g_fibers[t].mbarrier == unsigned(id))
+      g_fibers[t].state = kRunnable;
+}
+}  // namespace emu
+#define tvm_builtin_cuda_warpgroup_sync(id) emu::named_barrier((id), 128, __LINE__)

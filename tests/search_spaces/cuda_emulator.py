@@ -14,11 +14,14 @@ start as NaN/-1 bytes), writes outside a buffer (guard bytes around each), write
 misaligned vector accesses, divergent barriers/shuffles, more than 1024 threads or 48 KiB of static
 shared memory per block, launch bounds. TVM's warp-synchronous reduction tails (volatile shared
 memory, no ``__syncwarp``) run in warp lockstep, as on the GPU in practice (``warp_lockstep``).
-Half and bfloat16 run as _Float16 and a rounding struct. TVM's PTX helpers (mbarriers, bulk copies
-between global and shared memory, fences, programmatic dependent launch) and cuda_attention's split
-counter are emulated by name (EMULATED_HELPERS): their definitions, inline PTX, are dropped from the
-source. A cluster's blocks run together (barrier.cluster, stores to another block's shared memory).
-Not emulated (``NotEmulated``): tensor cores (wmma/mma/wgmma), other inline PTX, cp.async, kernels
+Half and bfloat16 run as _Float16 and a rounding struct. TVM's PTX helpers are emulated by name
+(EMULATED_HELPERS, _HELPER_FAMILIES; their definitions, inline PTX, are dropped from the source):
+mbarriers, bulk and TMA tensor copies between global and shared memory (the host function's
+``cuTensorMapEncodeTiled`` calls become emulated tensor maps, swizzles included), wgmma (A and B
+through shared-memory matrix descriptors or A from registers; float16, bfloat16, int8), named
+barriers, fences, programmatic dependent launch, cuda_attention's split counter. Copies and wgmma
+complete at once. A cluster's blocks run together (barrier.cluster, stores to another block's
+shared memory). Not emulated (``NotEmulated``): wmma/mma.sync, other inline PTX, cp.async, kernels
 with scalar parameters, host-side loops around launches. Floating-point results can differ from a
 GPU's in the last bits (no FMA contraction, exact ``__expf``), far inside the patterns' tolerances.
 """
@@ -54,6 +57,23 @@ _UNSUPPORTED = {  # what, in the kernels, the emulator cannot run: name -> regex
 # Device functions the header emulates (PTX wrappers): their definitions in the source are dropped.
 EMULATED_HELPERS = frozenset(a or b for a, b in re.findall(r"^#define (tvm_builtin_\w+)\(|^inline \w+ (autofuse_\w+)\(",
                                                                HEADER.read_text(), re.M))
+# Families of helpers, by name: a call "name()" becomes the string; "name(" becomes what the function
+# gives for the name's match. Their definitions are dropped.
+_HELPER_FAMILIES = [
+    (r"tvm_builtin_ptx_setmaxnreg_\w+", "((void)0)"),  # register reallocation: nothing to emulate
+    (r"tvm_builtin_ptx_wgmma_wait_group_wait_group_sync_aligned_\d+", "((void)0)"),  # wgmma completes at once
+    (r"tvm_builtin_ptx_cp_async_bulk_tensor_g2s_cluster_async_bulk_tensor_[1-5]d_shared__cluster_global_mbarrier"
+     r"__complete_tx__bytes", lambda m: "emu::tensor_load(__LINE__, "),
+    (r"tvm_builtin_ptx_cp_async_bulk_tensor_s2g_async_bulk_tensor_[1-5]d_global_shared__cta_tile_bulk_group",
+     lambda m: "emu::tensor_store(__LINE__, "),
+    (r"tvm_builtin_ptx_wgmma_(f16|bf16)_ss_mma_async_sync_aligned_m64n(\d+)k16_f32_\w+?_1_1_([01])_([01])",
+     lambda m: f"emu::wgmma_ss<{m[2]}, {_WGMMA_TYPES[m[1]]}, {m[3]}, {m[4]}>(__LINE__, "),
+    (r"tvm_builtin_ptx_wgmma_int_ss_mma_async_sync_aligned_m64n(\d+)k32_s32_(s8|u8)_\2",
+     lambda m: f"emu::wgmma_int_ss<{m[1]}, {_WGMMA_TYPES[m[2]]}>(__LINE__, "),
+    (r"tvm_builtin_ptx_wgmma_(f16|bf16)_rs_mma_async_sync_aligned_m64n(\d+)k16_f32_\w+?_1_1_([01])",
+     lambda m: f"emu::wgmma_rs<{m[2]}, {_WGMMA_TYPES[m[1]]}, {m[3]}>(__LINE__, "),
+]
+_WGMMA_TYPES = {"f16": "__half", "bf16": "__nv_bfloat16", "s8": "int8_t", "u8": "uint8_t"}
 # Launch parameters that only change how a launch waits for the one before (kernels run in order here)
 _ORDERING_TAGS = {"tirx.use_programtic_dependent_launch", "tirx.use_programmatic_dependent_launch"}
 
@@ -76,6 +96,20 @@ class Launch:
     cluster: tuple[int, int, int] = (1, 1, 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class TensorMap:
+    """A ``cuTensorMapEncodeTiled`` call of the host function (dimension 0 innermost)."""
+
+    buffer: str
+    dtype: str
+    dims: tuple[int, ...]
+    strides: tuple[int, ...]  # bytes, of dimensions 1..rank-1
+    box: tuple[int, ...]
+    element_strides: tuple[int, ...]
+    interleave: int
+    swizzle: int
+
+
 @dataclasses.dataclass
 class Program:
     """What the host function does, and the kernels' source rewritten for the emulator."""
@@ -84,6 +118,7 @@ class Program:
     launches: list[Launch]
     params: list[tuple[str, tuple[int, ...], str]]  # name, shape, dtype of the PrimFunc's params
     workspaces: dict[str, int]  # global buffers TVM allocates between kernels: name -> bytes
+    tensor_maps: dict[str, TensorMap] = dataclasses.field(default_factory=dict)  # kernel argument -> map
 
 
 def unavailable_reason() -> str | None:
@@ -122,7 +157,7 @@ def lower(mod: tvm.IRModule, target=H200, warp_lockstep: bool = True) -> Program
     if not walk.launches:
         raise NotEmulated("the host function launches no kernel")
     return Program(rewrite_source(source, warp_lockstep), walk.launches, params,
-                   {name: _nbytes(buf.shape, buf.dtype) for name, buf in walk.workspaces})
+                   {name: _nbytes(buf.shape, buf.dtype) for name, buf in walk.workspaces}, walk.tensor_maps)
 
 
 class _HostWalk:
@@ -135,6 +170,8 @@ class _HostWalk:
         self.launches: list[Launch] = []
         self.workspaces: list[tuple[str, object]] = []  # unique name, buffer
         self.views: list[tuple[object, object]] = []  # a DeclBuffer's buffer, the buffer whose data it uses
+        self.tensor_maps: dict[str, TensorMap] = {}  # one entry per encode call ("name" or "name#2", ...)
+        self.current_map: dict[str, str] = {}  # a map variable's latest encode
 
     def visit(self, stmt, inside):
         kind = type(stmt).__name__
@@ -144,6 +181,9 @@ class _HostWalk:
             self.workspaces.append((name if name not in taken else f"{name}_{len(self.workspaces)}", stmt.buffer))
         elif kind == "DeclBuffer" and _is_call(stmt.data, "tirx.buffer_data"):
             self.views.append((stmt.buffer, stmt.data.args[0]))
+        elif kind == "Evaluate" and _is_call(stmt.value, "tirx.tvm_call_packed") and \
+                str(stmt.value.args[0].value) == "runtime.cuTensorMapEncodeTiled":
+            self._tensor_map(stmt.value.args[1:])
         elif kind == "Evaluate" and _is_call(stmt.value, "tirx.call_ffi_kernel"):
             if inside is not None:
                 raise NotEmulated(f"a kernel launch inside a host-side {inside} (a loop left unbound?)")
@@ -174,6 +214,28 @@ class _HostWalk:
             return buf.name
         raise NotEmulated(f"kernel argument {buf.name!r} is neither a parameter nor a workspace")
 
+    def _tensor_map(self, args):
+        name, dtype, rank = args[0].name, str(args[1].value), int(args[2])
+        rest = [int(a) for a in args[4:]]
+        if len(rest) != rank + (rank - 1) + rank + rank + 4:
+            raise NotEmulated(f"a cuTensorMapEncodeTiled call of {len(args) + 1} arguments for rank {rank}")
+        dims, rest = rest[:rank], rest[rank:]
+        strides, rest = rest[:rank - 1], rest[rank - 1:]
+        box, rest = rest[:rank], rest[rank:]
+        element_strides, rest = rest[:rank], rest[rank:]
+        key = name if name not in self.tensor_maps else f"{name}#{len(self.tensor_maps)}"
+        self.tensor_maps[key] = TensorMap(self._data(args[3]), dtype, tuple(dims), tuple(strides), tuple(box),
+                                          tuple(element_strides), rest[0], rest[1])
+        self.current_map[name] = key
+
+    def _data(self, arg) -> str:
+        """The parameter or workspace a pointer argument (``buf.data``) points into."""
+        if _is_call(arg, "tirx.buffer_data"):
+            return self._buffer(arg.args[0])
+        if isinstance(arg, tirx.Var) and self.param_names.count(arg.name) == 1:
+            return arg.name
+        raise NotEmulated(f"kernel argument {arg} is neither a parameter nor a workspace")
+
     def _launch(self, call) -> Launch:
         tags = [str(t) for t in call.attrs.launch_params if str(t) not in _ORDERING_TAGS]
         other = [t for t in tags if not t.startswith(("blockIdx.", "threadIdx.", "clusterCtaIdx."))
@@ -186,9 +248,12 @@ class _HostWalk:
         dims = dict(zip(tags, (int(e) for e in extents)))
         args = []
         for arg in call.args[1:len(call.args) - len(tags)]:
-            if not _is_call(arg, "tirx.buffer_data"):
-                raise NotEmulated(f"a kernel argument that is not a buffer: {arg}")
-            args.append(self._buffer(arg.args[0]))
+            if isinstance(arg, tirx.Var) and arg.name in self.current_map:
+                args.append(self.current_map[arg.name])
+            elif _is_call(arg, "tirx.buffer_data"):
+                args.append(self._buffer(arg.args[0]))
+            else:
+                raise NotEmulated(f"a kernel argument that is neither a buffer nor a tensor map: {arg}")
         return Launch(call.args[0].value, tuple(args),
                       tuple(dims.get(f"blockIdx.{a}", 1) for a in "xyz"),
                       tuple(dims.get(f"threadIdx.{a}", 1) for a in "xyz"),
@@ -266,10 +331,15 @@ def _drop_emulated_helpers(source: str) -> str:
         span = _definition(prelude, name)
         if span is None:
             continue
-        if name in EMULATED_HELPERS:
+        if name in EMULATED_HELPERS or any(re.fullmatch(family, name) for family, _ in _HELPER_FAMILIES):
             prelude = prelude[:span[0]] + prelude[span[1]:]
         elif re.search(_UNSUPPORTED["inline PTX"], prelude[span[0]:span[1]]):
             raise NotEmulated(f"inline PTX in {name}, which the kernels call")
+    for family, becomes in _HELPER_FAMILIES:
+        if isinstance(becomes, str):
+            kernels = re.sub(r"\b" + family + r"\(\)", becomes, kernels)
+        else:
+            kernels = re.sub(r"\b" + family + r"\(", becomes, kernels)
     return prelude + kernels
 
 
@@ -287,8 +357,19 @@ def _main_cpp(program: Program) -> str:
              f"  static const char* emu_names[] = {{{', '.join(_c_string(n) for n in names)}}};",
              f"  static const size_t emu_sizes[] = {{{', '.join(str(s) for s in sizes)}}};",
              f"  emu::Buffers emu_bufs(argv[1], emu_names, emu_sizes, {len(names)}, {len(program.params)});"]
+    for i, (name, m) in enumerate(program.tensor_maps.items()):
+        index[name] = f"map{i}"
+        elsize = tvm.runtime.DataType(m.dtype).bits // 8
+        for field, ctype in (("dims", "unsigned int"), ("strides", "unsigned long long"), ("box", "unsigned int"),
+                             ("element_strides", "unsigned int")):
+            lines.append(f"  static const {ctype} emu_map{i}_{field}[] = {{{', '.join(map(str, getattr(m, field) or (0,)))}}};")
+        lines += [f"  static CUtensorMap emu_map{i};  // {name}",
+                  f"  emu::make_tensor_map(&emu_map{i}, emu_bufs.data({index[m.buffer]}), {elsize}, {len(m.dims)}, "
+                  f"emu_map{i}_dims, emu_map{i}_strides, emu_map{i}_box, emu_map{i}_element_strides, {m.interleave}, "
+                  f"{m.swizzle});"]
     for launch in program.launches:
-        args = ", ".join(f"emu_bufs.data({index[a]})" for a in launch.args)
+        args = ", ".join(f"&emu_{index[a]}" if isinstance(index[a], str) else f"emu_bufs.data({index[a]})"
+                         for a in launch.args)
         name = _c_string(launch.kernel)
         grid, block, cluster = (", ".join(map(str, dims)) for dims in (launch.grid, launch.block, launch.cluster))
         lines += ["  {",

@@ -3,14 +3,10 @@ H200 runs on the CPU under cuda_emulator (each CUDA thread a fiber, real barrier
 shuffles, both thread orders) and its outputs are compared with the pattern's numpy reference at the
 pattern's tolerance, as autofuse.verify.check_module does on a device.
 
-Kernel templates whose kernels use no tensor cores run too: the split-KV decode family (gqa_decode,
-paged and spec_verify attention's cuda_split_kv: half types, bulk copies through mbarriers, a
-cluster's merge over distributed shared memory, the last split's merge after an atomic count).
-
 Per (pattern, CUDA template) pair: the fixed default knobs and one knob sample replayed the way
 MetaSchedule replays it, at the pattern's small shape in its first dtype (float32 for every
-schedule rule's pattern), and the default knobs in the pattern's other dtypes (float16, bfloat16;
-wmma is not emulated, so its float16 path is skipped). The small shapes emulate in well under a second each; no override is
+schedule rule's pattern), and the default knobs in its last dtype (bfloat16 or float16; wmma is
+not emulated, so its float16 path is skipped). The kernel templates: test_kernel_templates_emulated. The small shapes emulate in well under a second each; no override is
 needed. The last tests check the emulator itself: on hand-written kernels it must compute
 shuffle and warp-synchronous reductions right and catch a race, an out-of-bounds write, a
 misaligned vector load and a divergent barrier, and it must catch a known TVM miscompile (mixed
@@ -32,7 +28,7 @@ _reason = unavailable_reason()
 if _reason:
     pytest.skip(_reason, allow_module_level=True)
 
-# Schedule rules here; kernel templates below (split-KV decode) and in tests/test_kernel_templates.py
+# Schedule rules; kernel templates (tirx): test_kernel_templates_emulated.py
 CASES = [(p, t) for p in all_patterns().values() for t in p.templates
          if isinstance(t, Template) and t.applies_to(H200)]
 IDS = [f"{p.name}-{t.name}" for p, t in CASES]
@@ -56,7 +52,7 @@ def test_default_knobs_match_reference(pattern, template, tmp_path):
     _check(pattern, sch.mod, shape, dtype, tmp_path, f"{template.name} (default knobs)")
 
 
-HALF_CASES = [(p, t, dtype) for p, t in CASES for dtype in p.dtypes[1:]]
+HALF_CASES = [(p, t, p.dtypes[-1]) for p, t in CASES if len(p.dtypes) > 1]
 
 
 @pytest.mark.parametrize("pattern,template,dtype", HALF_CASES, ids=[f"{p.name}-{t.name}-{d}" for p, t, d in HALF_CASES])
@@ -244,53 +240,3 @@ def test_emulator_on_handwritten_kernels(name, tmp_path):
         with pytest.raises(EmulatorError, match=_ERRORS[name]):
             emulate_program(program, [x], tmp_path)
 
-
-# ---- the split-KV decode kernels (tirx kernel templates) -------------------------------------------
-
-_GQA = {"batch": 1, "num_heads": 32, "num_kv_heads": 2, "head_dim": 128, "max_seq": 1024, "cache_len": 700}
-DECODE_CASES = [  # (pattern, shape, dtype, knobs over the template's defaults)
-    *(("gqa_decode_attention", _GQA, "float16", {"merge": merge, "stages": stages})
-      for merge, stages in (("combine", 4), ("cluster", 0), ("last", 4))),
-    ("gqa_decode_attention", {"batch": 1, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "max_seq": 512,
-                              "cache_len": 300}, "bfloat16", {"merge": "cluster", "stages": 4}),
-    ("paged_attention", {"batch": 3, "q_len": 1, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64, "page_size": 32,
-                         "max_pages": 8, "num_pages": 30}, "bfloat16", {}),
-    ("paged_attention", {"batch": 2, "q_len": 16, "num_heads": 8, "num_kv_heads": 1, "head_dim": 64, "page_size": 32,
-                         "max_pages": 8, "num_pages": 20}, "float16", {}),
-    ("spec_verify_attention", {"batch": 2, "heads": 8, "kv_heads": 2, "head_dim": 64, "max_seq": 512, "cache_len": 300,
-                               "k_draft": 5}, "bfloat16", {}),
-]
-
-
-def _split_kv(name, shape, dtype, knobs):
-    from autofuse import kernel_templates as K
-
-    pattern = all_patterns()[name]
-    template = K.kernel_template(pattern, "cuda_split_kv")
-    return pattern, template.build(shape, dtype, {**template.default_for(shape, dtype), **knobs})
-
-
-@pytest.mark.parametrize("name,shape,dtype,knobs", DECODE_CASES,
-                         ids=[f"{n}-{d}-{shape.get('cache_len', shape.get('q_len'))}-{k}" for n, shape, d, k in DECODE_CASES])
-def test_split_kv_decode_matches_reference(name, shape, dtype, knobs, tmp_path):
-    import tvm
-
-    pattern, func = _split_kv(name, shape, dtype, knobs)
-    _check(pattern, tvm.IRModule({"main": func}), shape, dtype, tmp_path, f"cuda_split_kv {knobs}")
-
-
-def test_a_last_split_merge_without_its_barrier_is_caught(tmp_path):
-    """The barrier after the arrival count, which shares "this block merges" with the block,
-    dropped: in one thread order some threads read the flag before it is written (poison), skip
-    the merge and leave the merging thread alone at the merge's barriers."""
-    import tvm
-    from cuda_emulator import lower
-
-    pattern, func = _split_kv("gqa_decode_attention", _GQA, "float16", {"merge": "last", "stages": 0})
-    program = lower(tvm.IRModule({"main": func}))
-    arrive = program.source.index("autofuse_split_arrive(", program.source.index('extern "C"'))
-    barrier = program.source.index("tvm_builtin_cuda_cta_sync();", arrive)
-    program.source = program.source[:barrier] + program.source[barrier + len("tvm_builtin_cuda_cta_sync();"):]
-    inputs = pattern.make_inputs(_GQA, "float16", 1234)
-    with pytest.raises(EmulatorError, match="between thread orders|different synchronisation points"):
-        emulate_program(program, inputs, tmp_path)
