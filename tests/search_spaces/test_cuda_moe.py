@@ -1,6 +1,7 @@
 """lib/cuda_moe: the routing kernels around a mixture of experts' GEMMs, emulated on the CPU
-(tests/search_spaces/cuda_emulator.py; wgmma is not emulated, so the expert kernels are stand-ins).
-On the GPU the whole layer is checked by tests/test_kernel_templates_gpu.py."""
+(tests/search_spaces/cuda_emulator.py) in float32 with stand-ins for the expert GEMMs, so that
+routing and combine are checked at many shapes cheaply. The whole layer with its wgmma GEMMs runs
+in test_kernel_templates_emulated.py, and on the GPU in tests/test_kernel_templates_gpu.py."""
 
 import numpy as np
 import pytest
@@ -11,7 +12,7 @@ from search_spaces.moe import moe_gate_topk as moe
 
 
 def _scale_by_group(rows, hidden, experts):
-    """A stand-in for a grouped GEMM (wgmma is not emulated) with its parameters (A, B, groups, C):
+    """A stand-in for a grouped GEMM (cheaper to emulate) with its parameters (A, B, groups, C):
     C's rows = A's rows times (their group + 1), rows of no group left unwritten."""
     from tvm.script import tirx as T
 

@@ -53,6 +53,9 @@ CASES = [  # (pattern, template, shape, dtype, knobs over the template's default
     ("linear_bias_relu", "cuda_wgmma", {"m": 512, "n": 384, "k": 512}, "bfloat16", {}),
     ("linear_bias_gelu", "cuda_wgmma_split_k", {"m": 192, "n": 2304, "k": 1024}, "bfloat16", {}),
     ("swiglu_ffn", "cuda_wgmma", {"tokens": 128, "hidden": 256, "inter": 704, "p_permille": 0}, "bfloat16", {}),
+    ("swiglu_ffn", "cuda_wgmma_split_k", {"tokens": 128, "hidden": 512, "inter": 2048, "p_permille": 100}, "float16", {}),
+    # routing, placement, the grouped wgmma GEMMs over the routed rows and the combine: six kernels
+    ("moe_gate_topk", "cuda_wgmma", {"tokens": 130, "hidden": 256, "inter": 256, "experts": 40, "k": 4}, "bfloat16", {}),
     ("woq_matmul", "cuda_wgmma_woq", {"m": 16, "n": 768, "k": 512, "group": 128, "bits": 8}, "bfloat16", {}),
     ("int8_matmul_dequant", "cuda_wgmma_int8", {"m": 256, "n": 640, "k": 512, "relu": 0}, "float32", {}),
 ]
