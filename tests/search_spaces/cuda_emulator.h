@@ -838,6 +838,13 @@ inline void mbarrier_arrive_expect_tx(unsigned int address, unsigned int bytes, 
   m.pending -= 1;
   complete(m);
 }
+// A copy into shared memory has landed: its bytes off the mbarrier's transaction count.
+inline void complete_tx(unsigned int address, size_t bytes, int line) {
+  Mbarrier& m = mbarrier(address, line);
+  if (!m.count) fail("a copy signals an mbarrier never initialised (line %d)", line);
+  m.tx -= int(bytes);
+  complete(m);
+}
 inline void mbarrier_wait(void* barrier, int parity, int line) {
   Fiber* f = g_current;
   f->mbarrier = shared_address(barrier, line);
@@ -856,10 +863,7 @@ inline void bulk_to_shared(unsigned int address, const void* global, unsigned in
                            int line) {
   bulk_check(global, address, bytes, line);
   std::memcpy(shared_pointer(address, bytes, line), global, bytes);
-  Mbarrier& m = mbarrier(barrier, line);
-  if (!m.count) fail("a bulk copy signals an mbarrier never initialised (line %d)", line);
-  m.tx -= long(bytes);
-  complete(m);
+  complete_tx(barrier, bytes, line);
 }
 inline void bulk_to_global(const void* global, unsigned int address, unsigned int bytes, int line) {
   bulk_check(global, address, bytes, line);
@@ -988,17 +992,19 @@ inline unsigned int swizzle(unsigned int address, int mode) {
   return address ^ ((address >> 3) & mask);
 }
 
-// cp.async.bulk.tensor global -> shared: the box at `coords`, out-of-bounds elements zero, laid out
-// row by row (dimension 0 fastest) under the map's swizzle; the whole box counts as transferred.
-inline void tensor_to_shared(unsigned int dst, const void* tensor_map, const int* coords, int n, unsigned int bar,
-                             int line) {
+// cp.async.bulk.tensor between global and shared memory: the box at `coords`, laid out in shared
+// memory row by row (dimension 0 fastest) under the map's swizzle. Out-of-bounds elements read as
+// zero and are not written. Returns the box's bytes (all of which count as transferred).
+inline size_t tensor_copy(bool to_shared, unsigned int shared, const void* tensor_map, const int* coords, int n,
+                          int line) {
   const auto& m = *static_cast<const TensorMap*>(tensor_map);
   if (n != m.rank) fail("a %dd tensor copy through a rank-%d tensor map (line %d)", n, m.rank, line);
-  if (dst % (m.swizzle ? 1024 : 128))
-    fail("a tensor copy to shared address %u: not %d-byte aligned (line %d)", dst, m.swizzle ? 1024 : 128, line);
+  if (shared % (m.swizzle ? 1024 : 128))
+    fail("a tensor copy at shared address %u: not %d-byte aligned (line %d)", shared, m.swizzle ? 1024 : 128, line);
   size_t count = 1;
   for (int i = 0; i < m.rank; ++i) count *= m.box[i];
-  unsigned char* smem = shared_pointer(dst, count * m.elsize, line);
+  unsigned char* smem = shared_pointer(shared, count * m.elsize, line);
+  auto* global = const_cast<unsigned char*>(m.base);
   for (size_t e = 0; e < count; ++e) {
     size_t rest = e, offset = 0;
     bool inside = true;
@@ -1008,59 +1014,37 @@ inline void tensor_to_shared(unsigned int dst, const void* tensor_map, const int
       inside &= c >= 0 && c < (long long)m.dims[i];
       offset += size_t(c) * (i ? m.strides[i - 1] : size_t(m.elsize));
     }
-    unsigned int at = swizzle(dst + unsigned(e * m.elsize), m.swizzle) - dst;
-    if (inside)
-      std::memcpy(smem + at, m.base + offset, m.elsize);
-    else
-      std::memset(smem + at, 0, m.elsize);
+    unsigned char* at = smem + (swizzle(shared + unsigned(e * m.elsize), m.swizzle) - shared);
+    if (to_shared && inside)
+      std::memcpy(at, global + offset, m.elsize);
+    else if (to_shared)
+      std::memset(at, 0, m.elsize);
+    else if (inside)
+      std::memcpy(global + offset, at, m.elsize);
   }
-  Mbarrier& b = mbarrier(bar, line);
-  if (!b.count) fail("a tensor copy signals an mbarrier never initialised (line %d)", line);
-  b.tx -= int(count * m.elsize);
-  complete(b);
+  return count * m.elsize;
 }
-// cp.async.bulk.tensor shared -> global: the box at `coords` from shared memory (under the map's
-// swizzle), out-of-bounds elements not written.
-inline void tensor_to_global(const void* tensor_map, const int* coords, int n, unsigned int src, int line) {
-  const auto& m = *static_cast<const TensorMap*>(tensor_map);
-  if (n != m.rank) fail("a %dd tensor copy through a rank-%d tensor map (line %d)", n, m.rank, line);
-  if (src % (m.swizzle ? 1024 : 128))
-    fail("a tensor copy from shared address %u: not %d-byte aligned (line %d)", src, m.swizzle ? 1024 : 128, line);
-  size_t count = 1;
-  for (int i = 0; i < m.rank; ++i) count *= m.box[i];
-  const unsigned char* smem = shared_pointer(src, count * m.elsize, line);
-  for (size_t e = 0; e < count; ++e) {
-    size_t rest = e, offset = 0;
-    bool inside = true;
-    for (int i = 0; i < m.rank; ++i) {
-      long long c = (long long)coords[i] + (long long)(rest % m.box[i]);
-      rest /= m.box[i];
-      inside &= c >= 0 && c < (long long)m.dims[i];
-      offset += size_t(c) * (i ? m.strides[i - 1] : size_t(m.elsize));
-    }
-    if (inside)
-      std::memcpy(const_cast<unsigned char*>(m.base) + offset, smem + (swizzle(src + unsigned(e * m.elsize), m.swizzle) - src),
-                  m.elsize);
-  }
-}
-// The generated calls: (dst, map, coords..., mbarrier) and (map, coords..., src).
+// The generated calls, (dst, map, coords..., mbarrier) and (map, coords..., src): the last
+// argument and the coordinates before it.
 template <class... P>
-inline void tensor_load(int line, unsigned int dst, const void* tensor_map, P... rest) {
+inline unsigned int split_coords(int (&coords)[5], P... rest) {
   constexpr int n = int(sizeof...(P)) - 1;
   static_assert(n >= 1 && n <= 5, "a tensor copy of 1 to 5 dimensions");
   long long v[] = {(long long)rest...};
-  int coords[5];
   for (int i = 0; i < n; ++i) coords[i] = int(v[i]);
-  tensor_to_shared(dst, tensor_map, coords, n, (unsigned int)v[n], line);
+  return (unsigned int)v[n];
+}
+template <class... P>
+inline void tensor_load(int line, unsigned int dst, const void* tensor_map, P... rest) {
+  int coords[5];
+  unsigned int bar = split_coords(coords, rest...);
+  complete_tx(bar, tensor_copy(true, dst, tensor_map, coords, int(sizeof...(P)) - 1, line), line);
 }
 template <class... P>
 inline void tensor_store(int line, const void* tensor_map, P... rest) {
-  constexpr int n = int(sizeof...(P)) - 1;
-  static_assert(n >= 1 && n <= 5, "a tensor copy of 1 to 5 dimensions");
-  long long v[] = {(long long)rest...};
   int coords[5];
-  for (int i = 0; i < n; ++i) coords[i] = int(v[i]);
-  tensor_to_global(tensor_map, coords, n, (unsigned int)v[n], line);
+  unsigned int src = split_coords(coords, rest...);
+  tensor_copy(false, src, tensor_map, coords, int(sizeof...(P)) - 1, line);
 }
 inline void mbarrier_arrive(unsigned int address, int line) {
   Mbarrier& m = mbarrier(address, line);
@@ -1177,7 +1161,6 @@ inline void wgmma_arrive(WgmmaArgs& args, bool a_in_registers, bool tnsp_a, bool
     if (&g_fibers[t] != self) g_fibers[t].state = kRunnable;
 }
 
-// tvm_builtin_ptx_wgmma_<dtype>_ss_..._m64n<N>k16_f32_<in>_<in>_<scale a>_<scale b>_<tnsp a>_<tnsp b>(d..., a_desc, b_desc, scale_d)
 // The call's arguments: N/2 accumulators (by reference), then the rest by value in ``tail``.
 template <int N, class... P>
 inline void wgmma_take(WgmmaArgs& args, uint64_t (&tail)[8], P&&... p) {
@@ -1191,8 +1174,9 @@ inline void wgmma_take(WgmmaArgs& args, uint64_t (&tail)[8], P&&... p) {
   };
   (take(p), ...);
 }
-// tvm_builtin_ptx_wgmma_<dtype>_ss_..._m64n<N>k16_f32_<in>_<in>_<scale a>_<scale b>_<tnsp a>_<tnsp b>(d..., a_desc, b_desc, scale_d)
-template <int N, class T, int TA, int TB, class... P>
+// tvm_builtin_ptx_wgmma_<dtype>_ss_..._m64n<N>k16_f32_<in>_<in>_<scale a>_<scale b>_<tnsp a>_<tnsp b>(d..., a_desc,
+// b_desc, scale_d); the int8 ones, ..._int_ss_..._m64n<N>k32_s32_<a>_<b>(...), with int32 sums (Acc)
+template <int N, class T, int TA, int TB, class Acc = float, class... P>
 inline void wgmma_ss(int line, P&&... p) {
   static_assert(sizeof...(P) == N / 2 + 3, "wgmma ss: N/2 accumulators, two descriptors, scale-d");
   WgmmaArgs args{};
@@ -1201,19 +1185,7 @@ inline void wgmma_ss(int line, P&&... p) {
   args.a_desc = tail[0];
   args.b_desc = tail[1];
   args.scale_d = uint32_t(tail[2]);
-  wgmma_arrive<N, T>(args, false, TA, TB, line);
-}
-// tvm_builtin_ptx_wgmma_int_ss_..._m64n<N>k32_s32_<a>_<b>(d..., a_desc, b_desc, scale_d): int8, int32 sums
-template <int N, class T, class... P>
-inline void wgmma_int_ss(int line, P&&... p) {
-  static_assert(sizeof...(P) == N / 2 + 3, "wgmma ss: N/2 accumulators, two descriptors, scale-d");
-  WgmmaArgs args{};
-  uint64_t tail[8];
-  wgmma_take<N>(args, tail, p...);
-  args.a_desc = tail[0];
-  args.b_desc = tail[1];
-  args.scale_d = uint32_t(tail[2]);
-  wgmma_arrive<N, T, int32_t>(args, false, false, false, line);
+  wgmma_arrive<N, T, Acc>(args, false, TA, TB, line);
 }
 // ..._rs_..._<scale a>_<scale b>_<tnsp b>(d..., a0, a1, a2, a3, b_desc, scale_d)
 template <int N, class T, int TB, class... P>

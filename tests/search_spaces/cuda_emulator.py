@@ -69,7 +69,7 @@ _HELPER_FAMILIES = [
     (r"tvm_builtin_ptx_wgmma_(f16|bf16)_ss_mma_async_sync_aligned_m64n(\d+)k16_f32_\w+?_1_1_([01])_([01])",
      lambda m: f"emu::wgmma_ss<{m[2]}, {_WGMMA_TYPES[m[1]]}, {m[3]}, {m[4]}>(__LINE__, "),
     (r"tvm_builtin_ptx_wgmma_int_ss_mma_async_sync_aligned_m64n(\d+)k32_s32_(s8|u8)_\2",
-     lambda m: f"emu::wgmma_int_ss<{m[1]}, {_WGMMA_TYPES[m[2]]}>(__LINE__, "),
+     lambda m: f"emu::wgmma_ss<{m[1]}, {_WGMMA_TYPES[m[2]]}, 0, 0, int32_t>(__LINE__, "),
     (r"tvm_builtin_ptx_wgmma_(f16|bf16)_rs_mma_async_sync_aligned_m64n(\d+)k16_f32_\w+?_1_1_([01])",
      lambda m: f"emu::wgmma_rs<{m[2]}, {_WGMMA_TYPES[m[1]]}, {m[3]}>(__LINE__, "),
 ]
@@ -323,8 +323,8 @@ def _definition(prelude: str, name: str) -> tuple[int, int] | None:
 
 
 def _drop_emulated_helpers(source: str) -> str:
-    """``source`` without the prelude's definitions of EMULATED_HELPERS; NotEmulated where a kernel
-    calls another helper that wraps inline PTX."""
+    """``source`` without the prelude's definitions of EMULATED_HELPERS and _HELPER_FAMILIES, the
+    families' calls rewritten; NotEmulated where a kernel calls another helper around inline PTX."""
     split = source.find('extern "C"')
     prelude, kernels = (source[:split], source[split:]) if split >= 0 else (source, "")
     for name in sorted(EMULATED_HELPERS | set(re.findall(r"\b(tvm_builtin_\w+|autofuse_\w+)\s*\(", kernels))):
@@ -357,8 +357,9 @@ def _main_cpp(program: Program) -> str:
              f"  static const char* emu_names[] = {{{', '.join(_c_string(n) for n in names)}}};",
              f"  static const size_t emu_sizes[] = {{{', '.join(str(s) for s in sizes)}}};",
              f"  emu::Buffers emu_bufs(argv[1], emu_names, emu_sizes, {len(names)}, {len(program.params)});"]
+    maps = {}  # tensor map -> its C++ variable
     for i, (name, m) in enumerate(program.tensor_maps.items()):
-        index[name] = f"map{i}"
+        maps[name] = f"emu_map{i}"
         elsize = tvm.runtime.DataType(m.dtype).bits // 8
         for field, ctype in (("dims", "unsigned int"), ("strides", "unsigned long long"), ("box", "unsigned int"),
                              ("element_strides", "unsigned int")):
@@ -368,8 +369,7 @@ def _main_cpp(program: Program) -> str:
                   f"emu_map{i}_dims, emu_map{i}_strides, emu_map{i}_box, emu_map{i}_element_strides, {m.interleave}, "
                   f"{m.swizzle});"]
     for launch in program.launches:
-        args = ", ".join(f"&emu_{index[a]}" if isinstance(index[a], str) else f"emu_bufs.data({index[a]})"
-                         for a in launch.args)
+        args = ", ".join(f"&{maps[a]}" if a in maps else f"emu_bufs.data({index[a]})" for a in launch.args)
         name = _c_string(launch.kernel)
         grid, block, cluster = (", ".join(map(str, dims)) for dims in (launch.grid, launch.block, launch.cluster))
         lines += ["  {",
