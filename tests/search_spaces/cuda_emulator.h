@@ -192,6 +192,7 @@ struct Fiber {
   uint64_t value = 0;      // shuffle operand, then result (raw bits)
   size_t shared_ordinal = 0;  // shared arrays declared so far in this block
   unsigned int mbarrier = 0, parity = 0;  // the mbarrier (shared address) and phase parity it waits on
+  int named_barrier = -1;                 // the bar.sync id it waits at
   int block = 0;                          // its block's rank in the cluster
   const void* wgmma = nullptr;            // its operands while it waits in a wgmma (on its stack)
 };
@@ -1208,17 +1209,17 @@ inline void named_barrier(int id, int count, int line) {
   if (id < 0 || id > 15 || count <= 0 || count % 32 || count > g_nthreads)
     fail("bar.sync %d, %d: barrier 0-15, a multiple of 32 threads up to the block's (line %d)", id, count, line);
   Fiber* self = g_current;
-  self->mbarrier = unsigned(id);  // (the field names what it waits on)
+  self->named_barrier = id;
   int arrived = 1;
   for (int t = 0; t < g_nthreads; ++t)
-    arrived += &g_fibers[t] != self && g_fibers[t].state == kNamedBarrier && g_fibers[t].mbarrier == unsigned(id);
+    arrived += &g_fibers[t] != self && g_fibers[t].state == kNamedBarrier && g_fibers[t].named_barrier == id;
   if (arrived > count) fail("more than %d threads at bar.sync %d (line %d)", count, id, line);
   if (arrived < count) {
     yield(kNamedBarrier, line);
     return;
   }
   for (int t = 0; t < g_nthreads; ++t)
-    if (&g_fibers[t] != self && g_fibers[t].state == kNamedBarrier && g_fibers[t].mbarrier == unsigned(id))
+    if (&g_fibers[t] != self && g_fibers[t].state == kNamedBarrier && g_fibers[t].named_barrier == id)
       g_fibers[t].state = kRunnable;
 }
 }  // namespace emu
