@@ -245,7 +245,13 @@ def test_appending_decode_merges_its_splits_in_the_last_split_to_finish(knobs):
     # every thread's partials stored, then the CTA's barrier, thread 0 counts in, the barrier again
     assert max(body.index("PO_ptr["), body.index("PML_ptr[")) < body.rindex("cta_sync()", 0, arrive)
     assert body.index("cta_sync()", arrive) < min(m.start() for m in re.finditer(r"[^KVP]O_ptr\[", body))
-    assert body.count("exp2f(", arrive) == min(resolved["splits"], ca.COMBINE_UNROLL) + 1  # a weight each, a rescale
+    # the last split's merge: its partials loaded before the barrier after which one thread a row
+    # turns the splits' (max, sum) into weights (one exp2 in a loop), out stored after the next
+    merge = body.index("cta_sync()", arrive + 1)
+    merge = body.index("cta_sync()", merge + 1)
+    assert body.index("PO_ptr[", arrive) < merge < body.index("exp2f(", merge)
+    assert body.count("exp2f(", arrive) == 1 and "for (int s" in body[merge:body.index("exp2f(", merge)]
+    assert body.index("cta_sync()", merge + 1) < min(m.start() for m in re.finditer(r"[^KVP]O_ptr\[", body))
     assert "barrier_cluster" not in body and "mapa" not in body
 
 
