@@ -1411,16 +1411,17 @@ def decode_configs(shape: dict, dtype: str, append: bool = False) -> list[dict]:
 
 
 def decode_split_shared_memory_bytes(head_dim: int, rows: int, knobs: dict) -> int:
-    """The lane groups' partials of ``rows`` query rows, with ``stages`` the ring of K and V steps
-    (2-byte dtypes), merged in a cluster the splits' partials of this CTA's share of the outputs,
-    merged by the last split the flag that says so and its rows' (max, sum, weight) of every split."""
+    """The lane groups' partials of ``rows`` query rows and their weights, with ``stages`` the ring
+    of K and V steps (2-byte dtypes), merged in a cluster the splits' partials of this CTA's share
+    of the outputs, merged by the last split the flag that says so and its rows' (max, sum, weight)
+    of every split."""
     geo = decode_geometry(head_dim, knobs)
     stages = knobs.get("stages", 0)
     ring = stages * (2 * geo["step"] * head_dim * 2 + 8) + (256 if stages else 0)  # slots, barriers, alignment
     merge = knobs.get("merge")
     gather = 4 * knobs["splits"] * (cluster_share(rows, head_dim, knobs["splits"]) + 2 * rows) + 32 \
         if merge == "cluster" else 4 * rows * (3 * knobs["splits"] + 1) + 64 if merge == "last" else 0
-    return 4 * geo["groups"] * rows * (head_dim + 2) + ring + gather
+    return 4 * geo["groups"] * rows * (head_dim + 3) + 8 * rows + 32 + ring + gather
 
 
 def cluster_share(rows: int, head_dim: int, splits: int) -> int:
@@ -1784,6 +1785,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         merge_o = pool.alloc((groups, rows, hd), "float32", align=16)
         merge_m = pool.alloc((groups, rows), "float32", align=16)
         merge_l = pool.alloc((groups, rows), "float32", align=16)
+        merge_w = pool.alloc((groups, rows), "float32", align=16)  # each lane group's weight in its row
+        merge_row = pool.alloc((rows, 2), "float32", align=16)     # each row's merged (max, sum)
         if cluster:  # every split's partials of this CTA's share of the outputs, and of their rows' (max, sum)
             gather_o = pool.alloc((splits, share), "float32", align=16)
             gather_ml = pool.alloc((splits, rows, 2), "float32", align=16)
@@ -1888,6 +1891,18 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                 merge_m[lane_group, g] = m[g]
                 merge_l[lane_group, g] = l[g]
         T.cuda.cta_sync()
+        if tx < rows:  # one thread a row: its lane groups' weights (one exp2 each, not one per output element)
+            merged[0] = T.float32(_INIT_MAX)
+            for r in T.unroll(groups):
+                merged[0] = T.max(merged[0], merge_m[r, tx])
+            merged[1] = T.float32(0)
+            for r in T.unroll(groups):
+                merged[3] = T.exp2(merge_m[r, tx] - merged[0])
+                merge_w[r, tx] = merged[3]
+                merged[1] = merged[1] + merged[3] * merge_l[r, tx]
+            merge_row[tx, 0] = merged[0]
+            merge_row[tx, 1] = merged[1]
+        T.cuda.cta_sync()
         if cluster:
             T.ptx["barrier.cluster.wait.aligned"]()  # every CTA of the cluster has started
         for i in T.unroll(outputs_per_thread):
@@ -1895,15 +1910,11 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             if idx < rows * hd:
                 g = T.meta_var(idx // hd)
                 d = T.meta_var(idx % hd)
-                merged[0] = T.float32(_INIT_MAX)
-                for r in T.unroll(groups):
-                    merged[0] = T.max(merged[0], merge_m[r, g])
-                merged[1] = T.float32(0)
+                merged[0] = merge_row[g, 0]
+                merged[1] = merge_row[g, 1]
                 merged[2] = T.float32(0)
                 for r in T.unroll(groups):
-                    merged[3] = T.exp2(merge_m[r, g] - merged[0])
-                    merged[1] = merged[1] + merged[3] * merge_l[r, g]
-                    merged[2] = merged[2] + merged[3] * merge_o[r, g, d]
+                    merged[2] = merged[2] + merge_w[r, g] * merge_o[r, g, d]
                 if cluster:  # the output element to the CTA that merges it, the row's (max, sum) to CTA d
                     T.ptx["mapa.shared::cluster.u32"](remote[0], T.cuda.cvta_generic_to_shared(
                         gather_o.ptr_to([sp, idx % share])), T.Cast("uint32", idx // share))
