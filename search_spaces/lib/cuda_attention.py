@@ -1329,9 +1329,9 @@ def default_splits(batch: int, kv_heads: int, max_seq: int, head_dim: int, knobs
 def default_merge(row_sets: int, splits: int) -> str:
     """"cluster" where that costs no parallelism: the combine's ``splits`` would fit one cluster
     anyway, or ``row_sets`` (batch x K/V heads x row CTAs) of CLUSTER_MAX splits still fill two CTAs
-    on every SM. Else "combine": at batch 1 the combine's 32 splits are faster (README, "decode
-    merged in a cluster")."""
-    return "cluster" if splits <= CLUSTER_MAX or row_sets * CLUSTER_MAX >= 2 * SM_COUNT else "combine"
+    on every SM. Else "last": at batch 1, 32 splits merged without a second launch (README, "decode
+    merged by the last split")."""
+    return "cluster" if splits <= CLUSTER_MAX or row_sets * CLUSTER_MAX >= 2 * SM_COUNT else "last"
 
 
 def decode_rows(group: int, queries: int = 1) -> int:

@@ -281,8 +281,8 @@ def test_a_merging_cluster_holds_at_most_sixteen_splits():
 
 @pytest.mark.parametrize("batch, max_seq, merge, splits", [
     (1, 1024, "cluster", 8),      # the combine's 8 splits fit one cluster
-    (1, 4096, "combine", 32),     # 8 clusters of 16 would leave the GPU half empty: 32 splits and the combine
-    (1, 32768, "combine", 32),
+    (1, 4096, "last", 32),        # 8 clusters of 16 would leave the GPU half empty: 32 splits, merged by the last
+    (1, 32768, "last", 32),
     (4, 4096, "cluster", 16),     # 32 row sets x 16 fill two CTAs on every SM
     (64, 4096, "cluster", 8),
 ])
