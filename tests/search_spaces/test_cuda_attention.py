@@ -636,6 +636,20 @@ def test_nvcc_compiles_decode(tmp_path, append, knobs):
 
 
 @needs_nvcc
+@pytest.mark.parametrize("knobs", [dict(warps=4, merge="last"), dict(warps=4, merge="last", splits=100, stages=2)], ids=str)
+def test_nvcc_compiles_the_last_splits_merge_in_batches_and_chunks(tmp_path, knobs):
+    # 8 query rows on 128 threads: a thread's 8 outputs x 32 splits loaded in 4 batches of 2; 100
+    # splits in 2 chunks of LAST_LOADS
+    shape = dict(DECODE, num_heads=8 * DECODE["num_kv_heads"], max_seq=8192)
+    split, _ = ca.decode_attention(shape, "float16", knobs, append=True)
+    body = _source(split).split("__global__")[-1]
+    merge = body[body.index("autofuse_split_arrive("):]
+    assert merge.count("PO_ptr[") == 2 * ca.LAST_LOADS   # the first batch before the barrier, the rest in a loop
+    [(regs, spills)] = _ptxas(_source(split), tmp_path)
+    assert spills == 0 and regs <= 255
+
+
+@needs_nvcc
 def test_nvcc_compiles_verify_without_spills(tmp_path):
     # 8 query rows a CTA (4 heads x 8 drafts shared out in sets of 8), the most registers, at the
     # default knobs (8 keys a step compiled without spills too, but takes nvcc 13 s)
