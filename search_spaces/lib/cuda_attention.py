@@ -176,6 +176,7 @@ APPEND_SPLIT_KV_KNOBS = {**SPLIT_KV_KNOBS, "stages": APPEND_KNOBS["stages"], "me
 APPEND_SPLIT_KV_DEFAULT_KNOBS = {**SPLIT_KV_DEFAULT_KNOBS, "stages": APPEND_DEFAULT_KNOBS["stages"],
                                  "merge": APPEND_DEFAULT_KNOBS["merge"]}
 COMBINE_UNROLL = SPLIT_MAX       # splits whose partials the combine kernel loads at once
+LAST_LOADS = 2 * SPLIT_MAX       # partials a thread of the last split's merge loads at once
 DECODE_MAX_GROUP = 8              # query rows a split CTA keeps (q and O in registers); more: more CTAs
 # (batch, K/V head) work items below which a verify prefill leaves most SMs idle: the split kernel
 # spreads the cache over more CTAs there
@@ -1328,9 +1329,9 @@ def default_splits(batch: int, kv_heads: int, max_seq: int, head_dim: int, knobs
 def default_merge(row_sets: int, splits: int) -> str:
     """"cluster" where that costs no parallelism: the combine's ``splits`` would fit one cluster
     anyway, or ``row_sets`` (batch x K/V heads x row CTAs) of CLUSTER_MAX splits still fill two CTAs
-    on every SM. Else "combine": at batch 1 the combine's 32 splits are faster (README, "decode
-    merged in a cluster")."""
-    return "cluster" if splits <= CLUSTER_MAX or row_sets * CLUSTER_MAX >= 2 * SM_COUNT else "combine"
+    on every SM. Else "last": at batch 1, 32 splits merged without a second launch (README, "decode
+    merged by the last split")."""
+    return "cluster" if splits <= CLUSTER_MAX or row_sets * CLUSTER_MAX >= 2 * SM_COUNT else "last"
 
 
 def decode_rows(group: int, queries: int = 1) -> int:
@@ -1410,16 +1411,17 @@ def decode_configs(shape: dict, dtype: str, append: bool = False) -> list[dict]:
 
 
 def decode_split_shared_memory_bytes(head_dim: int, rows: int, knobs: dict) -> int:
-    """The lane groups' partials of ``rows`` query rows, with ``stages`` the ring of K and V steps
-    (2-byte dtypes), merged in a cluster the splits' partials of this CTA's share of the outputs,
-    merged by the last split the flag that says so."""
+    """The lane groups' partials of ``rows`` query rows and their weights, with ``stages`` the ring
+    of K and V steps (2-byte dtypes), merged in a cluster the splits' partials of this CTA's share
+    of the outputs, merged by the last split the flag that says so and its rows' (max, sum, weight)
+    of every split."""
     geo = decode_geometry(head_dim, knobs)
     stages = knobs.get("stages", 0)
     ring = stages * (2 * geo["step"] * head_dim * 2 + 8) + (256 if stages else 0)  # slots, barriers, alignment
     merge = knobs.get("merge")
     gather = 4 * knobs["splits"] * (cluster_share(rows, head_dim, knobs["splits"]) + 2 * rows) + 32 \
-        if merge == "cluster" else 16 if merge == "last" else 0
-    return 4 * geo["groups"] * rows * (head_dim + 2) + ring + gather
+        if merge == "cluster" else 4 * rows * (3 * knobs["splits"] + 1) + 64 if merge == "last" else 0
+    return 4 * geo["groups"] * rows * (head_dim + 3) + 8 * rows + 32 + ring + gather
 
 
 def cluster_share(rows: int, head_dim: int, splits: int) -> int:
@@ -1521,6 +1523,11 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     vec = _LOAD_ELEMS
     outputs_per_thread = -(-rows * hd // threads)
     chunks = -(-partials // COMBINE_UNROLL)
+    # merge "last": a thread's outputs x splits loaded at once, at most LAST_LOADS (in batches of
+    # outputs, each over chunks of splits)
+    last_chunk = min(partials, LAST_LOADS)
+    last_batch = max(1, min(outputs_per_thread, LAST_LOADS // last_chunk))
+    last_batches, last_chunks = -(-outputs_per_thread // last_batch), -(-partials // last_chunk)
     copy_rows = threads // lanes  # cache rows a CTA copies per pass
     page_size, max_pages, num_pages = paged or (0, 0, 0)
     if paged and max_pages * page_size != smax:
@@ -1704,6 +1711,58 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                     total[2] = total[2] + w[1] * part[2, s1]
 
     @T.macro
+    def _load_last_partials(PO, b, hk, tx, batch, chunk, part):
+        # this thread's output elements of `batch`, their partials of the splits of `chunk`
+        for i in T.unroll(last_batch):
+            for s in T.unroll(last_chunk):
+                o = T.meta_var((batch * last_batch + i) * threads + tx)
+                if batch * last_batch + i < outputs_per_thread and o < rows * hd and chunk * last_chunk + s < partials:
+                    part[i * last_chunk + s] = PO[b, hk * rows + o // hd, chunk * last_chunk + s, o % hd]
+
+    @T.macro
+    def _merge_last(PO, PML, O, b, hk, tx, last_ml, last_w, last_sum):
+        # The last split's merge of its row set, in one memory round trip where the registers allow
+        # (LAST_LOADS): each thread's partials in flight while the rows' (max, sum) of every split
+        # go to shared memory, where one thread a row turns them into weights (one exp2 per split,
+        # not one per output element) and the row's sum.
+        part = T.alloc_buffer((last_batch * last_chunk,), "float32", scope="local")
+        acc_last = T.alloc_buffer((last_batch,), "float32", scope="local")
+        row_ml = T.alloc_buffer((3,), "float32", scope="local")  # the row's max, sum, a weight
+        _load_last_partials(PO, b, hk, tx, 0, 0, part)
+        for e in T.unroll(-(-rows * partials // threads)):
+            if e * threads + tx < rows * partials:
+                for k in T.unroll(2):
+                    last_ml[(e * threads + tx) // partials, (e * threads + tx) % partials, k] = PML[
+                        b, hk * rows + (e * threads + tx) // partials, (e * threads + tx) % partials, k]
+        T.cuda.cta_sync()
+        if tx < rows:
+            row_ml[0] = T.float32(_INIT_MAX)
+            for s in T.serial(partials):
+                row_ml[0] = T.max(row_ml[0], last_ml[tx, s, 0])
+            row_ml[1] = T.float32(0)
+            for s in T.serial(partials):
+                row_ml[2] = T.exp2(last_ml[tx, s, 0] - row_ml[0])
+                last_w[tx, s] = row_ml[2]
+                row_ml[1] = row_ml[1] + row_ml[2] * last_ml[tx, s, 1]
+            last_sum[tx] = row_ml[1]
+        T.cuda.cta_sync()
+        for batch in T.serial(last_batches):
+            for i in T.unroll(last_batch):
+                acc_last[i] = T.float32(0)
+            for chunk in T.serial(last_chunks):
+                if batch + chunk > 0:
+                    _load_last_partials(PO, b, hk, tx, batch, chunk, part)
+                for i in T.unroll(last_batch):
+                    for s in T.unroll(last_chunk):
+                        o = T.meta_var((batch * last_batch + i) * threads + tx)
+                        if batch * last_batch + i < outputs_per_thread and o < rows * hd and chunk * last_chunk + s < partials:
+                            acc_last[i] = acc_last[i] + last_w[o // hd, chunk * last_chunk + s] * part[i * last_chunk + s]
+            for i in T.unroll(last_batch):
+                o = T.meta_var((batch * last_batch + i) * threads + tx)
+                if batch * last_batch + i < outputs_per_thread and o < rows * hd:
+                    O[b, hk * rows + o // hd, o % hd] = T.Cast(dtype, acc_last[i] / last_sum[o // hd])
+
+    @T.macro
     def _split_body(Q, Kc, Vc, PO, PML, O, KN, VN, KO, VO, cache_length, BT, SL, KD, VD, TR):
         # The split kernels' body (PO, PML: the partials, or None merged in a cluster; O: out, or
         # None with the combine; KN .. VO: the append buffers, or None; BT, SL: the block table
@@ -1726,11 +1785,17 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         merge_o = pool.alloc((groups, rows, hd), "float32", align=16)
         merge_m = pool.alloc((groups, rows), "float32", align=16)
         merge_l = pool.alloc((groups, rows), "float32", align=16)
+        merge_w = pool.alloc((groups, rows), "float32", align=16)  # each lane group's weight in its row
+        merge_row = pool.alloc((rows, 2), "float32", align=16)     # each row's merged (max, sum)
         if cluster:  # every split's partials of this CTA's share of the outputs, and of their rows' (max, sum)
             gather_o = pool.alloc((splits, share), "float32", align=16)
             gather_ml = pool.alloc((splits, rows, 2), "float32", align=16)
-        if last:  # 1: this CTA is the last of its row set's splits to finish
+        if last:  # 1: this CTA is the last of its row set's splits to finish; if so, its rows' (max, sum)
+            # of every split, a weight per (row, split) and each row's sum of weighted sums
             arrived = pool.alloc((1,), "int32", align=16)
+            last_ml = pool.alloc((rows, partials, 2), "float32", align=16)
+            last_w = pool.alloc((rows, partials), "float32", align=16)
+            last_sum = pool.alloc((rows,), "float32", align=16)
         if bulk:
             KS = pool.alloc((stages, step, hd), dtype, align=128)
             VS = pool.alloc((stages, step, hd), dtype, align=128)
@@ -1826,6 +1891,18 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                 merge_m[lane_group, g] = m[g]
                 merge_l[lane_group, g] = l[g]
         T.cuda.cta_sync()
+        if tx < rows:  # one thread a row: its lane groups' weights (one exp2 each, not one per output element)
+            merged[0] = T.float32(_INIT_MAX)
+            for r in T.unroll(groups):
+                merged[0] = T.max(merged[0], merge_m[r, tx])
+            merged[1] = T.float32(0)
+            for r in T.unroll(groups):
+                merged[3] = T.exp2(merge_m[r, tx] - merged[0])
+                merge_w[r, tx] = merged[3]
+                merged[1] = merged[1] + merged[3] * merge_l[r, tx]
+            merge_row[tx, 0] = merged[0]
+            merge_row[tx, 1] = merged[1]
+        T.cuda.cta_sync()
         if cluster:
             T.ptx["barrier.cluster.wait.aligned"]()  # every CTA of the cluster has started
         for i in T.unroll(outputs_per_thread):
@@ -1833,15 +1910,11 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             if idx < rows * hd:
                 g = T.meta_var(idx // hd)
                 d = T.meta_var(idx % hd)
-                merged[0] = T.float32(_INIT_MAX)
-                for r in T.unroll(groups):
-                    merged[0] = T.max(merged[0], merge_m[r, g])
-                merged[1] = T.float32(0)
+                merged[0] = merge_row[g, 0]
+                merged[1] = merge_row[g, 1]
                 merged[2] = T.float32(0)
                 for r in T.unroll(groups):
-                    merged[3] = T.exp2(merge_m[r, g] - merged[0])
-                    merged[1] = merged[1] + merged[3] * merge_l[r, g]
-                    merged[2] = merged[2] + merged[3] * merge_o[r, g, d]
+                    merged[2] = merged[2] + merge_w[r, g] * merge_o[r, g, d]
                 if cluster:  # the output element to the CTA that merges it, the row's (max, sum) to CTA d
                     T.ptx["mapa.shared::cluster.u32"](remote[0], T.cuda.cvta_generic_to_shared(
                         gather_o.ptr_to([sp, idx % share])), T.Cast("uint32", idx // share))
@@ -1882,15 +1955,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                                               source_code=_ARRIVE_SOURCE, return_type="int32")
             T.cuda.cta_sync()
             if arrived[0] == 1:
-                total = T.alloc_buffer((3,), "float32", scope="local")  # max, sum, output element
-                part = T.alloc_buffer((3, COMBINE_UNROLL), "float32", scope="local")
-                w = T.alloc_buffer((2,), "float32", scope="local")
-                for i in T.serial(outputs_per_thread):
-                    if i * threads + tx < rows * hd:
-                        g = T.meta_var((i * threads + tx) // hd)
-                        d = T.meta_var((i * threads + tx) % hd)
-                        _merge_splits(PO, PML, b, hk * rows + g, d, total, part, w)
-                        O[b, hk * rows + g, d] = T.Cast(dtype, total[2] / total[1])
+                _merge_last(PO, PML, O, b, hk, tx, last_ml, last_w, last_sum)
 
 
     # a prim_func is parsed where it is defined: only the variant asked for. The appending

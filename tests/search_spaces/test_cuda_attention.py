@@ -245,7 +245,13 @@ def test_appending_decode_merges_its_splits_in_the_last_split_to_finish(knobs):
     # every thread's partials stored, then the CTA's barrier, thread 0 counts in, the barrier again
     assert max(body.index("PO_ptr["), body.index("PML_ptr[")) < body.rindex("cta_sync()", 0, arrive)
     assert body.index("cta_sync()", arrive) < min(m.start() for m in re.finditer(r"[^KVP]O_ptr\[", body))
-    assert body.count("exp2f(", arrive) == min(resolved["splits"], ca.COMBINE_UNROLL) + 1  # a weight each, a rescale
+    # the last split's merge: its partials loaded before the barrier after which one thread a row
+    # turns the splits' (max, sum) into weights (one exp2 in a loop), out stored after the next
+    merge = body.index("cta_sync()", arrive + 1)
+    merge = body.index("cta_sync()", merge + 1)
+    assert body.index("PO_ptr[", arrive) < merge < body.index("exp2f(", merge)
+    assert body.count("exp2f(", arrive) == 1 and "for (int s" in body[merge:body.index("exp2f(", merge)]
+    assert body.index("cta_sync()", merge + 1) < min(m.start() for m in re.finditer(r"[^KVP]O_ptr\[", body))
     assert "barrier_cluster" not in body and "mapa" not in body
 
 
@@ -275,8 +281,8 @@ def test_a_merging_cluster_holds_at_most_sixteen_splits():
 
 @pytest.mark.parametrize("batch, max_seq, merge, splits", [
     (1, 1024, "cluster", 8),      # the combine's 8 splits fit one cluster
-    (1, 4096, "combine", 32),     # 8 clusters of 16 would leave the GPU half empty: 32 splits and the combine
-    (1, 32768, "combine", 32),
+    (1, 4096, "last", 32),        # 8 clusters of 16 would leave the GPU half empty: 32 splits, merged by the last
+    (1, 32768, "last", 32),
     (4, 4096, "cluster", 16),     # 32 row sets x 16 fill two CTAs on every SM
     (64, 4096, "cluster", 8),
 ])
@@ -627,6 +633,20 @@ def test_nvcc_compiles_decode(tmp_path, append, knobs):
     for func in (split, combine) if combine else (split,):
         [(regs, spills)] = _ptxas(_source(func), tmp_path)
         assert spills == 0 and regs <= 255
+
+
+@needs_nvcc
+@pytest.mark.parametrize("knobs", [dict(warps=4, merge="last"), dict(warps=4, merge="last", splits=100, stages=2)], ids=str)
+def test_nvcc_compiles_the_last_splits_merge_in_batches_and_chunks(tmp_path, knobs):
+    # 8 query rows on 128 threads: a thread's 8 outputs x 32 splits loaded in 4 batches of 2; 100
+    # splits in 2 chunks of LAST_LOADS
+    shape = dict(DECODE, num_heads=8 * DECODE["num_kv_heads"], max_seq=8192)
+    split, _ = ca.decode_attention(shape, "float16", knobs, append=True)
+    body = _source(split).split("__global__")[-1]
+    merge = body[body.index("autofuse_split_arrive("):]
+    assert merge.count("PO_ptr[") == 2 * ca.LAST_LOADS   # the first batch before the barrier, the rest in a loop
+    [(regs, spills)] = _ptxas(_source(split), tmp_path)
+    assert spills == 0 and regs <= 255
 
 
 @needs_nvcc
