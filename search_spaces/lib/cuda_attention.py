@@ -1301,6 +1301,13 @@ def rope_flops(shape: dict) -> float:
 
 DECODE_SHAPE_KEYS = ("batch", "num_heads", "num_kv_heads", "head_dim", "max_seq")
 _LOAD_ELEMS = 8  # 16 bytes of a 2-byte dtype
+INT32_ELEMS = 1 << 31  # a buffer of this many elements or more is declared (and indexed) in int64
+
+
+def _dims(shape: tuple) -> tuple:
+    """``shape`` as a buffer's dims: int64 when its elements do not fit int32 (flattening a batch 64
+    x 32768-key cache of 2^31 elements in int32 fails), else as given (cheaper address math)."""
+    return tuple(T.int64(d) for d in shape) if math.prod(shape) >= INT32_ELEMS else shape
 
 
 def decode_geometry(head_dim: int, knobs: dict) -> dict:
@@ -1961,7 +1968,7 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     # a prim_func is parsed where it is defined: only the variant asked for. The appending
     # variants' parameters as annotations, a new buffer each (a match_buffer of this shape)
     def arg(shape, dt=dtype):
-        return T.Buffer(shape, dt, align=16)
+        return T.Buffer(_dims(shape), dt, align=16)
 
     q_rows, new_rows, cache_rows = (nb, hq, hd), (nb, hkv, hd), (nb, hkv, smax, hd)
     part_o_rows, part_ml_rows = (nb, hq, splits, hd), (nb, hq, splits, 2)
@@ -1987,8 +1994,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         def split(q: T.handle, k_pages: T.handle, v_pages: T.handle, block_table: T.handle, seq_lens: T.handle,
                   part_o: T.handle, part_ml: T.handle):
             Q = T.match_buffer(q, (nb, hq * queries, hd), dtype, align=16)
-            Kc = T.match_buffer(k_pages, (num_pages, hkv, page_size, hd), dtype, align=16)
-            Vc = T.match_buffer(v_pages, (num_pages, hkv, page_size, hd), dtype, align=16)
+            Kc = T.match_buffer(k_pages, _dims((num_pages, hkv, page_size, hd)), dtype, align=16)
+            Vc = T.match_buffer(v_pages, _dims((num_pages, hkv, page_size, hd)), dtype, align=16)
             BT = T.match_buffer(block_table, (nb, max_pages), "int32", align=16)
             SL = T.match_buffer(seq_lens, (nb,), "int32", align=16)
             PO = T.match_buffer(part_o, (nb, hq * queries, splits, hd), "float32", align=16)
@@ -1999,8 +2006,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         def split(q: T.handle, k_cache: T.handle, v_cache: T.handle, k_new: T.handle, v_new: T.handle,
                   tree: T.handle, part_o: T.handle, part_ml: T.handle, length: T.int32):
             Q = T.match_buffer(q, (nb, hq, drafts, hd), dtype, align=16)
-            Kc = T.match_buffer(k_cache, (nb, hkv, smax, hd), dtype, align=16)
-            Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
+            Kc = T.match_buffer(k_cache, _dims((nb, hkv, smax, hd)), dtype, align=16)
+            Vc = T.match_buffer(v_cache, _dims((nb, hkv, smax, hd)), dtype, align=16)
             KD = T.match_buffer(k_new, (nb, hkv, drafts, hd), dtype, align=16)
             VD = T.match_buffer(v_new, (nb, hkv, drafts, hd), dtype, align=16)
             TR = T.match_buffer(tree, (drafts, drafts), "int32", align=16)
@@ -2012,8 +2019,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         def split(q: T.handle, k_cache: T.handle, v_cache: T.handle, part_o: T.handle, part_ml: T.handle,
                   length: T.int32):
             Q = T.match_buffer(q, (nb, hq, hd), dtype, align=16)
-            Kc = T.match_buffer(k_cache, (nb, hkv, smax, hd), dtype, align=16)
-            Vc = T.match_buffer(v_cache, (nb, hkv, smax, hd), dtype, align=16)
+            Kc = T.match_buffer(k_cache, _dims((nb, hkv, smax, hd)), dtype, align=16)
+            Vc = T.match_buffer(v_cache, _dims((nb, hkv, smax, hd)), dtype, align=16)
             PO = T.match_buffer(part_o, (nb, hq, splits, hd), "float32", align=16)
             PML = T.match_buffer(part_ml, (nb, hq, splits, 2), "float32", align=16)
             _split_body(Q, Kc, Vc, PO, PML, None, None, None, None, None, length, None, None, None, None, None)

@@ -370,6 +370,16 @@ def test_decode_long_caches_build_without_shared_memory_growth():
     assert sizes[0] == sizes[1] < 48 * 1024
 
 
+def test_a_cache_of_2_31_elements_is_addressed_in_int64():
+    # batch 64 x 8 K/V heads x 32768 keys x 128: the ring's bulk copies take the cache's element
+    # addresses, whose flattening in int32 failed (that grid cell did not build)
+    shape = dict(DECODE, batch=64, num_heads=32, num_kv_heads=8, max_seq=32768)
+    split, _ = ca.decode_attention(shape, "float16", append=True)
+    assert re.search(r"Kc_ptr\[\(+\(int64_t\)", _source(split))
+    small, _ = ca.decode_attention(DECODE, "float16", append=True)
+    assert "int64_t)" not in _source(small).split("__global__")[-1]  # int32 address math below 2^31
+
+
 # ---- shape rules ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("change,fragment", [
