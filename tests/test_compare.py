@@ -116,6 +116,17 @@ def test_missing_optional_baselines_are_reported_not_crashed(tmp_path, monkeypat
     assert entry["framework"]["status"] == "unavailable" and entry["bound"] == entry["dtype_bound"]
 
 
+def test_our_kernel_that_cannot_run_says_why(tmp_path, monkeypatch):
+    from autofuse import compare, verify
+
+    note = "template default failed the numerical check (cuda_split_kv): build failed: int32 extent"
+    monkeypatch.setattr(verify, "choose", lambda *args, **kwargs: (None, [note]))
+    subject, ctx, machine = _in_process_subject(tmp_path)
+    entry = compare.compare_subject(subject, ctx, ["onnxruntime"], machine, repeat=2)
+    ours = entry["contenders"][0]
+    assert ours["name"] == "autofuse" and ours["status"] == "failed" and note in ours["reason"], ours
+
+
 def test_a_contender_that_disagrees_is_invalid_and_never_timed(tmp_path, monkeypatch):
     from autofuse import compare
     from autofuse.baselines.xla import Xla

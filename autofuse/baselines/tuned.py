@@ -31,8 +31,8 @@ class Autofuse:
         job = Job(subject.pattern, subject.shape, subject.dtype)
         choice, rejected = choose(job, ctx.db, ctx.target, ctx.dev)
         if choice is None:
-            raise AutofuseError(f"{job.label}: no record passed the numerical check and the pattern has no "
-                                f"template for {ctx.target.kind.name}")
+            why = "; ".join(rejected) or f"the pattern has no template for {ctx.target.kind.name}"
+            raise AutofuseError(f"{job.label}: no record or default passed its check: {why}")
         rt = build_kernel(choice.mod, ctx.target)  # a kernel template's tirx kernel: the tirx pipeline
         args = to_device(subject.inputs, ctx.dev)
         outs = empty_outputs(job.pattern.output_specs(job.func), ctx.dev)
