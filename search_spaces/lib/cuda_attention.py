@@ -1301,13 +1301,13 @@ def rope_flops(shape: dict) -> float:
 
 DECODE_SHAPE_KEYS = ("batch", "num_heads", "num_kv_heads", "head_dim", "max_seq")
 _LOAD_ELEMS = 8  # 16 bytes of a 2-byte dtype
-INT32_ELEMS = 1 << 31  # a buffer of this many elements or more is declared (and indexed) in int64
+_INT32_ELEMS = 1 << 31  # a buffer of this many elements or more is declared (and indexed) in int64
 
 
 def _dims(shape: tuple) -> tuple:
     """``shape`` as a buffer's dims: int64 when its elements do not fit int32 (flattening a batch 64
     x 32768-key cache of 2^31 elements in int32 fails), else as given (cheaper address math)."""
-    return tuple(T.int64(d) for d in shape) if math.prod(shape) >= INT32_ELEMS else shape
+    return tuple(T.int64(d) for d in shape) if math.prod(shape) >= _INT32_ELEMS else shape
 
 
 def decode_geometry(head_dim: int, knobs: dict) -> dict:
