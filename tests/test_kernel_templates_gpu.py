@@ -220,11 +220,11 @@ def test_decode_merged_by_the_last_split_passes_its_check(shape, dtype, stages):
     _check_decode(shape, dtype, {"stages": stages, "merge": "last", "evict_first": min(stages, 1)}, calls=2)
 
 
-@pytest.mark.parametrize("evict_first", [0, 2])
+@pytest.mark.parametrize("evict_first", [1, 2])
 @pytest.mark.parametrize("shape, dtype", DECODE_CASES, ids=DECODE_IDS)
 def test_decode_under_each_l2_policy_passes_its_check(shape, dtype, evict_first):
-    """The ring's bulk copies without an L2 policy, and evict-first on the copies out as well as in
-    (the default: in only)."""
+    """The ring's bulk copies with an evict-first L2 policy on the copies in, and on the copies out
+    as well (the default: no policy)."""
     _check_decode(shape, dtype, {"evict_first": evict_first})
 
 

@@ -136,7 +136,8 @@ Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new
     (createpolicy, ``.L2::cache_hint``): 1, the cache lines they read are the first L2 evicts, so a
     step's stream of K/V replaces its own lines instead of what other kernels left there (dirty
     lines that would be written back first); 2, the lines they write out as well; 0, no policy.
-    Default 1; only with stages (with 0 it resolves to 0, and 1 or 2 asked for is refused).
+    Default 0, until a GPU has timed the others (README); only with stages (with stages 0 it
+    resolves to 0, and 1 or 2 asked for is refused).
 
     Both kernels are launched with programmatic dependent launch (sm_90): the split kernel waits
     for the kernel before it (griddepcontrol.wait) and at once allows its dependents, so the
@@ -173,7 +174,7 @@ SPLIT_KV_DEFAULT_KNOBS = {name: DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_
 MERGES = ("combine", "cluster", "last")  # who merges a row set's splits (module docstring)
 APPEND_KNOBS = {**DECODE_KNOBS, "stages": (0, 2, 4), "merge": MERGES, "evict_first": (0, 1, 2)}
 # stages: the fastest of 0/2/4 on an H100 (README); merge None: ``default_merge``
-APPEND_DEFAULT_KNOBS = {**DECODE_DEFAULT_KNOBS, "stages": 4, "merge": None, "evict_first": 1}
+APPEND_DEFAULT_KNOBS = {**DECODE_DEFAULT_KNOBS, "stages": 4, "merge": None, "evict_first": 0}
 CLUSTER_MAX = 16         # CTAs of a thread-block cluster (over 8: non-portable, sm_90)
 ARRIVAL_SLOTS = 1 << 16  # row sets whose splits merge "last" in one launch: the module's counters
 _APPEND_ONLY = ("stages", "merge", "evict_first")
