@@ -150,10 +150,12 @@ def _source(func) -> str:
 # ---- measuring -------------------------------------------------------------------------------------
 
 class Timer:
-    def __init__(self, torch, repeat: int):
+    def __init__(self, torch, repeat: int, flush: str = "write"):
         self.torch = torch
         self.repeat = repeat
-        self.scratch = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+        self.scratch = torch.zeros(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+        # "write" (as `autofuse compare` flushes) leaves L2 full of dirty lines, "read" of clean ones
+        self.flush = self.scratch.zero_ if flush == "write" else lambda: self.scratch.max()
 
     def measure(self, call) -> dict:
         torch = self.torch
@@ -162,7 +164,7 @@ class Timer:
         torch.cuda.synchronize()
         events = []
         for _ in range(self.repeat):
-            self.scratch.zero_()  # evicts the last call's data from L2
+            self.flush()  # evicts the last call's data from L2
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             call()

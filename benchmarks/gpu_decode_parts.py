@@ -8,7 +8,7 @@ copy ladder times it), on one GPU, one JSON.
     python benchmarks/gpu_decode_parts.py --cases 1:4096 1:16384 --commit SHA --out parts.json
         [--knobs '{"splits": 16}' ...]
 
-Each timing: a 256 MiB write that evicts L2, then the call between CUDA events on torch's stream,
+Each timing: a 256 MiB write that evicts L2 (``--flush read``: a read of it), then the call between CUDA events on torch's stream,
 median of ``--repeat`` (as benchmarks/gpu_attention.py times). GQA 32/8, head_dim 128, float16,
 the new token at the cache's last row.
 """
@@ -34,6 +34,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="+", default=["1:4096", "1:16384"], help="batch:cache ...")
     parser.add_argument("--knobs", action="append", default=[], help="JSON knobs; the default is always run")
     parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--flush", choices=("write", "read"), default="write",
+                        help="evict L2 before each timing with a write (as `autofuse compare`; L2 left dirty) "
+                             "or a read (L2 left clean)")
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
@@ -42,9 +45,9 @@ def main(argv=None) -> int:
     import tvm
     from gpu_attention import Timer, machine, scaled_error
 
-    timer = Timer(torch, args.repeat)
+    timer = Timer(torch, args.repeat, args.flush)
     result = {"schema": "autofuse.gpu_decode_parts/1", "commit": args.commit, "command": " ".join(sys.argv),
-              "machine": machine(torch), "cases": []}
+              "machine": machine(torch), "flush": args.flush, "cases": []}
     hq, hkv, d = 32, 8, 128
     for case in args.cases:
         nb, smax = map(int, case.split(":"))

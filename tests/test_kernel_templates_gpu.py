@@ -209,7 +209,7 @@ def test_decode_through_the_shared_memory_ring_passes_its_check(shape, dtype, st
 def test_decode_merged_in_a_cluster_passes_its_check(shape, dtype, stages):
     """gqa_decode_attention's split kernel with its splits' partials merged over distributed shared
     memory in their thread-block cluster (no combine kernel)."""
-    _check_decode(shape, dtype, {"stages": stages, "merge": "cluster"})
+    _check_decode(shape, dtype, {"stages": stages, "merge": "cluster", "evict_first": min(stages, 1)})
 
 
 @pytest.mark.parametrize("stages", [0, 4])
@@ -217,7 +217,15 @@ def test_decode_merged_in_a_cluster_passes_its_check(shape, dtype, stages):
 def test_decode_merged_by_the_last_split_passes_its_check(shape, dtype, stages):
     """gqa_decode_attention's split kernel whose last split to finish merges the partials (no
     combine kernel), twice on one module: the module's counters are zero again after each call."""
-    _check_decode(shape, dtype, {"stages": stages, "merge": "last"}, calls=2)
+    _check_decode(shape, dtype, {"stages": stages, "merge": "last", "evict_first": min(stages, 1)}, calls=2)
+
+
+@pytest.mark.parametrize("evict_first", [1, 2])
+@pytest.mark.parametrize("shape, dtype", DECODE_CASES, ids=DECODE_IDS)
+def test_decode_under_each_l2_policy_passes_its_check(shape, dtype, evict_first):
+    """The ring's bulk copies with an evict-first L2 policy on the copies in, and on the copies out
+    as well (the default: no policy)."""
+    _check_decode(shape, dtype, {"evict_first": evict_first})
 
 
 MOE_CASES = [

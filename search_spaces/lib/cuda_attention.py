@@ -132,7 +132,12 @@ Decode: ``decode_attention`` -> ``(split, combine)``, flash-decoding for one new
     memory and counts itself in (one release/acquire atomic per CTA on a zero-initialised counter of
     the module, ``_ARRIVE_SOURCE``), and the split that arrives last merges them from L2 and writes
     out, setting the counter back to zero: no second launch, no grid-wide wait. Default (None):
-    ``default_merge``, by shape.
+    ``default_merge``, by shape. And ``evict_first``, the L2 policy of the ring's bulk copies
+    (createpolicy, ``.L2::cache_hint``): 1, the cache lines they read are the first L2 evicts, so a
+    step's stream of K/V replaces its own lines instead of what other kernels left there (dirty
+    lines that would be written back first); 2, the lines they write out as well; 0, no policy.
+    Default 0, until a GPU has timed the others (README); only with stages (with stages 0 it
+    resolves to 0, and 1 or 2 asked for is refused).
 
     Both kernels are launched with programmatic dependent launch (sm_90): the split kernel waits
     for the kernel before it (griddepcontrol.wait) and at once allows its dependents, so the
@@ -167,14 +172,14 @@ SPLIT_KV_DEFAULT_KNOBS = {name: DECODE_DEFAULT_KNOBS[name] for name in SPLIT_KV_
 # appending split kernels may stream their keys through shared memory: ``stages`` slots of a step's
 # K and V rows, bulk-copied in and (the append) bulk-copied out; 0 = 16-byte loads to registers
 MERGES = ("combine", "cluster", "last")  # who merges a row set's splits (module docstring)
-APPEND_KNOBS = {**DECODE_KNOBS, "stages": (0, 2, 4), "merge": MERGES}
+APPEND_KNOBS = {**DECODE_KNOBS, "stages": (0, 2, 4), "merge": MERGES, "evict_first": (0, 1, 2)}
 # stages: the fastest of 0/2/4 on an H100 (README); merge None: ``default_merge``
-APPEND_DEFAULT_KNOBS = {**DECODE_DEFAULT_KNOBS, "stages": 4, "merge": None}
+APPEND_DEFAULT_KNOBS = {**DECODE_DEFAULT_KNOBS, "stages": 4, "merge": None, "evict_first": 0}
 CLUSTER_MAX = 16         # CTAs of a thread-block cluster (over 8: non-portable, sm_90)
 ARRIVAL_SLOTS = 1 << 16  # row sets whose splits merge "last" in one launch: the module's counters
-APPEND_SPLIT_KV_KNOBS = {**SPLIT_KV_KNOBS, "stages": APPEND_KNOBS["stages"], "merge": APPEND_KNOBS["merge"]}
-APPEND_SPLIT_KV_DEFAULT_KNOBS = {**SPLIT_KV_DEFAULT_KNOBS, "stages": APPEND_DEFAULT_KNOBS["stages"],
-                                 "merge": APPEND_DEFAULT_KNOBS["merge"]}
+_APPEND_ONLY = ("stages", "merge", "evict_first")
+APPEND_SPLIT_KV_KNOBS = {**SPLIT_KV_KNOBS, **{name: APPEND_KNOBS[name] for name in _APPEND_ONLY}}
+APPEND_SPLIT_KV_DEFAULT_KNOBS = {**SPLIT_KV_DEFAULT_KNOBS, **{name: APPEND_DEFAULT_KNOBS[name] for name in _APPEND_ONLY}}
 COMBINE_UNROLL = SPLIT_MAX       # splits whose partials the combine kernel loads at once
 LAST_LOADS = 2 * SPLIT_MAX       # partials a thread of the last split's merge loads at once
 DECODE_MAX_GROUP = 8              # query rows a split CTA keeps (q and O in registers); more: more CTAs
@@ -186,6 +191,9 @@ _SWIZZLE_128B = 3  # CUtensorMapSwizzle and the wgmma descriptor's layout code f
 _TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
 _BULK_LOAD = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"  # contiguous bytes, no tensor map
 _BULK_STORE = "cp.async.bulk.global.shared::cta.bulk_group"
+# with an L2 policy (one more operand, createpolicy's)
+_BULK_LOAD_HINTED, _BULK_STORE_HINTED = _BULK_LOAD + ".L2::cache_hint", _BULK_STORE + ".L2::cache_hint"
+_EVICT_FIRST = "createpolicy.fractional.L2::evict_first.b64"
 _INIT_MAX = -1.0e30  # running max before the first key: finite, so 2^(m - m') never sees inf - inf
 # merge "last": a split counts itself in after its partials (release) and learns whether it is the
 # row set's last (acquire: the others' partials visible); the last sets the counter back to zero.
@@ -1356,7 +1364,12 @@ def check_decode(shape: dict, dtype: str, knobs: dict | None = None, drafts: int
     ``stages``, APPEND_KNOBS); AttentionShapeError otherwise. With ``drafts`` the splits share
     cache_len keys."""
     space, default = (APPEND_KNOBS, APPEND_DEFAULT_KNOBS) if append else (DECODE_KNOBS, DECODE_DEFAULT_KNOBS)
+    if append and knobs and knobs.get("evict_first") and knobs.get("stages", default["stages"]) == 0:
+        raise AttentionShapeError(f"knob evict_first={knobs['evict_first']} hints the ring's bulk copies; "
+                                  "stages=0 has none")
     knobs = _resolve(knobs, space, default)
+    if append and knobs["stages"] == 0:
+        knobs["evict_first"] = 0
     nb, hq, hkv, hd, smax = _ints(shape, DECODE_SHAPE_KEYS)
     _check_dtype_heads(dtype, hq, hkv, hd)
     group = hq // hkv
@@ -1518,6 +1531,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
     group, splits, keys, warps = dims["group"], knobs["splits"], knobs["keys"], knobs["warps"]
     stages = knobs.get("stages", 0)
     bulk = stages > 0                     # keys through a shared-memory ring, the append by bulk copies
+    # the caches' lines the ring's bulk copies bring into L2 evicted first (1), and those they write out (2)
+    evict = knobs.get("evict_first", 0) if bulk else 0
     rows, row_ctas, queries = dims["rows"], dims["row_ctas"], dims["queries"]
     cluster = knobs.get("merge") == "cluster"  # the splits of a row set merge in their cluster: no combine kernel
     last = knobs.get("merge") == "last"        # the last split of a row set to finish merges: no combine kernel
@@ -1638,10 +1653,16 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         # Expanded in `_bulk_prologue` and `_bulk_cache_keys`.
         rows_bytes = T.meta_var(T.max(T.min(step, key_end - key_begin - s * step), 0) * hd * 2)
         T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[s % stages]), T.Cast("uint32", 2 * rows_bytes))
-        T.ptx[_BULK_LOAD](KS16.ptr_to([s % stages, 0, 0]), Kc.ptr_to([b, kvh, key_begin + s * step, 0]),
-                          T.Cast("uint32", rows_bytes), T.address_of(full[s % stages]))
-        T.ptx[_BULK_LOAD](VS16.ptr_to([s % stages, 0, 0]), Vc.ptr_to([b, kvh, key_begin + s * step, 0]),
-                          T.Cast("uint32", rows_bytes), T.address_of(full[s % stages]))
+        if evict > 0:
+            T.ptx[_BULK_LOAD_HINTED](KS16.ptr_to([s % stages, 0, 0]), Kc.ptr_to([b, kvh, key_begin + s * step, 0]),
+                             T.Cast("uint32", rows_bytes), T.address_of(full[s % stages]), policy[0])
+            T.ptx[_BULK_LOAD_HINTED](VS16.ptr_to([s % stages, 0, 0]), Vc.ptr_to([b, kvh, key_begin + s * step, 0]),
+                             T.Cast("uint32", rows_bytes), T.address_of(full[s % stages]), policy[0])
+        else:
+            T.ptx[_BULK_LOAD](KS16.ptr_to([s % stages, 0, 0]), Kc.ptr_to([b, kvh, key_begin + s * step, 0]),
+                             T.Cast("uint32", rows_bytes), T.address_of(full[s % stages]))
+            T.ptx[_BULK_LOAD](VS16.ptr_to([s % stages, 0, 0]), Vc.ptr_to([b, kvh, key_begin + s * step, 0]),
+                             T.Cast("uint32", rows_bytes), T.address_of(full[s % stages]))
 
     @T.macro(hygienic=False)
     def _bulk_prologue(load_step):
@@ -1674,8 +1695,14 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             if tx == 0:
                 if _append_guard(0, 0, False, hk, row_ctas):
                     rows_bytes = T.meta_var(T.Cast("uint32", T.max(T.min(step, key_end - stage_first), 0) * hd * 2))
-                    T.ptx[_BULK_STORE](KO.ptr_to([b, kvh, stage_first, 0]), KS16.ptr_to([slot, 0, 0]), rows_bytes)
-                    T.ptx[_BULK_STORE](VO.ptr_to([b, kvh, stage_first, 0]), VS16.ptr_to([slot, 0, 0]), rows_bytes)
+                    if evict == 2:
+                        T.ptx[_BULK_STORE_HINTED](KO.ptr_to([b, kvh, stage_first, 0]), KS16.ptr_to([slot, 0, 0]), rows_bytes,
+                                          policy[0])
+                        T.ptx[_BULK_STORE_HINTED](VO.ptr_to([b, kvh, stage_first, 0]), VS16.ptr_to([slot, 0, 0]), rows_bytes,
+                                          policy[0])
+                    else:
+                        T.ptx[_BULK_STORE](KO.ptr_to([b, kvh, stage_first, 0]), KS16.ptr_to([slot, 0, 0]), rows_bytes)
+                        T.ptx[_BULK_STORE](VO.ptr_to([b, kvh, stage_first, 0]), VS16.ptr_to([slot, 0, 0]), rows_bytes)
                     T.ptx["cp.async.bulk.commit_group"]()
             if t < n_keys // step:
                 _step(stage_first + local_first, False, key_end, False)
@@ -1838,6 +1865,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         merged = T.alloc_buffer((4,), "float32", scope="local")  # max, sum, output element, weight
         if cluster:
             remote = T.alloc_buffer((1,), "uint32", scope="local")  # a shared-memory address in another CTA
+        if evict > 0:
+            policy = T.alloc_buffer((1,), "uint64", scope="local")  # the bulk copies' L2 policy (thread 0's)
         length = T.meta_var(_seq_length(SL, b, cache_length))
         # this CTA's split of the cache (`_cache_keys`, the ring's macros)
         key_begin = T.meta_var(decode_key_range(sp, length, splits, step)[0])
@@ -1856,6 +1885,8 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             if tx == 0:
                 for st in T.unroll(stages):
                     T.ptx.mbarrier.init.shared.b64(T.address_of(full[st]), T.uint32(1))
+                if evict > 0:
+                    T.ptx[_EVICT_FIRST](policy[0])
             T.ptx.fence.proxy.async_.shared__cta()
             T.cuda.cta_sync()
             _bulk_prologue(_bulk_load)

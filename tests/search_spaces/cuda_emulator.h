@@ -884,6 +884,13 @@ inline void bulk_to_global(const void* global, unsigned int address, unsigned in
   emu::bulk_to_shared((dst), (src), (n), (bar), __LINE__)
 #define tvm_builtin_ptx_cp_async_bulk_s2g_async_bulk_global_shared__cta_bulk_group(dst, src, n) \
   emu::bulk_to_global((dst), (src), (n), __LINE__)
+// An L2 policy only says which lines L2 evicts first: no cache here, the copies as without one.
+#define tvm_builtin_ptx_createpolicy_fractional_fractional_L2__evict_first_b64(policy) ((policy) = 0)
+#define tvm_builtin_ptx_cp_async_bulk_g2s_cluster_async_bulk_shared__cluster_global_mbarrier__complete_tx__bytes_L2__cache_hint( \
+    dst, src, n, bar, policy)                                                                                                  \
+  emu::bulk_to_shared((dst), (src), (n), (bar), __LINE__)
+#define tvm_builtin_ptx_cp_async_bulk_s2g_async_bulk_global_shared__cta_bulk_group_L2__cache_hint(dst, src, n, policy) \
+  emu::bulk_to_global((dst), (src), (n), __LINE__)
 // Copies complete at once: nothing to commit or wait for, no proxy to fence.
 #define tvm_builtin_ptx_cp_async_bulk_commit_group_async_bulk_commit_group() ((void)0)
 #define tvm_builtin_ptx_cp_async_bulk_wait_group_async_bulk_wait_group_read_0() ((void)0)

@@ -184,7 +184,8 @@ def test_every_decode_config_builds(knobs):
 
 
 @pytest.mark.parametrize("knobs", [k for k in ca.decode_configs(DECODE, "float16", append=True) if k["stages"]
-                                   and k["keys"] in (2, 8) and k["merge"] == "combine"], ids=str)
+                                   and k["keys"] in (2, 8) and k["merge"] == "combine" and k["evict_first"] == 0],
+                         ids=str)
 def test_appending_decode_streams_its_keys_through_a_shared_memory_ring(knobs):
     split, _ = ca.decode_attention(DECODE, "float16", knobs, append=True)
     body = _source(split).split("__global__")[-1]
@@ -196,6 +197,20 @@ def test_appending_decode_streams_its_keys_through_a_shared_memory_ring(knobs):
     assert re.search(r"\(\(uint4\*\)KN_ptr\)", body)     # the new token's row, patched into its slot
     register, _ = ca.decode_attention(DECODE, "float16", dict(knobs, stages=0), append=True)
     assert "= kv16_ptr[" in _source(register) and "cp_async_bulk" not in _source(register)
+
+
+def test_the_rings_copies_carry_an_evict_first_policy_as_the_knob_says():
+    # evict_first 1: the copies in (two a step, in the prologue and each refill); 2: and the two out
+    counts = {}
+    for level in (0, 1, 2):
+        split, _ = ca.decode_attention(DECODE, "float16", dict(evict_first=level), append=True)
+        body = _source(split).split("__global__")[-1]
+        counts[level] = (body.count("createpolicy_fractional_fractional_L2__evict_first"),
+                         body.count("complete_tx__bytes_L2__cache_hint"), body.count("bulk_group_L2__cache_hint"))
+    assert counts == {0: (0, 0, 0), 1: (1, 4, 0), 2: (1, 4, 2)}
+    assert ca.check_decode(DECODE, "float16", dict(stages=0), append=True)[1]["evict_first"] == 0
+    with pytest.raises(ca.AttentionShapeError, match="stages=0 has none"):
+        ca.check_decode(DECODE, "float16", dict(stages=0, evict_first=1), append=True)
 
 
 @pytest.mark.parametrize("knobs", [dict(stages=4), dict(stages=0, warps=4, keys=1), dict(stages=4, splits=3)], ids=str)
@@ -301,8 +316,10 @@ def test_only_appending_decode_takes_stages_and_the_ring_fits_shared_memory():
         ca.check_decode(DECODE, "float16", dict(stages=2))
     with pytest.raises(ca.AttentionShapeError, match="shared memory"):   # 4 slots of 128 keys of K and V
         ca.check_decode(DECODE, "float16", dict(stages=4, keys=8), append=True)
-    assert dict(warps=8, keys=8, stages=4, merge="combine") not in ca.decode_configs(DECODE, "float16", append=True)
-    assert dict(warps=8, keys=2, stages=4, merge="combine") in ca.decode_configs(DECODE, "float16", append=True)
+    assert dict(warps=8, keys=8, stages=4, merge="combine", evict_first=1) not in ca.decode_configs(
+        DECODE, "float16", append=True)
+    assert dict(warps=8, keys=2, stages=4, merge="combine", evict_first=1) in ca.decode_configs(
+        DECODE, "float16", append=True)
 
 
 @pytest.mark.parametrize("append", [False, True])

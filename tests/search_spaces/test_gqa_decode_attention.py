@@ -135,5 +135,5 @@ def test_the_split_kv_template_builds_at_a_fixed_cache_len(stages, merge):
     assert template.default_for(shape, "float16")["merge"] == "cluster"  # 32 row sets of 16 splits fill the GPU
     assert template.default_for(dict(shape, batch=1, max_seq=4096), "float16")["merge"] == "last"  # 32 splits
     func = template.build(shape, "float16", {**template.default_for(shape, "float16"), "stages": stages,
-                                             "merge": merge})
+                                             "merge": merge, "evict_first": min(stages, 1)})
     B.build_tirx(func, h200)

@@ -24,8 +24,9 @@ _GQA = {"batch": 1, "num_heads": 32, "num_kv_heads": 2, "head_dim": 128, "max_se
 _FLASH = {"batch": 2, "heads": 8, "kv_heads": 2, "seq_q": 200, "seq_kv": 333, "head_dim": 128, "causal": 1}
 CASES = [  # (pattern, template, shape, dtype, knobs over the template's defaults)
     # split-KV decode: the merges (a combine kernel, a cluster's distributed shared memory, the last split)
-    *(("gqa_decode_attention", "cuda_split_kv", _GQA, "float16", {"merge": merge, "stages": stages})
-      for merge, stages in (("combine", 4), ("cluster", 0), ("last", 4))),
+    # (and the ring's L2 policies: none where there is no ring)
+    *(("gqa_decode_attention", "cuda_split_kv", _GQA, "float16", {"merge": merge, "stages": stages, "evict_first": evict})
+      for merge, stages, evict in (("combine", 4, 2), ("cluster", 0, 0), ("last", 4, 1))),
     ("gqa_decode_attention", "cuda_split_kv", {"batch": 1, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64,
                                                "max_seq": 512, "cache_len": 300}, "bfloat16", {"merge": "cluster", "stages": 4}),
     ("paged_attention", "cuda_split_kv", {"batch": 3, "q_len": 1, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64,
