@@ -153,7 +153,7 @@ class Timer:
     def __init__(self, torch, repeat: int, flush: str = "write"):
         self.torch = torch
         self.repeat = repeat
-        self.scratch = torch.zeros(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
+        self.scratch = torch.empty(FLUSH_BYTES // 4, dtype=torch.float32, device="cuda")
         # "write" (as `autofuse compare` flushes) leaves L2 full of dirty lines, "read" of clean ones
         self.flush = self.scratch.zero_ if flush == "write" else lambda: self.scratch.max()
 

@@ -8,9 +8,9 @@ copy ladder times it), on one GPU, one JSON.
     python benchmarks/gpu_decode_parts.py --cases 1:4096 1:16384 --commit SHA --out parts.json
         [--knobs '{"splits": 16}' ...]
 
-Each timing: a 256 MiB write that evicts L2 (``--flush read``: a read of it), then the call between CUDA events on torch's stream,
-median of ``--repeat`` (as benchmarks/gpu_attention.py times). GQA 32/8, head_dim 128, float16,
-the new token at the cache's last row.
+Each timing: a 256 MiB write that evicts L2 (``--flush read``: a read of it), then the call
+between CUDA events on torch's stream, median of ``--repeat`` (as benchmarks/gpu_attention.py
+times). GQA 32/8, head_dim 128, float16, the new token at the cache's last row.
 """
 
 from __future__ import annotations

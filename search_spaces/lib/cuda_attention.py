@@ -179,7 +179,8 @@ CLUSTER_MAX = 16         # CTAs of a thread-block cluster (over 8: non-portable,
 ARRIVAL_SLOTS = 1 << 16  # row sets whose splits merge "last" in one launch: the module's counters
 _APPEND_ONLY = ("stages", "merge", "evict_first")
 APPEND_SPLIT_KV_KNOBS = {**SPLIT_KV_KNOBS, **{name: APPEND_KNOBS[name] for name in _APPEND_ONLY}}
-APPEND_SPLIT_KV_DEFAULT_KNOBS = {**SPLIT_KV_DEFAULT_KNOBS, **{name: APPEND_DEFAULT_KNOBS[name] for name in _APPEND_ONLY}}
+APPEND_SPLIT_KV_DEFAULT_KNOBS = {**SPLIT_KV_DEFAULT_KNOBS,
+                                 **{name: APPEND_DEFAULT_KNOBS[name] for name in _APPEND_ONLY}}
 COMBINE_UNROLL = SPLIT_MAX       # splits whose partials the combine kernel loads at once
 LAST_LOADS = 2 * SPLIT_MAX       # partials a thread of the last split's merge loads at once
 DECODE_MAX_GROUP = 8              # query rows a split CTA keeps (q and O in registers); more: more CTAs
@@ -191,8 +192,9 @@ _SWIZZLE_128B = 3  # CUtensorMapSwizzle and the wgmma descriptor's layout code f
 _TMA_LOAD = "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes"
 _BULK_LOAD = "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes"  # contiguous bytes, no tensor map
 _BULK_STORE = "cp.async.bulk.global.shared::cta.bulk_group"
-# with an L2 policy (one more operand, createpolicy's)
-_BULK_LOAD_HINTED, _BULK_STORE_HINTED = _BULK_LOAD + ".L2::cache_hint", _BULK_STORE + ".L2::cache_hint"
+# without and with an L2 policy (one more operand, createpolicy's)
+_BULK_LOADS = {False: _BULK_LOAD, True: _BULK_LOAD + ".L2::cache_hint"}
+_BULK_STORES = {False: _BULK_STORE, True: _BULK_STORE + ".L2::cache_hint"}
 _EVICT_FIRST = "createpolicy.fractional.L2::evict_first.b64"
 _INIT_MAX = -1.0e30  # running max before the first key: finite, so 2^(m - m') never sees inf - inf
 # merge "last": a split counts itself in after its partials (release) and learns whether it is the
@@ -1653,16 +1655,11 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
         # Expanded in `_bulk_prologue` and `_bulk_cache_keys`.
         rows_bytes = T.meta_var(T.max(T.min(step, key_end - key_begin - s * step), 0) * hd * 2)
         T.ptx.mbarrier.arrive.expect_tx.shared.b64(T.address_of(full[s % stages]), T.Cast("uint32", 2 * rows_bytes))
-        if evict > 0:
-            T.ptx[_BULK_LOAD_HINTED](KS16.ptr_to([s % stages, 0, 0]), Kc.ptr_to([b, kvh, key_begin + s * step, 0]),
-                             T.Cast("uint32", rows_bytes), T.address_of(full[s % stages]), policy[0])
-            T.ptx[_BULK_LOAD_HINTED](VS16.ptr_to([s % stages, 0, 0]), Vc.ptr_to([b, kvh, key_begin + s * step, 0]),
-                             T.Cast("uint32", rows_bytes), T.address_of(full[s % stages]), policy[0])
-        else:
-            T.ptx[_BULK_LOAD](KS16.ptr_to([s % stages, 0, 0]), Kc.ptr_to([b, kvh, key_begin + s * step, 0]),
-                             T.Cast("uint32", rows_bytes), T.address_of(full[s % stages]))
-            T.ptx[_BULK_LOAD](VS16.ptr_to([s % stages, 0, 0]), Vc.ptr_to([b, kvh, key_begin + s * step, 0]),
-                             T.Cast("uint32", rows_bytes), T.address_of(full[s % stages]))
+        hint = T.meta_var([policy[0]] if evict > 0 else [])  # the L2 policy operand, where there is one
+        T.ptx[_BULK_LOADS[evict > 0]](KS16.ptr_to([s % stages, 0, 0]), Kc.ptr_to([b, kvh, key_begin + s * step, 0]),
+                                      T.Cast("uint32", rows_bytes), T.address_of(full[s % stages]), *hint)
+        T.ptx[_BULK_LOADS[evict > 0]](VS16.ptr_to([s % stages, 0, 0]), Vc.ptr_to([b, kvh, key_begin + s * step, 0]),
+                                      T.Cast("uint32", rows_bytes), T.address_of(full[s % stages]), *hint)
 
     @T.macro(hygienic=False)
     def _bulk_prologue(load_step):
@@ -1695,14 +1692,11 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
             if tx == 0:
                 if _append_guard(0, 0, False, hk, row_ctas):
                     rows_bytes = T.meta_var(T.Cast("uint32", T.max(T.min(step, key_end - stage_first), 0) * hd * 2))
-                    if evict == 2:
-                        T.ptx[_BULK_STORE_HINTED](KO.ptr_to([b, kvh, stage_first, 0]), KS16.ptr_to([slot, 0, 0]), rows_bytes,
-                                          policy[0])
-                        T.ptx[_BULK_STORE_HINTED](VO.ptr_to([b, kvh, stage_first, 0]), VS16.ptr_to([slot, 0, 0]), rows_bytes,
-                                          policy[0])
-                    else:
-                        T.ptx[_BULK_STORE](KO.ptr_to([b, kvh, stage_first, 0]), KS16.ptr_to([slot, 0, 0]), rows_bytes)
-                        T.ptx[_BULK_STORE](VO.ptr_to([b, kvh, stage_first, 0]), VS16.ptr_to([slot, 0, 0]), rows_bytes)
+                    hint = T.meta_var([policy[0]] if evict == 2 else [])
+                    T.ptx[_BULK_STORES[evict == 2]](KO.ptr_to([b, kvh, stage_first, 0]), KS16.ptr_to([slot, 0, 0]),
+                                                    rows_bytes, *hint)
+                    T.ptx[_BULK_STORES[evict == 2]](VO.ptr_to([b, kvh, stage_first, 0]), VS16.ptr_to([slot, 0, 0]),
+                                                    rows_bytes, *hint)
                     T.ptx["cp.async.bulk.commit_group"]()
             if t < n_keys // step:
                 _step(stage_first + local_first, False, key_end, False)
