@@ -1738,13 +1738,18 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                     total[1] = total[1] + w[1] * part[1, s1]
                     total[2] = total[2] + w[1] * part[2, s1]
 
+    def _last_output(batch, i, tx):
+        # merge "last": thread tx's i-th output element of `batch` (a row x column index) and whether it is one
+        o = (batch * last_batch + i) * threads + tx
+        return o, T.And(batch * last_batch + i < outputs_per_thread, o < rows * hd)
+
     @T.macro
     def _load_last_partials(PO, b, hk, tx, batch, chunk, part):
         # this thread's output elements of `batch`, their partials of the splits of `chunk`
         for i in T.unroll(last_batch):
             for s in T.unroll(last_chunk):
-                o = T.meta_var((batch * last_batch + i) * threads + tx)
-                if batch * last_batch + i < outputs_per_thread and o < rows * hd and chunk * last_chunk + s < partials:
+                o = T.meta_var(_last_output(batch, i, tx)[0])
+                if _last_output(batch, i, tx)[1] and chunk * last_chunk + s < partials:
                     part[i * last_chunk + s] = PO[b, hk * rows + o // hd, chunk * last_chunk + s, o % hd]
 
     @T.macro
@@ -1782,12 +1787,12 @@ def decode_attention(shape: dict, dtype: str = "float16", knobs: dict | None = N
                     _load_last_partials(PO, b, hk, tx, batch, chunk, part)
                 for i in T.unroll(last_batch):
                     for s in T.unroll(last_chunk):
-                        o = T.meta_var((batch * last_batch + i) * threads + tx)
-                        if batch * last_batch + i < outputs_per_thread and o < rows * hd and chunk * last_chunk + s < partials:
+                        o = T.meta_var(_last_output(batch, i, tx)[0])
+                        if _last_output(batch, i, tx)[1] and chunk * last_chunk + s < partials:
                             acc_last[i] = acc_last[i] + last_w[o // hd, chunk * last_chunk + s] * part[i * last_chunk + s]
             for i in T.unroll(last_batch):
-                o = T.meta_var((batch * last_batch + i) * threads + tx)
-                if batch * last_batch + i < outputs_per_thread and o < rows * hd:
+                o = T.meta_var(_last_output(batch, i, tx)[0])
+                if _last_output(batch, i, tx)[1]:
                     O[b, hk * rows + o // hd, o % hd] = T.Cast(dtype, acc_last[i] / last_sum[o // hd])
 
     @T.macro
