@@ -192,6 +192,9 @@ struct Fiber {
   uint64_t value = 0;      // shuffle operand, then result (raw bits)
   size_t shared_ordinal = 0;  // shared arrays declared so far in this block
   unsigned int mbarrier = 0, parity = 0;  // the mbarrier (shared address) and phase parity it waits on
+  // the cluster barrier's phase this thread last arrived in (apart from `parity`: an mbarrier wait
+  // between a cluster arrive and its wait must not change what the wait waits for)
+  unsigned int cluster_phase = 0;
   int named_barrier = -1;                 // the bar.sync id it waits at
   int block = 0;                          // its block's rank in the cluster
   const void* wgmma = nullptr;            // its operands while it waits in a wgmma (on its stack)
@@ -471,7 +474,7 @@ inline bool release_cluster_waits() {
   }
   for (int t = 0; t < g_cluster_size * g_nthreads; ++t) {
     Fiber& f = g_all_fibers[t];
-    if (f.state == kCluster && f.parity != g_cluster_phase) {
+    if (f.state == kCluster && f.cluster_phase != g_cluster_phase) {
       f.state = kRunnable;
       released = true;
     }
@@ -913,11 +916,11 @@ inline int autofuse_split_arrive(int row_set, int splits) {
 namespace emu {
 inline unsigned int cluster_rank() { return unsigned(g_current->block); }
 inline void cluster_arrive() {
-  g_current->parity = g_cluster_phase;
+  g_current->cluster_phase = g_cluster_phase;
   g_cluster_arrived++;
 }
 inline void cluster_wait(int line) {
-  while (g_current->parity == g_cluster_phase) yield(kCluster, line);
+  while (g_current->cluster_phase == g_cluster_phase) yield(kCluster, line);
 }
 inline unsigned int map_shared(unsigned int address, unsigned int rank, int line) {
   if (rank >= unsigned(g_cluster_size)) fail("mapa to block %u of a cluster of %d (line %d)", rank, g_cluster_size, line);

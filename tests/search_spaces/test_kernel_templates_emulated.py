@@ -28,7 +28,8 @@ CASES = [  # (pattern, template, shape, dtype, knobs over the template's default
     *(("gqa_decode_attention", "cuda_split_kv", _GQA, "float16", {"merge": merge, "stages": stages, "evict_first": evict})
       for merge, stages, evict in (("combine", 4, 2), ("cluster", 0, 0), ("last", 4, 1))),
     ("gqa_decode_attention", "cuda_split_kv", {"batch": 1, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64,
-                                               "max_seq": 512, "cache_len": 300}, "bfloat16", {"merge": "cluster", "stages": 4}),
+                                               "max_seq": 512, "cache_len": 300}, "bfloat16",
+     {"merge": "cluster", "stages": 4, "warps": 4, "keys": 1}),  # 5 steps a split: the ring's waits reach parity 1
     ("paged_attention", "cuda_split_kv", {"batch": 3, "q_len": 1, "num_heads": 8, "num_kv_heads": 2, "head_dim": 64,
                                           "page_size": 32, "max_pages": 8, "num_pages": 30}, "bfloat16", {}),
     ("paged_attention", "cuda_split_kv", {"batch": 2, "q_len": 16, "num_heads": 8, "num_kv_heads": 1, "head_dim": 64,
